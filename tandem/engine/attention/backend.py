@@ -1,0 +1,60 @@
+"""The attention backend interface and its registry.
+
+A backend turns frozen `AttentionMetadata` into a plan once per forward (`plan`), then every
+layer calls `forward(plan, kv_cache, q, k, v)`, which writes the new K/V into the layer's pages
+and returns the attention output. Layers never plan. GPU-only backends are imported lazily, so
+importing tandem on a CPU machine never touches FlashInfer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+import torch
+
+from tandem.engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, meta: AttentionMetadata) -> Any:
+        """Prepare one forward (host work, workspace planning). The result is opaque to callers
+        and valid only for this forward."""
+
+    def forward(
+        self,
+        plan: Any,
+        kv_cache: torch.Tensor,  # [num_pages, 2, page_size, Hkv, D] this layer's pages
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+# name -> "module:Class"; modules load on first use.
+_REGISTRY: dict[str, str] = {
+    "torch": "tandem.engine.attention.torch_ref:TorchReferenceBackend",
+    "flashinfer": "tandem.engine.attention.flashinfer_backend:FlashInferBackend",
+}
+
+
+def available_backends() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks FlashInfer on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" else "torch"
+    if name not in _REGISTRY:
+        raise ValueError(f"attention_backend: unknown '{name}' (known: {', '.join(_REGISTRY)})")
+    module_name, cls_name = _REGISTRY[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RuntimeError(f"attention backend '{name}' is not available here: {exc}") from exc
+    return getattr(module, cls_name)(device=device)

@@ -1,0 +1,90 @@
+"""The self-attention layer: projections, q/k norm, rope, and a call into the backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tandem.engine.attention.backend import AttentionBackend
+from tandem.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
+from tandem.engine.layers.norm import RMSNorm
+from tandem.engine.layers.rotary import RotaryEmbedding
+from tandem.engine.parallel import ParallelGroup
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ForwardContext:
+    """What layers need from the runner for one forward: the backend, its plan for this
+    forward, and a function giving layer i's KV pages. Built by the runner, read by layers."""
+
+    backend: AttentionBackend
+    plan: Any
+    kv_layer: Callable[[int], torch.Tensor]  # layer index -> [num_pages, 2, ps, Hkv, D]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeadLayout:
+    """How attention heads split over TP. KV heads are replicated when TP > num_kv_heads."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_part: OutputPart
+    kv_part: OutputPart
+
+    @staticmethod
+    def for_rank(num_heads: int, num_kv_heads: int, head_dim: int, tp: ParallelGroup) -> HeadLayout:
+        q_part = OutputPart.even(num_heads * head_dim, tp, "num_attention_heads")
+        if tp.size <= num_kv_heads:
+            kv_part = OutputPart.even(num_kv_heads * head_dim, tp, "num_key_value_heads")
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(
+                    f"tp size {tp.size} must be a multiple of num_key_value_heads {num_kv_heads}"
+                )
+            head = tp.rank * num_kv_heads // tp.size
+            kv_part = OutputPart(num_kv_heads * head_dim, head * head_dim, head_dim)
+        return HeadLayout(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          q_part=q_part, kv_part=kv_part)
+
+    @property
+    def local_heads(self) -> int:
+        return self.q_part.local_size // self.head_dim
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv_part.local_size // self.head_dim
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self, layer_idx: int, hidden: int, heads: HeadLayout, qkv_bias: bool, o_bias: bool,
+        qk_norm_eps: float | None, rotary: RotaryEmbedding, tp: ParallelGroup, dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_idx, self.heads, self.rotary = layer_idx, heads, rotary
+        self.qkv = MergedColumnLinear(
+            hidden, (heads.q_part, heads.kv_part, heads.kv_part), qkv_bias, dtype
+        )
+        self.o_proj = RowParallelLinear(heads.num_heads * heads.head_dim, hidden, o_bias, tp, dtype)
+        self.q_norm = RMSNorm(heads.head_dim, qk_norm_eps, dtype) if qk_norm_eps else None
+        self.k_norm = RMSNorm(heads.head_dim, qk_norm_eps, dtype) if qk_norm_eps else None
+        self.scale = heads.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # positions [T]; x [T, H] -> [T, H]
+        num_tokens, d = x.shape[0], self.heads.head_dim
+        q, k, v = self.qkv(x).split(self.qkv.local_sizes(), dim=-1)
+        q = q.view(num_tokens, -1, d)  # [T, Hq_local, D]
+        k = k.view(num_tokens, -1, d)  # [T, Hkv_local, D]
+        v = v.view(num_tokens, -1, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = ctx.backend.forward(ctx.plan, ctx.kv_layer(self.layer_idx), q, k, v, self.scale)
+        return self.o_proj(o.reshape(num_tokens, -1))

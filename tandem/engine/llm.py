@@ -1,0 +1,251 @@
+"""`LLMEngine`: one model on one device group, generating for many requests at once.
+
+The control loop is `step()`: schedule -> build metadata (pure) -> forward -> sample -> commit.
+`generate()` is the offline convenience on top. Workers (prefill/decode) compose the same
+pieces (runner, pool, allocator, sampler) differently; this class is the colocated reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.attention.backend import create_backend
+from tandem.engine.attention.metadata import SeqSlice, build_metadata
+from tandem.engine.config import EngineConfig, ModelConfig
+from tandem.engine.kv_cache import KVGroupSpec, KVPool, PageAllocator
+from tandem.engine.loader import DTYPES, build_model, resolve_model
+from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.parallel import ParallelContext
+from tandem.engine.request import Completion, FinishReason, Request, RequestOutput
+from tandem.engine.runner import ForwardBatch, ModelRunner
+from tandem.engine.sampling import Sampler, SamplingParams
+from tandem.engine.scheduler import Scheduler, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    num_pages: int
+    num_free_pages: int
+    num_running: int
+    num_waiting: int
+
+
+def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_len: int) -> None:
+    """Raise ValueError naming the problem: empty, out-of-vocab id, or longer than the context."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_token_ids: the prompt is empty")
+    for i, t in enumerate(prompt_ids):
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(
+                f"prompt_token_ids[{i}]: token id {t!r} is outside the vocabulary [0, {vocab_size})"
+            )
+    if len(prompt_ids) >= max_len:
+        raise ValueError(
+            f"prompt_token_ids: the prompt has {len(prompt_ids)} tokens; the context holds "
+            f"{max_len} (prompt + at least one new token)"
+        )
+
+
+def kv_groups_for(model: DecoderLM) -> list[KVGroupSpec]:
+    cfg, heads = model.cfg, model.heads
+    return [KVGroupSpec(name="target", num_layers=cfg.num_layers,
+                        num_kv_heads=heads.local_kv_heads, head_dim=cfg.head_dim)]
+
+
+class LLMEngine:
+    def __init__(
+        self, engine_cfg: EngineConfig, model: DecoderLM, tokenizer: object | None = None,
+        extra_kv_groups: Sequence[KVGroupSpec] = (),
+    ) -> None:
+        self.cfg, self.model, self.tokenizer = engine_cfg, model, tokenizer
+        self.model_cfg: ModelConfig = model.cfg
+        self.device = torch.device(engine_cfg.device)
+        self.max_model_len = min(engine_cfg.max_model_len or self.model_cfg.max_context,
+                                 self.model_cfg.max_context)
+        groups = kv_groups_for(model) + list(extra_kv_groups)
+        dtype = DTYPES[engine_cfg.dtype]
+        num_pages = engine_cfg.num_pages or max(
+            2, engine_cfg.kv_cache_bytes // KVPool.bytes_per_page(groups, engine_cfg.page_size, dtype)
+        )
+        self.kv_pool = KVPool(groups, num_pages, engine_cfg.page_size, dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
+        self.runner = ModelRunner(model, self.kv_pool, create_backend(
+            engine_cfg.attention_backend, self.device))
+        self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
+                                   engine_cfg.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self._detok: dict[str, object] = {}
+        self._ids = itertools.count()
+        self._base_gen = torch.Generator(device=self.device).manual_seed(engine_cfg.seed)
+        self.eos_ids = frozenset(self.model_cfg.eos_token_ids) | frozenset(
+            getattr(tokenizer, "eos_token_ids", ()) or ())
+        log.info("engine ready: %s, %d layers, %d KV pages of %d tokens, backend %s",
+                 self.model_cfg.architecture, self.model_cfg.num_layers, num_pages,
+                 engine_cfg.page_size, self.runner.backend.name)
+
+    @staticmethod
+    def from_config(engine_cfg: EngineConfig, parallel: ParallelContext | None = None) -> LLMEngine:
+        model_cfg, path = resolve_model(engine_cfg)
+        max_len = min(engine_cfg.max_model_len or model_cfg.max_context, model_cfg.max_context)
+        model = build_model(model_cfg, path, engine_cfg, parallel or ParallelContext(), max_len)
+        tokenizer = None
+        if path is not None and (path / "tokenizer.json").is_file():
+            from tandem.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(path)
+        return LLMEngine(engine_cfg, model, tokenizer)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, req_id: str | None = None
+    ) -> str:
+        prompt_ids = list(prompt_ids)
+        validate_prompt(prompt_ids, self.model_cfg.vocab_size, self.max_model_len)
+        max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
+        need = self.scheduler.pages_needed(max_total)
+        if need > self.allocator.num_usable:
+            raise ValueError(
+                f"max_new_tokens: prompt + max_new_tokens needs {need} KV pages; the pool has "
+                f"{self.allocator.num_usable}"
+            )
+        req_id = req_id or f"req-{next(self._ids)}"
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None
+                            else int(torch.randint(0, 2**62, (1,), generator=self._base_gen)))
+        self.scheduler.add(Request(req_id=req_id, prompt_ids=prompt_ids, params=params,
+                                   max_total_len=max_total, generator=gen))
+        if self.tokenizer is not None:
+            from tandem.engine.tokenizer import IncrementalDetokenizer
+
+            self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
+        return req_id
+
+    def abort(self, req_id: str) -> bool:
+        req = self.scheduler.requests.get(req_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self._detok.pop(req_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_pages=self.allocator.num_usable,
+                           num_free_pages=self.allocator.num_free,
+                           num_running=len(self.scheduler.running),
+                           num_waiting=len(self.scheduler.waiting))
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        batch = self._build_batch(plan)
+        out = self.runner.forward(batch)
+        sampling = [c for c in plan.chunks if c.samples]
+        reqs = [self.scheduler.requests[c.req_id] for c in sampling]
+        tokens = self.sampler.sample(out.logits, [r.params for r in reqs],
+                                     [r.generator for r in reqs])
+        self.scheduler.commit(plan)
+        token_list = tokens.tolist()  # SYNC: the one host sync per step (stop checks need ids)
+        return [self._append(r, t) for r, t in zip(reqs, token_list)]
+
+    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
+        layout = build_metadata(
+            [SeqSlice(page_ids=c.page_ids, num_cached=c.num_cached, num_new=len(c.token_ids))
+             for c in plan.chunks],
+            self.cfg.page_size, self.device,
+        )
+        input_ids = [t for c in plan.chunks for t in c.token_ids]
+        ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
+        logits_rows = [end - 1 for c, end in zip(plan.chunks, ends) if c.samples]
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=layout.positions, attn=layout.attn,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
+        )
+
+    def _append(self, req: Request, token: int) -> RequestOutput:
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        req.output_ids.append(token)
+        detok = self._detok.get(req.req_id)
+        prev_len = len(req.text)
+        if detok is not None:
+            req.text += detok.add([token])
+        p = req.params
+        reason: FinishReason | None = None
+        visible_end = len(req.text)
+        stop_at = find_stop(req.text, prev_len, p.stop)
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = FinishReason.STOP
+        elif stop_at is not None:
+            reason, visible_end = FinishReason.STOP, stop_at
+        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_len:
+            reason = FinishReason.LENGTH
+        elif p.stop:
+            # Hold back text that could be the start of a stop string still being generated.
+            visible_end = max(req.num_emitted_chars, len(req.text) - max(map(len, p.stop)) + 1)
+        delta = req.text[req.num_emitted_chars : visible_end]
+        req.num_emitted_chars = visible_end
+        if reason is not None:
+            req.text = req.text[:visible_end]
+            self.scheduler.finish(req, reason)
+            self._detok.pop(req.req_id, None)
+        return RequestOutput(req_id=req.req_id, new_token_ids=(token,), text_delta=delta,
+                             finished=reason is not None, finish_reason=reason)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+        progress: bool = False,
+    ) -> list[Completion]:
+        """Run prompts (token ids) to completion; results in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = {i: self.scheduler.requests[i] for i in ids}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(min(sp.max_new_tokens, 1 << 30) for sp in plist), unit="tok")
+        while self.has_unfinished():
+            outs = self.step()
+            if bar is not None:
+                bar.update(len(outs))
+        if bar is not None:
+            bar.close()
+        return [_completion(reqs[i]) for i in ids]
+
+
+def find_stop(text: str, prev_len: int, stops: Sequence[str]) -> int | None:
+    """Index of the earliest stop string in `text` that was not complete in text[:prev_len]."""
+    if not stops:
+        return None
+    start = max(0, prev_len - max(map(len, stops)) + 1)
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _completion(req: Request) -> Completion:
+    assert req.finish_reason is not None
+    now = time.perf_counter()
+    return Completion(
+        req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids),
+        text=req.text, finish_reason=req.finish_reason,
+        ttft_s=(req.first_token_time or now) - req.arrival_time,
+        latency_s=now - req.arrival_time,
+    )

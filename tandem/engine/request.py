@@ -1,0 +1,75 @@
+"""A request's state inside one engine, and the values the engine hands back.
+
+`Request` is mutable and owned by the `Scheduler` (the only writer); everything returned to
+callers (`RequestOutput`, `Completion`) is a frozen value.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from tandem.engine.sampling import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_total_len: int  # prompt + outputs never exceed this (context limit)
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of all_ids whose K/V are in the cache
+    text: str = ""  # detokenized output so far (stop strings are found here)
+    num_emitted_chars: int = 0  # prefix of `text` already streamed out
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """A finished request."""
+
+    req_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason
+    ttft_s: float  # arrival -> first token
+    latency_s: float  # arrival -> finish

@@ -1,0 +1,278 @@
+"""Text <-> token ids for the engine: encoding, chat templates and streaming detokenization.
+
+Owns nothing mutable except an `IncrementalDetokenizer`'s per-request state. Reads any Hugging
+Face checkpoint directory that has `tokenizer.json` + `tokenizer_config.json` (what
+`model_import` writes and what transformers' `save_pretrained` writes), using only the
+`tokenizers` library and a sandboxed jinja2 environment; transformers is not needed at runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+ALLOWED_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+
+# Special tokens that end a turn in common chat formats. Any of them that the vocabulary has as a
+# special token stops generation, on top of the configured eos: an instruct model that emits
+# "<|endoftext|>" instead of "<|im_end|>" must still stop rather than ramble on.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class ChatTemplateError(ValueError):
+    """Raised when a chat template calls `raise_exception` (it rejects the conversation)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatMessage:
+    """One turn of a conversation; `role` is one of ALLOWED_ROLES."""
+
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """A byte-level (or any `tokenizers`) tokenizer plus the model's chat template.
+
+    Immutable after construction; safe to share between threads and requests.
+    """
+
+    __slots__ = ("_tokenizer", "_template", "_special_tokens", "_bos_token_id", "_eos_token_ids")
+
+    def __init__(
+        self,
+        *,
+        tokenizer: _HFTokenizer,
+        chat_template: str | None,
+        special_tokens: dict[str, str],
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._template = _compile_chat_template(chat_template) if chat_template else None
+        # {"bos_token": "<|im_start|>", "eos_token": ...}: passed to the template as HF does.
+        self._special_tokens = dict(special_tokens)
+        self._bos_token_id = self._id_of(special_tokens.get("bos_token"))
+        eos_ids = {self._id_of(special_tokens.get("eos_token")), *extra_eos_token_ids}
+        added = tokenizer.get_added_tokens_decoder()  # {id: AddedToken}
+        eos_ids.update(i for i, tok in added.items() if tok.special and tok.content in _END_OF_TURN_TOKENS)
+        eos_ids.discard(None)
+        self._eos_token_ids: frozenset[int] = frozenset(eos_ids)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load from a HF checkpoint directory (tokenizer.json + tokenizer_config.json)."""
+        path = Path(path)
+        tokenizer = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        # Older checkpoints keep the special tokens in special_tokens_map.json only.
+        special_map = _read_json(path / "special_tokens_map.json") if (path / "special_tokens_map.json").is_file() else {}
+        special_tokens: dict[str, str] = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = _token_content(config.get(key)) or _token_content(special_map.get(key))
+            if value is not None:
+                special_tokens[key] = value
+        # generation_config.json's eos_token_id (an int or a list) is what HF generate stops on.
+        extra_eos: list[int] = []
+        if (path / "generation_config.json").is_file():
+            eos = _read_json(path / "generation_config.json").get("eos_token_id")
+            extra_eos = [eos] if isinstance(eos, int) else [int(i) for i in eos or ()]
+        return cls(
+            tokenizer=tokenizer,
+            chat_template=_find_chat_template(path, config),
+            special_tokens=special_tokens,
+            extra_eos_token_ids=extra_eos,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: the eos token, generation_config's, and end-of-turn tokens."""
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. "<|im_start|>") are
+        always matched whole; `add_special_tokens` only adds what the post-processor adds (BOS)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, exactly as HF transformers would."""
+        _validate_messages(messages)
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat_template (tokenizer_config.json / chat_template.jinja)")
+        rendered = self._template.render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **self._special_tokens,
+        )
+        return rendered
+
+    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        # No add_special_tokens: the template already writes every special token it wants, and
+        # a BOS added on top would be doubled (HF makes the same choice).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return self._tokenizer.token_to_id(token) if token is not None else None
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas, one request at a time.
+
+    Invariants:
+    - A delta never ends in a partial UTF-8 character: byte-level BPE can split one character
+      over several tokens, and such text is held back until the character completes.
+    - `"".join(all deltas) + flush() == tokenizer.decode(all ids)`, so stop strings and the
+      final text agree with a one-shot decode.
+
+    Each step decodes only a short window: from `_prefix` (the start of the previously emitted
+    chunk, kept for context so decoders that strip a leading space or merge bytes see the same
+    neighbours as a full decode) to the end. `_read` is where the emitted text ends.
+    """
+
+    __slots__ = ("_tokenizer", "_skip_special_tokens", "_ids", "_prefix", "_read", "_text")
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the decode window (a character boundary)
+        self._read = 0  # ids before this index have all their text emitted
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (the concatenation of all deltas)."""
+        return self._text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def feed(self, ids: int | Iterable[int]) -> str:
+        """Add one or more token ids; return the newly completed text (possibly "")."""
+        self._ids.extend([ids] if isinstance(ids, int) else ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """End of stream: return any held-back text, incomplete characters as U+FFFD like decode."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        decode = self._tokenizer.decode
+        emitted = decode(self._ids[self._prefix : self._read], self._skip_special_tokens)
+        window = decode(self._ids[self._prefix :], self._skip_special_tokens)
+        # A trailing U+FFFD means the last character's bytes are not all here yet; wait for
+        # more tokens rather than emit a replacement character that later turns into a letter.
+        if not final and (len(window) <= len(emitted) or window.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        delta = window[len(emitted) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._text += delta
+        return delta
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _validate_messages(messages: Sequence[ChatMessage]) -> None:
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        raise ValueError(f"messages: expected a list of ChatMessage, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages: must not be empty")
+    for i, message in enumerate(messages):
+        if not isinstance(message, ChatMessage):
+            raise ValueError(f"messages[{i}]: expected ChatMessage, got {type(message).__name__}")
+        if message.role not in ALLOWED_ROLES:
+            raise ValueError(f"messages[{i}].role: unknown role {message.role!r} (expected one of {', '.join(ALLOWED_ROLES)})")
+        if not isinstance(message.content, str):
+            raise ValueError(f"messages[{i}].content: expected str, got {type(message.content).__name__}")
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template: {message}")
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes "<", ">" and "&", which would corrupt prompts.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    # The same environment HF transformers renders with: sandboxed (templates come with
+    # downloaded checkpoints), trim_blocks + lstrip_blocks, loop controls, and its globals.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _find_chat_template(path: Path, config: dict[str, object]) -> str | None:
+    # transformers >= 4.47 saves the template to chat_template.jinja; older files keep it in
+    # tokenizer_config.json, either as a string or as a list of named templates.
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _token_content(value: object) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as a serialised AddedToken.
+    if isinstance(value, dict):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, object]:
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
