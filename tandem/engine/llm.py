@@ -186,7 +186,7 @@ class LLMEngine:
         detok = self._detok.get(req.req_id)
         prev_len = len(req.text)
         if detok is not None:
-            req.text += detok.add([token])
+            req.text += detok.feed(token)
         p = req.params
         reason: FinishReason | None = None
         visible_end = len(req.text)
@@ -200,6 +200,9 @@ class LLMEngine:
         elif p.stop:
             # Hold back text that could be the start of a stop string still being generated.
             visible_end = max(req.num_emitted_chars, len(req.text) - max(map(len, p.stop)) + 1)
+        if reason is not None and stop_at is None and detok is not None:
+            req.text += detok.flush()  # bytes of a character the last token left incomplete
+            visible_end = len(req.text)
         delta = req.text[req.num_emitted_chars : visible_end]
         req.num_emitted_chars = visible_end
         if reason is not None:
@@ -221,11 +224,14 @@ class LLMEngine:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=sum(min(sp.max_new_tokens, 1 << 30) for sp in plist), unit="tok")
+            bar = tqdm(total=len(ids), unit="req", desc="generating")
+        num_tokens = 0
         while self.has_unfinished():
             outs = self.step()
+            num_tokens += len(outs)
             if bar is not None:
-                bar.update(len(outs))
+                bar.update(sum(o.finished for o in outs))
+                bar.set_postfix(tokens=num_tokens, refresh=False)
         if bar is not None:
             bar.close()
         return [_completion(reqs[i]) for i in ids]

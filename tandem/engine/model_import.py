@@ -139,7 +139,8 @@ def ensure_default_model(cache_root: Path | None = None) -> Path:
         if is_complete_import(out_dir, torch.bfloat16):
             return out_dir
         if out_dir.exists():
-            # Renamed into place whole, so it is complete but from another format version.
+            # Imports are renamed into place whole, so this is an older format version (or a
+            # directory someone else put there): re-import rather than serve stale files.
             logger.info("replacing %s (older import format)", out_dir)
             shutil.rmtree(out_dir)
         gguf_path = smollm2_gguf_path()
@@ -226,12 +227,13 @@ def _read_hparams(reader: gguf.GGUFReader) -> LlamaHyperParams:
     head_dim = int(_field(reader, "llama.attention.key_length", hidden // num_heads))
     rope_dims = int(_field(reader, "llama.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ValueError(f"llama.rope.dimension_count={rope_dims} != head_dim={head_dim}: partial rotary is unsupported")
+        raise ValueError(f"llama.rope.dimension_count={rope_dims} != head_dim={head_dim}: partial rotary unsupported")
     if _field(reader, "llama.rope.scaling.type", "none") not in ("none", "linear") or any(
         t.name == "rope_freqs.weight" for t in reader.tensors
     ):
         raise ValueError("rope scaling (rope_freqs / llama.rope.scaling.*) is not supported")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens_field = reader.get_field("tokenizer.ggml.tokens")
+    num_tokens = len(tokens_field.data) if tokens_field is not None else 0  # a count, not the strings
     return LlamaHyperParams(
         num_layers=int(_field(reader, "llama.block_count")),
         hidden_size=hidden,
@@ -239,7 +241,7 @@ def _read_hparams(reader: gguf.GGUFReader) -> LlamaHyperParams:
         num_heads=num_heads,
         num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        vocab_size=int(_field(reader, "llama.vocab_size", len(tokens))),
+        vocab_size=int(_field(reader, "llama.vocab_size", num_tokens)),
         max_position_embeddings=int(_field(reader, "llama.context_length")),
         rope_theta=_f32_to_float(_field(reader, "llama.rope.freq_base", 10000.0)),
         rms_norm_eps=_f32_to_float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
@@ -313,6 +315,7 @@ def _write_tokenizer_files(reader: gguf.GGUFReader, out_dir: Path, max_length: i
         index = _field(reader, f"tokenizer.ggml.{key}", None)
         return (tokens[int(index)], int(index)) if index is not None else (None, None)
 
+    control_set = set(control)
     (bos, bos_id), (eos, eos_id) = token_at("bos_token_id"), token_at("eos_token_id")
     (unk, _), (pad, pad_id) = token_at("unknown_token_id"), token_at("padding_token_id")
     config = {
@@ -327,7 +330,7 @@ def _write_tokenizer_files(reader: gguf.GGUFReader, out_dir: Path, max_length: i
         "model_max_length": max_length,
         "added_tokens_decoder": {
             str(i): {"content": tokens[i], "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": i in set(control)}
+                     "single_word": False, "special": i in control_set}
             for i in sorted(control + user)
         },
         "chat_template": _field(reader, "tokenizer.chat_template", None),
@@ -345,7 +348,9 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported (known: {sorted(_DIGIT_SPLIT_PRE | _GPT2_PRE)})")
 
 
-def _model_config(hparams: LlamaHyperParams, special: _SpecialTokens, tied: bool, dtype: torch.dtype) -> dict[str, object]:
+def _model_config(
+    hparams: LlamaHyperParams, special: _SpecialTokens, tied: bool, dtype: torch.dtype
+) -> dict[str, object]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -49,6 +49,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last is preempted first
+        self.num_preemptions = 0  # total, for metrics
 
     def add(self, req: Request) -> None:
         if req.req_id in self.requests:
@@ -121,6 +122,7 @@ class Scheduler:
         req.page_ids.clear()
         req.num_computed = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.running.remove(req)
         self.waiting.appendleft(req)
 

@@ -75,7 +75,8 @@ class Tokenizer:
         tokenizer = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         # Older checkpoints keep the special tokens in special_tokens_map.json only.
-        special_map = _read_json(path / "special_tokens_map.json") if (path / "special_tokens_map.json").is_file() else {}
+        special_map_file = path / "special_tokens_map.json"
+        special_map = _read_json(special_map_file) if special_map_file.is_file() else {}
         special_tokens: dict[str, str] = {}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             value = _token_content(config.get(key)) or _token_content(special_map.get(key))
@@ -218,7 +219,8 @@ def _validate_messages(messages: Sequence[ChatMessage]) -> None:
         if not isinstance(message, ChatMessage):
             raise ValueError(f"messages[{i}]: expected ChatMessage, got {type(message).__name__}")
         if message.role not in ALLOWED_ROLES:
-            raise ValueError(f"messages[{i}].role: unknown role {message.role!r} (expected one of {', '.join(ALLOWED_ROLES)})")
+            expected = ", ".join(ALLOWED_ROLES)
+            raise ValueError(f"messages[{i}].role: unknown role {message.role!r} (expected one of {expected})")
         if not isinstance(message.content, str):
             raise ValueError(f"messages[{i}].content: expected str, got {type(message.content).__name__}")
 

