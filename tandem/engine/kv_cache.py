@@ -144,6 +144,14 @@ class KVPool:
     def group_tensor(self, group: str) -> torch.Tensor:
         return self._kv[group]
 
+    def move_tokens(self, group: str, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the K/V of token slots `src_slots` [n] to `dst_slots` [n] (slot = page *
+        page_size + offset) in every layer of `group`. Sources are read before any write, so
+        overlapping lists are safe. Used to compact an accepted tree path."""
+        kv, ps = self._kv[group], self.page_size
+        values = kv[:, src_slots // ps, :, src_slots % ps]  # [n, L, 2, Hkv, D] gathered copy
+        kv[:, dst_slots // ps, :, dst_slots % ps] = values
+
     def regions(self) -> list[KVRegionInfo]:
         out = []
         for name, t in self._kv.items():

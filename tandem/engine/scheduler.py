@@ -63,7 +63,9 @@ class Scheduler:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, exclude: frozenset[str] = frozenset()) -> StepPlan:
+        """Plan one forward. Running requests in `exclude` are advanced by someone else this
+        step (the speculative round) and get no tokens here."""
         budget = self.token_budget
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -72,8 +74,8 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1):
             if budget == 0:
                 break
-            if req.req_id in scheduled or req not in self.running:
-                continue  # preempted by an earlier request's allocation in this loop
+            if req.req_id in scheduled or req.req_id in exclude or req not in self.running:
+                continue  # handled elsewhere, or preempted by an earlier allocation
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, n, preempted, scheduled):
                 continue
@@ -102,10 +104,18 @@ class Scheduler:
             token_ids=tuple(req.all_ids[start : start + n]), samples=start + n == req.num_tokens,
         )
 
+    def reserve(self, req: Request, num_slots: int, protected: set[str]) -> tuple[bool, list[str]]:
+        """Make `req`'s page table cover `num_slots` KV slots (a speculative round writes past
+        its committed tokens), preempting later requests not in `protected` if needed. Returns
+        (whether req kept its place, the ids preempted)."""
+        preempted: list[str] = []
+        ok = self._grow(req, num_slots - req.num_computed, preempted, protected)
+        return ok, preempted
+
     def _grow(self, req: Request, n: int, preempted: list[str], scheduled: set[str]) -> bool:
         """Give `req` pages for `n` more tokens, preempting later requests if needed. False if
         `req` itself had to be preempted."""
-        need = self.pages_needed(req.num_computed + n) - len(req.page_ids)
+        need = max(0, self.pages_needed(req.num_computed + n) - len(req.page_ids))
         while not self.allocator.can_alloc(need):
             victim = next((r for r in reversed(self.running) if r.req_id not in scheduled), None)
             if victim is None:

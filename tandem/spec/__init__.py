@@ -1,1 +1,31 @@
-"""(under construction)"""
+"""EAGLE speculative decoding: draft heads, phase values, drafting (chain and tree),
+verification (greedy and lossless rejection sampling), draft-extend, and the colocated
+speculative engine."""
+
+from tandem.spec.accept import accept
+from tandem.spec.config import SpecConfig
+from tandem.spec.draft_runner import DRAFT_GROUP, DraftRunner, draft_kv_group
+from tandem.spec.engine import SpecEngine, SpecStats, target_features
+from tandem.spec.extend import (
+    compact_accepted_path,
+    draft_extend,
+    draft_prefill,
+    make_extend_input,
+)
+from tandem.spec.head import (
+    DraftHeadConfig,
+    DraftHeadError,
+    EagleHead,
+    dummy_head,
+    load_head,
+)
+from tandem.spec.phases import DraftExtendInput, DraftInput, DraftSeed, VerifyInput, VerifyResult
+from tandem.spec.propose import propose
+
+__all__ = [
+    "DRAFT_GROUP", "DraftExtendInput", "DraftHeadConfig", "DraftHeadError", "DraftInput",
+    "DraftRunner", "DraftSeed", "EagleHead", "SpecConfig", "SpecEngine", "SpecStats",
+    "VerifyInput", "VerifyResult", "accept", "compact_accepted_path", "draft_extend",
+    "draft_kv_group", "draft_prefill", "dummy_head", "load_head", "make_extend_input",
+    "propose", "target_features",
+]

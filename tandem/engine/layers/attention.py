@@ -64,11 +64,14 @@ class SelfAttention(nn.Module):
     def __init__(
         self, layer_idx: int, hidden: int, heads: HeadLayout, qkv_bias: bool, o_bias: bool,
         qk_norm_eps: float | None, rotary: RotaryEmbedding, tp: ParallelGroup, dtype: torch.dtype,
+        qkv_in_features: int | None = None,
     ) -> None:
+        """qkv_in_features: input width of q/k/v when it differs from `hidden` (EAGLE-3's draft
+        layer attends over [token embedding, feature], 2 * hidden wide)."""
         super().__init__()
         self.layer_idx, self.heads, self.rotary = layer_idx, heads, rotary
         self.qkv = MergedColumnLinear(
-            hidden, (heads.q_part, heads.kv_part, heads.kv_part), qkv_bias, dtype
+            qkv_in_features or hidden, (heads.q_part, heads.kv_part, heads.kv_part), qkv_bias, dtype
         )
         self.o_proj = RowParallelLinear(heads.num_heads * heads.head_dim, hidden, o_bias, tp, dtype)
         self.q_norm = RMSNorm(heads.head_dim, qk_norm_eps, dtype) if qk_norm_eps else None

@@ -1,0 +1,62 @@
+"""Torch twins of the Triton kernels: the reference semantics every kernel is tested against,
+and the path the CPU engine runs. Each function allocates its outputs (never writes into an
+argument) except `store_kv`, whose whole job is writing into the KV pages it is given."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H], weight [H] -> [..., H]. float32 statistics, weight applied in x.dtype (HF)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] -> (rms_norm(x + residual), x + residual); the sum in x.dtype (HF)."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hk, D]
+    cos: torch.Tensor,  # [max_position, D] float32 (two equal halves)
+    sin: torch.Tensor,  # [max_position, D] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (NeoX) rope. Returns new contiguous [T, Hq, D] and [T, Hk, D]."""
+    c = cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+    s = sin[positions].to(q.dtype).unsqueeze(1)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def store_kv(
+    kv_cache: torch.Tensor,  # [num_pages, 2, page_size, Hkv, D] one layer's pages (written)
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    slot_ids: torch.Tensor,  # [T] int64, page * page_size + offset
+) -> None:
+    page_size = kv_cache.shape[2]
+    pages, offsets = slot_ids // page_size, slot_ids % page_size
+    kv_cache[pages, 0, offsets] = k
+    kv_cache[pages, 1, offsets] = v
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [N, K] -> [M, N]
+    return F.linear(x, weight)

@@ -1,0 +1,87 @@
+"""Verification: which drafted tokens the target accepts, and the bonus token.
+
+Walk the tree from the root. At node c the target's distribution for the next token is
+p = target_probs(logits[c], params) -- the same function the plain sampler uses.
+
+- Greedy: move to the child whose token is argmax p; stop when none matches. The bonus token
+  is argmax p at the last node. Output == the target's greedy output, token for token.
+- Sampling (target-only rejection, lossless for any choice of draft candidates): try the
+  children in draft-score order; accept child t with probability p(t); on rejection set
+  p(t) = 0 and renormalize; if every child is rejected (or there is none), draw the bonus token
+  from the remaining p. By induction P(emit t) = p(t): the first child is emitted with
+  probability p(t1), any other t with (1 - p(t1)) * p(t) / (1 - p(t1)) = p(t).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tandem.engine.sampling import SamplingParams, target_probs
+from tandem.spec.phases import VerifyInput, VerifyResult
+
+
+def children_of(parents: Sequence[int]) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in parents]
+    for j, p in enumerate(parents):
+        if p >= 0:
+            kids[p].append(j)
+    return kids
+
+
+def accept(
+    verify: VerifyInput,
+    logits: torch.Tensor,  # [bs * N, V] float32, request-major, node order of `verify`
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> VerifyResult:
+    n = verify.num_nodes
+    argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
+    # SYNC: the one host read of the round: draft tokens and target argmax together.
+    both = torch.stack([verify.tokens, argmax]).tolist()
+    tokens_h, argmax_h = both[0], both[1]
+    paths, new_tokens = [], []
+    for r in range(verify.batch_size):
+        kids = children_of(verify.parents[r])
+        if params[r].greedy:
+            path, bonus = _walk_greedy(tokens_h[r], argmax_h[r], kids)
+        else:
+            path, bonus = _walk_sampled(tokens_h[r], logits[r * n : (r + 1) * n], kids,
+                                        params[r], generators[r])
+        paths.append(tuple(path))
+        new_tokens.append(tuple(tokens_h[r][c] for c in path) + (bonus,))
+    return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
+
+
+def _walk_greedy(tokens: list[int], argmax: list[int], kids: list[list[int]]
+                 ) -> tuple[list[int], int]:
+    node, path = 0, []
+    while True:
+        nxt = next((c for c in kids[node] if tokens[c] == argmax[node]), None)
+        if nxt is None:
+            return path, argmax[node]
+        path.append(nxt)
+        node = nxt
+
+
+def _walk_sampled(
+    tokens: list[int], logits: torch.Tensor, kids: list[list[int]], params: SamplingParams,
+    gen: torch.Generator | None,
+) -> tuple[list[int], int]:
+    node, path = 0, []
+    while True:
+        p = target_probs(logits[node], params)  # [V]
+        moved = False
+        for c in kids[node]:  # children are stored in draft-score order
+            t = tokens[c]
+            u = torch.rand((), generator=gen, device=p.device)
+            if u < p[t]:
+                path.append(c)
+                node, moved = c, True
+                break
+            p = p.clone()
+            p[t] = 0.0
+            p = p / p.sum()
+        if not moved:
+            return path, int(torch.multinomial(p, 1, generator=gen)[0])

@@ -1,0 +1,240 @@
+"""`SpecEngine`: the engine with EAGLE speculative decoding, colocated (target and draft in one
+process). It is the reference the disaggregated workers must equal.
+
+A step runs (1) one chunked-prefill forward for requests without a draft seed -- target, then
+the draft over the same chunk, and a seed for each request whose prompt completed -- and
+(2) one speculative round for every request with a seed:
+
+    propose -> verify (one target forward) -> accept -> compact -> draft-extend -> commit
+
+Committing appends the accepted tokens one by one through the same stop checks as plain
+decoding, so an EOS or stop string inside an accepted run ends the request right there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.attention.metadata import SeqSlice, build_metadata, tree_mask
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm import LLMEngine
+from tandem.engine.loader import DTYPES, build_model, resolve_model
+from tandem.engine.parallel import ParallelContext
+from tandem.engine.request import FinishReason, RequestOutput
+from tandem.engine.runner import ForwardBatch, ForwardOutput
+from tandem.engine.scheduler import StepPlan
+from tandem.spec.accept import accept
+from tandem.spec.config import SpecConfig
+from tandem.spec.draft_runner import DraftRunner, draft_kv_group
+from tandem.spec.extend import compact_accepted_path, draft_extend, draft_prefill, make_extend_input
+from tandem.spec.head import EagleHead
+from tandem.spec.phases import DraftInput, DraftSeed, VerifyInput, VerifyResult
+from tandem.spec.propose import propose
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Acceptance bookkeeping (owned by the engine). tau = tokens committed per round per
+    request = accepted drafts + 1."""
+
+    num_rounds: int = 0  # request-rounds
+    num_tokens: int = 0
+    accepted_at: list[int] = field(default_factory=list)  # [k] rounds accepting >= j+1 drafts
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.num_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    def per_position(self) -> list[float]:
+        """P(draft j accepted), j = 1 .. k."""
+        return [a / self.num_rounds if self.num_rounds else 0.0 for a in self.accepted_at]
+
+    def record(self, num_accepted: int, num_steps: int) -> None:
+        if len(self.accepted_at) < num_steps:
+            self.accepted_at.extend([0] * (num_steps - len(self.accepted_at)))
+        self.num_rounds += 1
+        self.num_tokens += num_accepted + 1
+        for j in range(num_accepted):
+            self.accepted_at[j] += 1
+
+
+def target_features(out: ForwardOutput, head: EagleHead) -> torch.Tensor:
+    """[T, F]: what the head consumes -- the final hidden (EAGLE) or the fused layers (EAGLE-3)."""
+    if head.cfg.kind == "eagle3":
+        return torch.cat(out.aux_hidden, dim=-1)
+    return out.hidden
+
+
+class SpecEngine(LLMEngine):
+    def __init__(self, engine_cfg: EngineConfig, spec: SpecConfig, model, head: EagleHead,
+                 tokenizer: object | None = None) -> None:
+        super().__init__(engine_cfg, model, tokenizer, extra_kv_groups=[draft_kv_group(head)])
+        self.spec, self.head = spec, head
+        self.draft = DraftRunner(head, self.kv_pool, self.runner.backend)
+        self.seeds: dict[str, DraftSeed] = {}  # owned here: one per decoding request
+        self.spec_stats = SpecStats()
+        self.capture = head.cfg.feature_layers
+
+    @staticmethod
+    def from_config(engine_cfg: EngineConfig, spec: SpecConfig,  # type: ignore[override]
+                    parallel: ParallelContext | None = None, head: EagleHead | None = None
+                    ) -> SpecEngine:
+        from tandem.spec.head import load_head
+
+        model_cfg, path = resolve_model(engine_cfg)
+        max_len = min(engine_cfg.max_model_len or model_cfg.max_context, model_cfg.max_context)
+        model = build_model(model_cfg, path, engine_cfg, parallel or ParallelContext(), max_len)
+        if head is None:
+            from tandem.spec.shipped import resolve_head_dir
+
+            head = load_head(resolve_head_dir(spec.draft_model, engine_cfg.model), model,
+                             DTYPES[engine_cfg.dtype], torch.device(engine_cfg.device), max_len)
+        tokenizer = None
+        if path is not None and (path / "tokenizer.json").is_file():
+            from tandem.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(path)
+        return SpecEngine(engine_cfg, spec, model, head, tokenizer)
+
+    def abort(self, req_id: str) -> bool:
+        self.seeds.pop(req_id, None)
+        return super().abort(req_id)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._drop_stale_seeds()
+        plan = self.scheduler.schedule(exclude=frozenset(self.seeds))
+        if plan.chunks:
+            outputs += self._prefill_step(plan)
+        self._drop_stale_seeds()
+        decoding = [r for r in self.scheduler.running if r.req_id in self.seeds
+                    and r.req_id not in {c.req_id for c in plan.chunks}]
+        if decoding:
+            outputs += self._spec_round([r.req_id for r in decoding])
+        return outputs
+
+    def _drop_stale_seeds(self) -> None:
+        """A preempted request lost its KV: it is prefilled again and gets a new seed."""
+        running = {r.req_id for r in self.scheduler.running}
+        for rid in [rid for rid in self.seeds if rid not in running]:
+            del self.seeds[rid]
+
+    def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
+        batch = self._build_batch(plan)
+        batch = ForwardBatch(input_ids=batch.input_ids, positions=batch.positions,
+                             attn=batch.attn, logits_indices=batch.logits_indices,
+                             capture_layers=self.capture)
+        out = self.runner.forward(batch)
+        sampling = [c for c in plan.chunks if c.samples]
+        reqs = [self.scheduler.requests[c.req_id] for c in sampling]
+        tokens = self.sampler.sample(out.logits, [r.params for r in reqs],
+                                     [r.generator for r in reqs])
+        self.scheduler.commit(plan)
+        sampled = dict(zip((c.req_id for c in sampling), tokens.tolist()))  # SYNC: one per step
+        # Draft prefill over the same chunks: pairs (f_t, x_{t+1}).
+        next_tokens = []
+        for c in plan.chunks:
+            req = self.scheduler.requests[c.req_id]
+            end = c.num_cached + len(c.token_ids)
+            nxt = list(req.all_ids[c.num_cached + 1 : end + 1])
+            if c.samples:
+                nxt.append(sampled[c.req_id])
+            next_tokens.append(nxt)
+        hidden = draft_prefill(self.draft, [c.page_ids for c in plan.chunks],
+                               [c.num_cached for c in plan.chunks], next_tokens,
+                               target_features(out, self.head))
+        ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
+        outputs = []
+        for c, end in zip(plan.chunks, ends):
+            if not c.samples:
+                continue
+            req = self.scheduler.requests[c.req_id]
+            ids, logp = self.head.topk(hidden[end - 1 : end], self.spec.topk)
+            result = self._append(req, sampled[c.req_id])
+            outputs.append(result)
+            if not result.finished:
+                self.seeds[c.req_id] = DraftSeed(
+                    num_cached=req.num_computed, last_token=sampled[c.req_id],
+                    topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[end - 1])
+        return outputs
+
+    def _spec_round(self, req_ids: list[str]) -> list[RequestOutput]:
+        # Pages for everything this round may write past the committed tokens. Requests are
+        # served in admission order; under pressure the latest ones are preempted (and are
+        # prefilled again later), never one already served this round.
+        served: set[str] = set()
+        for rid in req_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is None or req not in self.scheduler.running:
+                continue
+            ok, _ = self.scheduler.reserve(req, req.num_computed + self.spec.slots_per_round,
+                                           served)
+            if ok:
+                served.add(rid)
+        self._drop_stale_seeds()
+        req_ids = [rid for rid in req_ids if rid in served and rid in self.seeds]
+        if not req_ids:
+            return []
+        reqs = [self.scheduler.requests[rid] for rid in req_ids]
+        inp = DraftInput.from_seeds([self.seeds[rid] for rid in req_ids],
+                                    [r.page_ids for r in reqs])
+        verify = self._propose(req_ids, inp)
+        out = self._verify_forward(verify)
+        result = accept(verify, out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+        compact_accepted_path(self.kv_pool, "target", verify, result)
+        nxt = draft_extend(self.draft, make_extend_input(verify, result,
+                                                         target_features(out, self.head)),
+                           self.spec.topk)
+        return self._commit(reqs, result, nxt)
+
+    def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
+        """Drafting. A seam for tests that force acceptance patterns with scripted drafts."""
+        del req_ids
+        return propose(self.draft, inp, self.spec)
+
+    def _verify_forward(self, verify: VerifyInput) -> ForwardOutput:
+        chain = verify.is_chain
+        seqs = [
+            SeqSlice(page_ids=p, num_cached=nc, num_new=verify.num_nodes,
+                     mask=None if chain else tree_mask(nc, parents),
+                     positions=None if chain else [nc + d for d in depths])
+            for p, nc, parents, depths in zip(verify.page_ids, verify.num_cached, verify.parents,
+                                              verify.depths)
+        ]
+        layout = build_metadata(seqs, self.cfg.page_size, self.device)
+        n = verify.batch_size * verify.num_nodes
+        return self.runner.forward(ForwardBatch(
+            input_ids=verify.tokens.reshape(-1), positions=layout.positions, attn=layout.attn,
+            logits_indices=torch.arange(n, device=self.device), capture_layers=self.capture))
+
+    def _commit(self, reqs, result: VerifyResult, nxt: DraftInput) -> list[RequestOutput]:
+        outputs = []
+        next_seeds = nxt.seeds()
+        for req, toks, seed in zip(reqs, result.new_tokens, next_seeds):
+            self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
+            # The target KV now holds the root and the accepted drafts.
+            req.num_computed = seed.num_cached
+            finished = False
+            for tok in toks:
+                o = self._append(req, tok)
+                outputs.append(o)
+                if o.finished:
+                    finished = True
+                    break
+            if finished:
+                self.seeds.pop(req.req_id, None)
+            else:
+                self.seeds[req.req_id] = seed
+        return outputs
+
+    def finish_reason_of(self, req_id: str) -> FinishReason | None:
+        req = self.scheduler.requests.get(req_id)
+        return None if req is None else req.finish_reason

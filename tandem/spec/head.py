@@ -1,0 +1,313 @@
+"""EAGLE draft heads: EAGLE-1/2 (feature head) and EAGLE-3 (fused-feature head, draft vocab).
+
+Both are one decoder layer that reads a token embedding and a feature and predicts the next
+feature. A draft position t consumes the pair (feature f_t, token x_{t+1}) and proposes x_{t+2}.
+
+- EAGLE-1/2: f_t is the target's final-normed hidden state at t (or the draft's own output for
+  later draft steps). x = fc([embed(x_{t+1}), f_t]) (bias), then a decoder layer WITHOUT input
+  norm; the output goes straight to the target's lm_head.
+- EAGLE-3: target features are the residual streams entering three target layers (low, mid,
+  high), concatenated (3H) and fused by fc (no bias) to H; later steps feed the draft's own H
+  output. The layer normalizes embedding and feature separately, attends over their concat
+  (2H wide q/k/v), and a final norm + its own lm_head over a reduced draft vocabulary give
+  logits; `d2t` maps draft ids to target ids (target = draft + d2t[draft]).
+
+Checkpoint layouts (config.json + model.safetensors or pytorch_model.bin) are those the public
+EAGLE and EAGLE-3 heads use: `fc.*`, `layers.0.*` (EAGLE) / `midlayer.*`, `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d` (EAGLE-3), and optionally `embed_tokens.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.config import ModelConfig, RopeScaling, _parse_rope
+from tandem.engine.layers.attention import ForwardContext, HeadLayout, SelfAttention
+from tandem.engine.layers.linear import check_shape
+from tandem.engine.layers.mlp import DenseMLP
+from tandem.engine.layers.norm import RMSNorm
+from tandem.engine.layers.rotary import RotaryEmbedding
+from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.parallel import ParallelGroup
+
+HeadKind = Literal["eagle", "eagle3"]
+
+
+class DraftHeadError(ValueError):
+    """A draft-head checkpoint or config that does not fit the target."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftHeadConfig:
+    kind: HeadKind
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # == vocab_size for EAGLE-1/2
+    fc_bias: bool
+    feature_layers: tuple[int, ...]  # target layers whose input stream EAGLE-3 fuses; () for EAGLE
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature the head consumes."""
+        return self.hidden_size * max(1, len(self.feature_layers))
+
+    @staticmethod
+    def like_target(target: ModelConfig, kind: HeadKind = "eagle",
+                    draft_vocab_size: int | None = None) -> DraftHeadConfig:
+        """A head shaped like one target layer (what the EAGLE papers and our trainer use)."""
+        n = target.num_layers
+        return DraftHeadConfig(
+            kind=kind, hidden_size=target.hidden_size, num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta, rope_scaling=target.rope_scaling,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size or target.vocab_size,
+            fc_bias=kind == "eagle",
+            feature_layers=(2, n // 2, n - 3) if kind == "eagle3" else (),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        """The config.json we write with a trained head (readable by `from_json`)."""
+        out: dict[str, object] = {
+            "architectures": ["EagleHead" if self.kind == "eagle" else "Eagle3Head"],
+            "hidden_size": self.hidden_size, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size, "bias": self.fc_bias,
+            "num_hidden_layers": 1,
+        }
+        if self.feature_layers:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
+        return out
+
+    @staticmethod
+    def from_json(raw: dict, kind: HeadKind, target: ModelConfig) -> DraftHeadConfig:
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+        except KeyError as exc:
+            raise DraftHeadError(f"draft config.json: missing field {exc}") from exc
+        if hidden != target.hidden_size:
+            raise DraftHeadError(
+                f"draft config.json: hidden_size {hidden} != the target's {target.hidden_size}"
+            )
+        theta, scaling = _parse_rope(raw)
+        n = target.num_layers
+        layers: tuple[int, ...] = ()
+        if kind == "eagle3":
+            ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            layers = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)
+            if any(not 0 <= i < n for i in layers):
+                raise DraftHeadError(f"draft config.json: feature layers {layers} outside [0, {n})")
+        return DraftHeadConfig(
+            kind=kind, hidden_size=hidden, num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=int(raw.get("draft_vocab_size") or target.vocab_size),
+            fc_bias=bool(raw.get("bias", kind == "eagle")),
+            feature_layers=layers,
+        )
+
+
+class EagleHead(nn.Module):
+    """One draft layer plus the glue of its kind. Shares the target's embedding (and, for
+    EAGLE-1/2, its lm_head); runs replicated on every rank (it is one layer)."""
+
+    def __init__(self, cfg: DraftHeadConfig, target: DecoderLM, dtype: torch.dtype,
+                 max_position: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        single = ParallelGroup()
+        self.heads = HeadLayout.for_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, single)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.target_embed = target.embed  # shared, not owned (not a submodule: no double load)
+        self.own_embed: nn.Parameter | None = None
+        eagle3 = cfg.kind == "eagle3"
+        fc_in = cfg.feature_size if eagle3 else 2 * h
+        self.fc = nn.Linear(fc_in, h, bias=cfg.fc_bias, dtype=dtype)
+        self.attn = SelfAttention(0, h, self.heads, False, False, None, rotary, single, dtype,
+                                  qkv_in_features=2 * h if eagle3 else h)
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.mlp = DenseMLP(h, cfg.intermediate_size, single, dtype)
+        if eagle3:
+            self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False, dtype=dtype)
+            # [draft_vocab] int64: target id = draft id + d2t[draft id]
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        else:
+            self.target_lm_head = target.lm_head  # shared
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        if self.own_embed is not None:
+            return F.embedding(token_ids, self.own_embed)
+        return self.target_embed(token_ids)
+
+    def forward(
+        self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """token_ids [T]; features [T, F] (target features, or [T, H] draft hidden from the
+        previous step); positions [T] -> next draft hidden [T, H]."""
+        emb = self.embed(token_ids).to(features.dtype)
+        if self.cfg.kind == "eagle":
+            x = self.fc(torch.cat([emb, features], dim=-1))  # [T, H]
+            h = x + self.attn(positions, x, ctx)
+        else:
+            if features.shape[-1] != self.cfg.hidden_size:
+                features = self.fc(features)  # fuse low/mid/high target features
+            attn_in = torch.cat([self.input_norm(emb), self.hidden_norm(features)], dim=-1)
+            h = features + self.attn(positions, attn_in, ctx)
+        return h + self.mlp(self.post_attn_norm(h))
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, V_draft] float32 log-probabilities over the head's vocabulary."""
+        if self.cfg.kind == "eagle":
+            logits = self.target_lm_head(hidden)
+        else:
+            logits = self.lm_head(self.norm(hidden)).float()
+        return torch.log_softmax(logits, dim=-1)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.cfg.kind == "eagle":
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, H] -> (target ids [n, k] int64, log-probs [n, k] float32), best first."""
+        logp, ids = torch.topk(self.log_probs(hidden), k, dim=-1)
+        return self.to_target_ids(ids), logp
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def weight_names(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> destination tensor (full shapes; the head is replicated)."""
+        eagle3 = self.cfg.kind == "eagle3"
+        p = "midlayer" if eagle3 else "layers.0"
+        out = {"fc.weight": self.fc.weight, f"{p}.post_attention_layernorm.weight":
+               self.post_attn_norm.weight, f"{p}.self_attn.o_proj.weight": self.attn.o_proj.weight,
+               f"{p}.mlp.down_proj.weight": self.mlp.down.weight}
+        if self.fc.bias is not None:
+            out["fc.bias"] = self.fc.bias
+        if eagle3:
+            out.update({f"{p}.input_layernorm.weight": self.input_norm.weight,
+                        f"{p}.hidden_norm.weight": self.hidden_norm.weight,
+                        "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
+                        "d2t": self.d2t})
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Load a head checkpoint's tensors; errors name the missing/misshapen tensor."""
+        eagle3 = self.cfg.kind == "eagle3"
+        p = "midlayer" if eagle3 else "layers.0"
+        h, d = self.cfg.hidden_size, self.cfg.head_dim
+        needed = set(self.weight_names()) | {f"{p}.self_attn.{x}_proj.weight" for x in "qkv"} | {
+            f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")}
+        missing = sorted(n for n in needed if n not in state)
+        if missing:
+            raise DraftHeadError(f"{source}: missing draft weight(s) {', '.join(missing[:5])}")
+        for name, dst in self.weight_names().items():
+            check_shape(name, state[name].shape, tuple(dst.shape))
+            dst.data.copy_(state[name])
+        for part, x in enumerate("qkv"):
+            self.attn.qkv.load_part(f"{p}.self_attn.{x}_proj.weight", part,
+                                    state[f"{p}.self_attn.{x}_proj.weight"])
+        for part, x in enumerate(("gate", "up")):
+            self.mlp.gate_up.load_part(f"{p}.mlp.{x}_proj.weight", part,
+                                       state[f"{p}.mlp.{x}_proj.weight"])
+        emb = state.get("embed_tokens.weight")
+        if emb is not None:
+            check_shape("embed_tokens.weight", emb.shape, (self.cfg.vocab_size, h))
+            self.own_embed = nn.Parameter(emb.to(self.fc.weight.dtype).to(self.fc.weight.device),
+                                          False)
+        del d
+
+    def state_for_saving(self) -> dict[str, torch.Tensor]:
+        """The checkpoint layout `load_state` reads (q/k/v and gate/up unmerged)."""
+        eagle3 = self.cfg.kind == "eagle3"
+        p = "midlayer" if eagle3 else "layers.0"
+        out = {k: v.detach().contiguous() for k, v in self.weight_names().items()}
+        q, k, v = self.attn.qkv.weight.split(self.attn.qkv.local_sizes(), dim=0)
+        out.update({f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": k,
+                    f"{p}.self_attn.v_proj.weight": v})
+        gate, up = self.mlp.gate_up.weight.chunk(2, dim=0)
+        out.update({f"{p}.mlp.gate_proj.weight": gate, f"{p}.mlp.up_proj.weight": up})
+        return {k: t.detach().clone().contiguous() for k, t in out.items()}
+
+
+def read_head_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, tensors) from a head directory (safetensors or pytorch_model.bin)."""
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise DraftHeadError(f"{path}: no config.json in the draft head directory")
+    raw = json.loads(cfg_path.read_text())
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            state.update(load_file(str(f)))
+    elif (path / "pytorch_model.bin").is_file():
+        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise DraftHeadError(f"{path}: no model.safetensors or pytorch_model.bin")
+    return raw, state
+
+
+def detect_kind(state: dict[str, torch.Tensor]) -> HeadKind:
+    if any(k.startswith("midlayer.") for k in state):
+        return "eagle3"
+    if any(k.startswith("layers.0.") for k in state):
+        return "eagle"
+    raise DraftHeadError("draft checkpoint has neither 'layers.0.*' (EAGLE) nor 'midlayer.*' "
+                         "(EAGLE-3) tensors")
+
+
+def load_head(path: Path, target: DecoderLM, dtype: torch.dtype, device: torch.device,
+              max_position: int) -> EagleHead:
+    raw, state = read_head_checkpoint(path)
+    kind = detect_kind(state)
+    cfg = DraftHeadConfig.from_json(raw, kind, target.cfg)
+    with torch.device(device):
+        head = EagleHead(cfg, target, dtype, max_position)
+    head.load_state(state, str(path))
+    return head.eval()
+
+
+def dummy_head(cfg: DraftHeadConfig, target: DecoderLM, dtype: torch.dtype,
+               device: torch.device, max_position: int, seed: int = 0) -> EagleHead:
+    """A head with random weights (for tests and timing; accepts almost nothing)."""
+    with torch.device(device):
+        head = EagleHead(cfg, target, dtype, max_position)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in head.named_parameters():
+        if name.startswith(("target_", "own_embed")):
+            continue
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.05, generator=gen)
+    return head.eval()

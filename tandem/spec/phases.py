@@ -1,0 +1,121 @@
+"""The phases of one speculative round, as frozen values (DESIGN §3 "Phases are values").
+
+    DraftInput --propose--> VerifyInput --target forward + accept--> VerifyResult
+        --make_extend_input--> DraftExtendInput --draft forward--> DraftInput (next round)
+
+Each object is built once by a function and consumed once by the next; nothing is mutated in
+place, and no field is backed up and restored. Per-request state between rounds lives in a
+`DraftSeed` (one row of a DraftInput), owned by the request table.
+
+Conventions for one request with committed tokens x_0 .. x_{L-1}:
+- the target KV holds x_0 .. x_{L-2}: `num_cached = L - 1`; x_{L-1} is `last_token`;
+- the draft KV holds pairs (f_t, x_{t+1}) for t < L - 1 at draft position t (same page table,
+  same slot index as the target's position t);
+- `topk_ids` are the draft's first-level proposals for x_L, made from `hidden`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class DraftSeed:
+    """One request's speculative state between rounds (and the EAGLE seed a prefill worker
+    hands to a decode worker)."""
+
+    num_cached: int  # target tokens in the KV cache (committed - 1)
+    last_token: int  # committed, not yet in the target KV
+    topk_ids: torch.Tensor  # [topk] int64 target ids proposed for the next position
+    topk_logp: torch.Tensor  # [topk] float32 their draft log-probabilities
+    hidden: torch.Tensor  # [H] draft hidden that proposed them (input of the next draft step)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class DraftInput:
+    """A batch of seeds, ready for drafting."""
+
+    page_ids: tuple[tuple[int, ...], ...]  # per request, its page table
+    num_cached: tuple[int, ...]  # [bs]
+    last_tokens: torch.Tensor  # [bs] int64
+    topk_ids: torch.Tensor  # [bs, topk] int64
+    topk_logp: torch.Tensor  # [bs, topk] float32
+    hidden: torch.Tensor  # [bs, H]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_cached)
+
+    @staticmethod
+    def from_seeds(seeds: Sequence[DraftSeed], page_ids: Sequence[Sequence[int]]) -> DraftInput:
+        return DraftInput(
+            page_ids=tuple(tuple(p) for p in page_ids),
+            num_cached=tuple(s.num_cached for s in seeds),
+            last_tokens=torch.tensor([s.last_token for s in seeds], dtype=torch.int64,
+                                     device=seeds[0].hidden.device),
+            topk_ids=torch.stack([s.topk_ids for s in seeds]),
+            topk_logp=torch.stack([s.topk_logp for s in seeds]),
+            hidden=torch.stack([s.hidden for s in seeds]),
+        )
+
+    def seeds(self) -> list[DraftSeed]:
+        last = self.last_tokens.tolist()  # SYNC: seeds are host-visible per-request state
+        return [DraftSeed(num_cached=self.num_cached[i], last_token=last[i],
+                          topk_ids=self.topk_ids[i], topk_logp=self.topk_logp[i],
+                          hidden=self.hidden[i]) for i in range(self.batch_size)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class VerifyInput:
+    """A token tree per request to verify with one target forward. Node 0 is the root
+    (`last_token`); a chain is the tree whose parents are 0, 1, 2, ...
+
+    Node j of request r is written at target position num_cached[r] + j of its page table;
+    its rope position is num_cached[r] + depth[j]."""
+
+    page_ids: tuple[tuple[int, ...], ...]
+    num_cached: tuple[int, ...]  # [bs]
+    tokens: torch.Tensor  # [bs, N] int64
+    parents: tuple[tuple[int, ...], ...]  # [bs][N], -1 for the root
+    depths: tuple[tuple[int, ...], ...]  # [bs][N], 0 for the root
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_cached)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == tuple(range(-1, len(p) - 1)) for p in self.parents)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VerifyResult:
+    """What the target accepted, per request. Plain ints: the commit step and the stop checks
+    read them on the host anyway (one sync per round)."""
+
+    path_nodes: tuple[tuple[int, ...], ...]  # accepted draft nodes in order (root excluded)
+    new_tokens: tuple[tuple[int, ...], ...]  # accepted draft tokens + the bonus token
+
+    @property
+    def num_accepted(self) -> tuple[int, ...]:
+        return tuple(len(p) for p in self.path_nodes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class DraftExtendInput:
+    """Run the draft over exactly the accepted tokens plus the bonus token, so its KV follows
+    the accepted path: request r feeds pairs (f, x) at draft positions num_cached[r] ..
+    num_cached[r] + len(new_tokens[r]) - 1, where f are the target features of the root and
+    the accepted nodes."""
+
+    page_ids: tuple[tuple[int, ...], ...]
+    num_cached: tuple[int, ...]  # [bs] same as the round's (first extend position)
+    new_tokens: tuple[tuple[int, ...], ...]  # [bs][a_r + 1]
+    features: torch.Tensor  # [sum_r (a_r + 1), F] target features, request-major
