@@ -138,6 +138,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem.engine import LLMEngine
+    from tandem.spec.train import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = TrainConfig(
+        out_dir=args.out, kind=args.kind, draft_vocab_size=args.draft_vocab_size,
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        gen_batch_size=args.gen_batch_size, max_seq_len=args.max_seq_len,
+        batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
+        save_every=args.save_every, seed=args.seed,
+    )
+    engine = LLMEngine.from_config(engine_config_from_args(args))
+    if engine.tokenizer is None:
+        print("train-eagle: the target has no tokenizer.json", file=sys.stderr)
+        return 2
+    head_dir = train(engine, cfg, progress=not args.no_progress)
+    print(head_dir)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -163,6 +187,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_complete)
+
+    p = sub.add_parser("train-eagle", help="Train an EAGLE draft head by self-distillation.",
+                       description="Build chat prompts from text on this machine, let the target "
+                                   "answer them (stored, resumable), then train a draft head with "
+                                   "the training-time test. Re-running with the same --out "
+                                   "resumes. The head is written to OUT/head.")
+    p.add_argument("--out", required=True, help="Working directory (data, checkpoints, head)")
+    p.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle3",
+                   help="Head architecture. Default: %(default)s")
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="EAGLE-3 draft vocabulary. Default: %(default)s")
+    p.add_argument("--num-prompts", type=int, default=2000, help="Default: %(default)s")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="Answer length per prompt. Default: %(default)s")
+    p.add_argument("--gen-batch-size", type=int, default=32, help="Default: %(default)s")
+    p.add_argument("--max-seq-len", type=int, default=512, help="Default: %(default)s")
+    p.add_argument("--batch-size", type=int, default=8, help="Sequences per step. Default: %(default)s")
+    p.add_argument("--epochs", type=int, default=2, help="Default: %(default)s")
+    p.add_argument("--lr", type=float, default=5e-4, help="Default: %(default)s")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="Unrolled draft steps in training. Default: %(default)s")
+    p.add_argument("--save-every", type=int, default=100, help="Default: %(default)s")
+    p.add_argument("--seed", type=int, default=0, help="Default: %(default)s")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_train_eagle)
 
     p = sub.add_parser("import-model", help="Import a GGUF into a HF checkpoint directory.",
                        description="Without flags: import the bundled SmolLM2-135M-Instruct into "

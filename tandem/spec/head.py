@@ -185,7 +185,7 @@ class EagleHead(nn.Module):
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V_draft] float32 log-probabilities over the head's vocabulary."""
         if self.cfg.kind == "eagle":
-            logits = self.target_lm_head(hidden)
+            logits = self.target_lm_head(hidden.to(self.target_lm_head.head_weight().dtype))
         else:
             logits = self.lm_head(self.norm(hidden)).float()
         return torch.log_softmax(logits, dim=-1)
@@ -222,7 +222,7 @@ class EagleHead(nn.Module):
         """Load a head checkpoint's tensors; errors name the missing/misshapen tensor."""
         eagle3 = self.cfg.kind == "eagle3"
         p = "midlayer" if eagle3 else "layers.0"
-        h, d = self.cfg.hidden_size, self.cfg.head_dim
+        h = self.cfg.hidden_size
         needed = set(self.weight_names()) | {f"{p}.self_attn.{x}_proj.weight" for x in "qkv"} | {
             f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")}
         missing = sorted(n for n in needed if n not in state)
@@ -242,7 +242,6 @@ class EagleHead(nn.Module):
             check_shape("embed_tokens.weight", emb.shape, (self.cfg.vocab_size, h))
             self.own_embed = nn.Parameter(emb.to(self.fc.weight.dtype).to(self.fc.weight.device),
                                           False)
-        del d
 
     def state_for_saving(self) -> dict[str, torch.Tensor]:
         """The checkpoint layout `load_state` reads (q/k/v and gate/up unmerged)."""

@@ -1,0 +1,226 @@
+"""`tandem train-eagle`: self-distillation training of an EAGLE head for a target model.
+
+1. Prompts are built from text on the machine (`train_data.build_prompts`); the target answers
+   them greedily (stored as token ids, resumable).
+2. Each batch: the target runs over prompt + answer (no grad) and yields features; the head is
+   trained with the training-time test (`ttt.py`) to predict the target's next tokens.
+3. Checkpoints (`ckpt.pt`: head, optimizer, step) are written every `save_every` steps and the
+   run resumes from them; `export` writes config.json + model.safetensors in the layout
+   `load_head` reads.
+
+For an EAGLE-3 head the draft vocabulary is the `draft_vocab_size` most frequent target tokens
+in the answers; its lm_head starts from the target's rows and its norm from the target's
+final norm, so the head starts out mapping features to tokens the way the target does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
+from tandem.spec.head import DraftHeadConfig, EagleHead, HeadKind
+from tandem.spec.train_data import Sample, build_prompts, generate_samples, read_samples
+from tandem.spec.ttt import ttt_forward, ttt_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    out_dir: str
+    kind: HeadKind = "eagle3"
+    draft_vocab_size: int = 8192
+    num_prompts: int = 2000
+    max_new_tokens: int = 256
+    gen_batch_size: int = 32
+    max_seq_len: int = 512
+    batch_size: int = 8
+    epochs: int = 2
+    lr: float = 5e-4
+    warmup_steps: int = 50
+    ttt_steps: int = 3
+    save_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_new_tokens", "batch_size", "epochs", "ttt_steps",
+                     "draft_vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.kind not in ("eagle", "eagle3"):
+            raise ValueError(f"kind: '{self.kind}' is not one of eagle, eagle3")
+
+
+def draft_vocab(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor:
+    """[size] int64 target ids, most frequent answer tokens first (ties by id); padded with the
+    lowest unused ids when the data has fewer distinct tokens."""
+    counts = Counter(t for s in samples for t in s.answer_ids)
+    ids = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][:size]
+    used = set(ids)
+    ids += [t for t in range(vocab_size) if t not in used][: size - len(ids)]
+    return torch.tensor(sorted(ids), dtype=torch.int64)
+
+
+def init_head(engine: LLMEngine, cfg: TrainConfig, vocab_ids: torch.Tensor | None) -> EagleHead:
+    target = engine.model
+    dcfg = DraftHeadConfig.like_target(
+        target.cfg, cfg.kind, draft_vocab_size=len(vocab_ids) if vocab_ids is not None else None)
+    max_len = engine.max_model_len
+    head = EagleHead(dcfg, target, torch.float32, max_len)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for name, p in head.named_parameters():
+        if name.startswith("target_"):
+            continue
+        p.data = p.data.float()
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)
+    if cfg.kind == "eagle3":
+        assert vocab_ids is not None
+        head.lm_head.weight.data = target.lm_head.head_weight()[vocab_ids].float().clone()
+        head.norm.weight.data = target.norm.weight.float().clone()
+        head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+    return head
+
+
+def trainable(head: EagleHead) -> list[torch.nn.Parameter]:
+    out = []
+    for name, p in head.named_parameters():
+        if name.startswith("target_"):
+            p.requires_grad_(False)
+        else:
+            p.requires_grad_(True)
+            out.append(p)
+    return out
+
+
+@torch.no_grad()
+def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_len: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the target over each sample. Returns (tokens [B, T] = x_{t+1}, features [B, T, F],
+    labels [B, T] = x_{t+2}, mask [B, T] = answer positions), padded to the longest."""
+    seqs = [list(s.prompt_ids + s.answer_ids)[:max_len] for s in samples]
+    plens = [len(s.prompt_ids) for s in samples]
+    pages = [engine.allocator.alloc(engine.scheduler.pages_needed(len(x))) for x in seqs]
+    try:
+        layout = build_metadata([SeqSlice(page_ids=p, num_cached=0, num_new=len(x))
+                                 for p, x in zip(pages, seqs)], engine.cfg.page_size)
+        flat = torch.tensor([t for x in seqs for t in x], dtype=torch.int64)
+        out = engine.runner.forward(ForwardBatch(
+            input_ids=flat, positions=layout.positions, attn=layout.attn,
+            logits_indices=torch.zeros(1, dtype=torch.int64),
+            capture_layers=head.cfg.feature_layers))
+    finally:
+        for p in pages:
+            engine.allocator.free(p)
+    feats = torch.cat(out.aux_hidden, dim=-1) if head.cfg.kind == "eagle3" else out.hidden
+    t_len = max(len(x) for x in seqs) - 1
+    b = len(seqs)
+    tokens = torch.zeros(b, t_len, dtype=torch.int64)
+    labels = torch.zeros(b, t_len, dtype=torch.int64)
+    mask = torch.zeros(b, t_len, dtype=torch.bool)
+    features = torch.zeros(b, t_len, feats.shape[-1])
+    offset = 0
+    for i, x in enumerate(seqs):
+        n = len(x)
+        tokens[i, : n - 1] = torch.tensor(x[1:])
+        features[i, : n - 1] = feats[offset : offset + n - 1].float()
+        labels[i, : n - 2] = torch.tensor(x[2:])
+        # Draft position t predicts x_{t+2}; train where that token is part of the answer.
+        mask[i, max(0, plens[i] - 2) : n - 2] = True
+        offset += n
+    return tokens, features, labels, mask
+
+
+def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
+             for k, v in head.state_for_saving().items()}
+    save_file(state, str(out_dir / "model.safetensors"))
+    cfg = head.cfg.to_json()
+    cfg["tandem_training"] = meta
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data_path = out / "samples.jsonl"
+    prompts = build_prompts(cfg.num_prompts, cfg.seed)
+    for _ in generate_samples(engine, prompts, data_path, cfg.max_new_tokens,
+                              cfg.gen_batch_size, progress):
+        pass
+    samples = [s for s in read_samples(data_path) if len(s.answer_ids) >= 2]
+    vocab_ids = (draft_vocab(samples, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
+                 if cfg.kind == "eagle3" else None)
+    head = init_head(engine, cfg, vocab_ids)
+    params = trainable(head)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    total_steps = steps_per_epoch * cfg.epochs
+    step = 0
+    ckpt = out / "ckpt.pt"
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"], strict=False)
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log.info("resuming from step %d", step)
+    t2d = None
+    if vocab_ids is not None:
+        t2d = torch.full((engine.model_cfg.vocab_size,), -1, dtype=torch.int64)
+        t2d[vocab_ids] = torch.arange(len(vocab_ids))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, unit="step", desc="train-eagle")
+    started = time.perf_counter()
+    num_tokens = 0
+    while step < total_steps:
+        epoch, idx = divmod(step, steps_per_epoch)
+        order = list(range(len(samples)))
+        random.Random(cfg.seed + epoch).shuffle(order)
+        batch = [samples[i] for i in order[idx * cfg.batch_size : (idx + 1) * cfg.batch_size]]
+        tokens, features, labels, mask = target_batch(engine, batch, head, cfg.max_seq_len)
+        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (
+            1 + math.cos(math.pi * step / total_steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        outs = ttt_forward(head, tokens, features, cfg.ttt_steps)
+        loss, accs = ttt_loss(head, outs, labels, mask, t2d)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        step += 1
+        num_tokens += int(mask.sum())
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=",".join(f"{a:.2f}" for a in accs))
+        if step % cfg.save_every == 0 or step == total_steps:
+            torch.save({"head": {k: v for k, v in head.state_dict().items()
+                                 if not k.startswith("target_")},
+                        "opt": opt.state_dict(), "step": step}, ckpt)
+    if bar is not None:
+        bar.close()
+    meta = {"config": asdict(cfg), "num_samples": len(samples),
+            "answer_tokens": sum(len(s.answer_ids) for s in samples),
+            "steps": step, "train_seconds": round(time.perf_counter() - started, 1),
+            "tokens_this_run": num_tokens}
+    export_head(head, out / "head", meta)
+    return out / "head"

@@ -1,0 +1,177 @@
+"""Training data for EAGLE heads, built offline: chat prompts from text that ships on the
+machine (the Python standard library's sources and docstrings, Debian's `fortunes` and
+`python3.11-doc` when installed), answered by the target itself (self-distillation).
+
+Answers are stored as token ids in a JSONL file, appended as they are generated, so an
+interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+TOPICS = (
+    "photosynthesis", "the water cycle", "black holes", "machine learning", "the French "
+    "Revolution", "healthy sleep", "learning a new language", "time management", "recursion",
+    "the internet", "volcanoes", "climate change", "the human heart", "prime numbers",
+    "electric cars", "the Roman Empire", "coffee", "gardening", "public speaking", "budgeting",
+    "the moon", "rainbows", "vaccines", "databases", "encryption", "the stock market",
+    "renewable energy", "bees", "chess", "meditation", "the Great Wall of China", "DNA",
+    "earthquakes", "compilers", "the Olympic Games", "bread baking", "jazz", "gravity",
+    "friendship", "running a marathon", "the printing press", "oceans", "version control",
+    "operating systems", "the immune system", "electricity", "weather forecasting", "poetry",
+)
+
+TEMPLATES = (
+    "What is {t}? Explain briefly.",
+    "Give me three interesting facts about {t}.",
+    "Explain {t} to a ten-year-old.",
+    "Write a short paragraph about {t}.",
+    "What are the pros and cons of {t}?",
+    "Write a haiku about {t}.",
+    "List five questions a student might ask about {t}.",
+    "Summarize the history of {t} in a few sentences.",
+)
+
+CODE_TEMPLATES = (
+    "Explain what this Python function does:\n\n```python\n{code}\n```",
+    "Suggest a better name and a docstring for this function:\n\n```python\n{code}\n```",
+    "Write a unit test for this function:\n\n```python\n{code}\n```",
+)
+
+DOC_TEMPLATES = (
+    "Summarize this in one or two sentences:\n\n{text}",
+    "Rewrite this more simply:\n\n{text}",
+    "What are the key points of the following text?\n\n{text}",
+)
+
+
+def _stdlib_snippets(rng: random.Random, limit: int) -> tuple[list[str], list[str]]:
+    """(short functions, docstrings) from the standard library's sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py"))
+    rng.shuffle(files)
+    funcs, docs = [], []
+    for path in files:
+        if len(funcs) >= limit and len(docs) >= limit:
+            break
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                seg = ast.get_source_segment(source, node) or ""
+                if 3 <= seg.count("\n") <= 25 and len(funcs) < limit:
+                    funcs.append(seg)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)):
+                doc = ast.get_docstring(node)
+                if doc and 200 <= len(doc) <= 1200 and len(docs) < limit:
+                    docs.append(doc)
+    return funcs, docs
+
+
+def _text_files() -> list[str]:
+    """Paragraphs from Debian text packages, when installed (optional)."""
+    out: list[str] = []
+    fortunes = Path("/usr/share/games/fortunes")
+    if fortunes.is_dir():
+        for f in sorted(fortunes.iterdir()):
+            if f.suffix or not f.is_file():
+                continue
+            try:
+                out += [s.strip() for s in f.read_text(errors="ignore").split("\n%\n")
+                        if 80 <= len(s.strip()) <= 600]
+            except OSError:
+                continue
+    docs = Path("/usr/share/doc/python3.11/html/_sources")
+    if docs.is_dir():
+        for f in sorted(docs.rglob("*.txt"))[:400]:
+            paras = f.read_text(errors="ignore").split("\n\n")
+            out += [p.strip() for p in paras if 200 <= len(p.strip()) <= 1000]
+    return out
+
+
+def build_prompts(num: int, seed: int = 0) -> list[str]:
+    """`num` distinct user prompts, deterministic for a seed."""
+    rng = random.Random(seed)
+    funcs, docs = _stdlib_snippets(rng, limit=num)
+    texts = docs + _text_files()
+    prompts = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
+    prompts += [rng.choice(CODE_TEMPLATES).format(code=c) for c in funcs]
+    prompts += [rng.choice(DOC_TEMPLATES).format(text=t) for t in texts]
+    rng.shuffle(prompts)
+    seen, out = set(), []
+    for p in prompts:
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out[:num]
+
+
+HELD_OUT_QUESTIONS = (
+    "What is the capital of France?",
+    "Explain in two sentences what a CPU does.",
+    "Give me three tips for learning to cook.",
+    "What is the difference between a list and a tuple in Python?",
+    "Why do leaves change color in autumn?",
+    "Write a short poem about the night sky.",
+    "How does a bicycle stay upright?",
+    "What are the benefits of regular exercise?",
+    "Describe how a rainbow forms.",
+    "What should I pack for a weekend hiking trip?",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    prompt_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+
+
+def read_samples(path: Path) -> list[Sample]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(Sample(prompt_ids=tuple(d["p"]), answer_ids=tuple(d["a"])))
+    return out
+
+
+def generate_samples(engine, prompts: list[str], out_path: Path, max_new_tokens: int,
+                     batch_size: int, progress: bool = True) -> Iterator[int]:
+    """Answer `prompts` with the target (greedy), appending to `out_path`; skips prompts
+    already answered. Yields the number of answered prompts after each batch."""
+    from tandem.engine import SamplingParams
+    from tandem.engine.tokenizer import ChatMessage
+
+    done = len(read_samples(out_path))
+    tok = engine.tokenizer
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), initial=done, unit="prompt", desc="self-distill")
+    for start in range(done, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        ids = [tok.encode_chat([ChatMessage(role="user", content=p)]) for p in chunk]
+        ids = [i[-1024:] for i in ids]
+        completions = engine.generate(ids, params)
+        with out_path.open("a") as f:
+            for p, c in zip(ids, completions):
+                f.write(json.dumps({"p": list(p), "a": list(c.output_ids)}) + "\n")
+        if bar is not None:
+            bar.update(len(chunk))
+        yield start + len(chunk)
+    if bar is not None:
+        bar.close()

@@ -1,0 +1,120 @@
+"""The draft head's training forward with EAGLE-3's training-time test (TTT).
+
+At inference, draft step s at position p consumes the draft's OWN hidden from step s-1 and
+attends to the true-feature keys of positions <= p - s plus the keys its previous steps wrote
+(one per step, on the diagonal). TTT reproduces exactly that during training, for every
+position at once, so the head learns to continue from its own outputs:
+
+    step 0, position t: input (f_t, x_{t+1}); keys K_0[0..t]
+    step s, position t: input (h_{s-1}[t-1], x_{t+1}); keys K_0[0..t-s] and K_j[t-s+j], j=1..s
+
+and every step's output at position t is trained to predict x_{t+2}. This module reuses the
+head's own submodules, so the trained weights are the ones inference runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.spec.head import EagleHead
+
+
+def _layer_inputs(head: EagleHead, emb: torch.Tensor, feat: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention input, residual) exactly as EagleHead.forward builds them."""
+    if head.cfg.kind == "eagle":
+        x = head.fc(torch.cat([emb, feat], dim=-1))
+        return x, x
+    if feat.shape[-1] != head.cfg.hidden_size:
+        feat = head.fc(feat)
+    return torch.cat([head.input_norm(emb), head.hidden_norm(feat)], dim=-1), feat
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x[:, t] -> x[:, t - by] along dim 1 (zeros where t < by)."""
+    if by == 0:
+        return x
+    out = torch.zeros_like(x)
+    out[:, by:] = x[:, :-by]
+    return out
+
+
+def ttt_forward(
+    head: EagleHead,
+    tokens: torch.Tensor,  # [B, T] int64, x_{t+1} for draft position t
+    features: torch.Tensor,  # [B, T, F] target features f_t
+    num_steps: int,
+) -> list[torch.Tensor]:
+    """Returns the draft hidden of each unrolled step, each [B, T, H]. Step s is meaningful
+    at positions t >= s."""
+    b, t_len = tokens.shape
+    heads = head.heads
+    d, hq, hkv = heads.head_dim, heads.local_heads, heads.local_kv_heads
+    group = hq // hkv
+    positions = torch.arange(t_len, device=tokens.device).repeat(b)  # [B*T]
+    emb = head.embed(tokens.reshape(-1)).view(b, t_len, -1).to(features.dtype)
+    causal = torch.ones(t_len, t_len, dtype=torch.bool, device=tokens.device).tril()
+    keys, values, outs = [], [], []
+    feat = features
+    for s in range(num_steps):
+        attn_in, residual = _layer_inputs(head, emb, feat)
+        q, k, v = head.attn.qkv(attn_in).split(head.attn.qkv.local_sizes(), dim=-1)
+        q, k = head.attn.rotary(positions, q.reshape(b * t_len, hq, d), k.reshape(b * t_len, hkv, d))
+        q = q.view(b, t_len, hq, d).transpose(1, 2)  # [B, Hq, T, D]
+        k = k.view(b, t_len, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+        v = v.view(b, t_len, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+        keys.append(k)
+        values.append(v)
+        scale = d**-0.5
+        # Scores against the true-feature keys of positions <= t - s.
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, Hq, T, T]
+        mask0 = _shift(causal.unsqueeze(0), s)[0] if s else causal
+        s0 = s0.masked_fill(~mask0, float("-inf"))
+        diag = [((q * _shift_t(keys[j], s - j)).sum(-1) * scale).unsqueeze(-1)  # [B, Hq, T, 1]
+                for j in range(1, s + 1)]
+        probs = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
+        # Rows t < s have no valid key among K_0 and may be all -inf: zero them (ignored).
+        probs = torch.nan_to_num(probs, nan=0.0)
+        o = probs[..., :t_len] @ values[0]
+        for idx, j in enumerate(range(1, s + 1)):
+            o = o + probs[..., t_len + idx : t_len + idx + 1] * _shift_t(values[j], s - j)
+        o = o.transpose(1, 2).reshape(b, t_len, hq * d)
+        h = residual + head.attn.o_proj(o)
+        h = h + head.mlp(head.post_attn_norm(h))
+        outs.append(h)
+        feat = _shift(h, 1)  # step s+1 at position t continues from step s at t-1
+    return outs
+
+
+def _shift_t(x: torch.Tensor, by: int) -> torch.Tensor:
+    """[B, H, T, D]: x[..., t, :] -> x[..., t - by, :]."""
+    if by == 0:
+        return x
+    out = torch.zeros_like(x)
+    out[:, :, by:] = x[:, :, :-by]
+    return out
+
+
+def ttt_loss(
+    head: EagleHead, outs: list[torch.Tensor], labels: torch.Tensor, mask: torch.Tensor,
+    t2d: torch.Tensor | None, step_decay: float = 0.8,
+) -> tuple[torch.Tensor, list[float]]:
+    """Cross-entropy of each step's prediction of x_{t+2} (labels [B, T] target ids, mask
+    [B, T] bool). t2d maps target ids to draft ids (-1 = not in the draft vocabulary, ignored).
+    Returns (loss, top-1 accuracy per step)."""
+    total = torch.zeros((), device=labels.device)
+    accs = []
+    draft_labels = labels if t2d is None else t2d[labels]
+    for s, h in enumerate(outs):
+        valid = mask.clone()
+        valid[:, :s] = False
+        valid &= draft_labels >= 0
+        if not valid.any():
+            accs.append(0.0)
+            continue
+        logp = head.log_probs(h[valid])  # [n, V_draft]
+        target = draft_labels[valid]
+        total = total + (step_decay**s) * F.nll_loss(logp, target)
+        accs.append((logp.argmax(-1) == target).float().mean().item())
+    return total, accs

@@ -1,0 +1,51 @@
+"""The training-time-test forward computes exactly what inference computes: step 0 equals the
+draft over true features, and step s at position t equals the s-th chained draft step that
+continues from the head's own hidden (same keys, same positions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tiny import save_tiny
+from tandem.engine import EngineConfig, LLMEngine, SeqSlice, build_metadata
+from tandem.spec import DraftHeadConfig, DraftRunner, draft_kv_group, dummy_head, target_features
+from tandem.spec.ttt import ttt_forward
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_ttt_matches_chained_inference(tmp_path, kind):
+    path, _ = save_tiny("llama", tmp_path)
+    base = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4))
+    model = base.model
+    head = dummy_head(DraftHeadConfig.like_target(model.cfg, kind), model, torch.float32,
+                      torch.device("cpu"), 512, seed=3)
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_pages=64, page_size=4),
+                    model, extra_kv_groups=[draft_kv_group(head)])
+    draft = DraftRunner(head, eng.kv_pool, eng.runner.backend)
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 256, (14,), generator=g)
+    # Target features of the sequence.
+    from tandem.engine import ForwardBatch
+
+    pages = eng.allocator.alloc(8)
+    lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=14)], 4)
+    out = eng.runner.forward(ForwardBatch(input_ids=seq, positions=lay.positions, attn=lay.attn,
+                                          logits_indices=torch.tensor([0]),
+                                          capture_layers=head.cfg.feature_layers))
+    feats = target_features(out, head)  # [14, F]
+    tokens = seq[1:]  # x_{t+1} for draft position t, t = 0..12
+    steps = 3
+    with torch.no_grad():
+        outs = ttt_forward(head, tokens[None], feats[:13][None], steps)
+    t = 9  # check position t of every step
+    for s in range(steps):
+        # Inference: true-feature pairs for positions < t - s, then s chained steps.
+        p0 = t - s
+        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=p0 + 1)], 4)
+        h = draft.forward(tokens[: p0 + 1], feats[: p0 + 1], lay)[-1:]
+        for j in range(1, s + 1):
+            lay = build_metadata([SeqSlice(page_ids=pages, num_cached=p0 + j, num_new=1)], 4)
+            h = draft.forward(tokens[p0 + j : p0 + j + 1], h, lay)
+        torch.testing.assert_close(outs[s][0, t], h[0], atol=1e-5, rtol=1e-5,
+                                   msg=f"step {s}")
