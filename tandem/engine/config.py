@@ -244,6 +244,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # chunked-prefill token budget per forward
     max_model_len: int | None = None  # None: the model's own context
     seed: int = 0
+    cuda_graphs: bool = True  # replay pure-decode steps from CUDA graphs (CUDA + FlashInfer only)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -257,6 +258,8 @@ class EngineConfig:
                 raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"num_pages: need at least 2 pages, got {self.num_pages}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len: must be positive, got {self.max_model_len}")
 

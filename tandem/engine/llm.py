@@ -15,9 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.attention.backend import create_backend
+from tandem.engine.attention.backend import AttentionShape, create_backend
 from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.engine.config import EngineConfig, ModelConfig
+from tandem.engine.cuda_graphs import (
+    DecodeGraphRunner,
+    graph_batch_sizes,
+    pad_decode_slices,
+    padded_batch_size,
+)
 from tandem.engine.kv_cache import KVGroupSpec, KVPool, PageAllocator
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.models.decoder import DecoderLM
@@ -60,6 +66,12 @@ def kv_groups_for(model: DecoderLM) -> list[KVGroupSpec]:
                         num_kv_heads=heads.local_kv_heads, head_dim=cfg.head_dim)]
 
 
+def attention_shape_for(model: DecoderLM, dtype: torch.dtype) -> AttentionShape:
+    heads = model.heads
+    return AttentionShape(num_qo_heads=heads.local_heads, num_kv_heads=heads.local_kv_heads,
+                          head_dim=heads.head_dim, dtype=dtype, scale=heads.head_dim**-0.5)
+
+
 class LLMEngine:
     def __init__(
         self, engine_cfg: EngineConfig, model: DecoderLM, tokenizer: object | None = None,
@@ -78,7 +90,14 @@ class LLMEngine:
         self.kv_pool = KVPool(groups, num_pages, engine_cfg.page_size, dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.runner = ModelRunner(model, self.kv_pool, create_backend(
-            engine_cfg.attention_backend, self.device))
+            engine_cfg.attention_backend, self.device, attention_shape_for(model, dtype)))
+        self.graphs: DecodeGraphRunner | None = None
+        if (engine_cfg.cuda_graphs and self.device.type == "cuda"
+                and hasattr(self.runner.backend, "graph_decode_planner")):
+            self.graphs = DecodeGraphRunner(
+                self.runner, graph_batch_sizes(engine_cfg.max_num_seqs),
+                max_pages_per_seq=-(-self.max_model_len // engine_cfg.page_size))
+            self.graphs.capture()
         self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
                                    engine_cfg.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -154,23 +173,34 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
-        batch = self._build_batch(plan)
-        out = self.runner.forward(batch)
+        graph_bs = self._graph_batch_size(plan)
+        batch = self._build_batch(plan, graph_bs or len(plan.chunks))
+        if graph_bs is not None and self.graphs is not None:
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.runner.forward(batch).logits
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [self.scheduler.requests[c.req_id] for c in sampling]
-        tokens = self.sampler.sample(out.logits, [r.params for r in reqs],
+        tokens = self.sampler.sample(logits, [r.params for r in reqs],
                                      [r.generator for r in reqs])
         self.scheduler.commit(plan)
         token_list = tokens.tolist()  # SYNC: the one host sync per step (stop checks need ids)
         return [self._append(r, t) for r, t in zip(reqs, token_list)]
 
-    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
-        layout = build_metadata(
-            [SeqSlice(page_ids=c.page_ids, num_cached=c.num_cached, num_new=len(c.token_ids))
-             for c in plan.chunks],
-            self.cfg.page_size, self.device,
-        )
+    def _graph_batch_size(self, plan: StepPlan) -> int | None:
+        """The padded size of a CUDA graph that can run this step, or None (eager)."""
+        if self.graphs is None or any(len(c.token_ids) != 1 for c in plan.chunks):
+            return None
+        return padded_batch_size(len(plan.chunks), self.graphs.batch_sizes)
+
+    def _build_batch(self, plan: StepPlan, num_rows: int) -> ForwardBatch:
+        """Rows beyond the plan's chunks (CUDA-graph padding) write only the scratch page."""
+        slices = [SeqSlice(page_ids=c.page_ids, num_cached=c.num_cached,
+                           num_new=len(c.token_ids)) for c in plan.chunks]
+        layout = build_metadata(pad_decode_slices(slices, num_rows) if num_rows > len(slices)
+                                else slices, self.cfg.page_size, self.device)
         input_ids = [t for c in plan.chunks for t in c.token_ids]
+        input_ids += [0] * (num_rows - len(plan.chunks))  # padding rows (graph batches only)
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
         logits_rows = [end - 1 for c, end in zip(plan.chunks, ends) if c.samples]
         return ForwardBatch(

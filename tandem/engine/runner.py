@@ -9,6 +9,7 @@ belongs to the `KVPool` it was given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,10 +46,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         plan = self.backend.plan(batch.attn)
+        return self.forward_planned(batch.input_ids, batch.positions, plan,
+                                    batch.logits_indices, batch.capture_layers)
+
+    @torch.inference_mode()
+    def forward_planned(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Any,
+        logits_indices: torch.Tensor | None, capture_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """The forward after planning (what `DecodeGraphRunner` captures). input_ids,
+        positions [T] int64; logits_indices [n] int64, or None for logits of every row."""
         group = self.kv_group
         ctx = ForwardContext(
             backend=self.backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i)
         )
-        out = self.model(batch.input_ids, batch.positions, ctx, batch.capture_layers)
-        logits = self.model.compute_logits(out.hidden[batch.logits_indices])
+        out = self.model(input_ids, positions, ctx, capture_layers)
+        rows = out.hidden if logits_indices is None else out.hidden[logits_indices]
+        logits = self.model.compute_logits(rows)
         return ForwardOutput(logits=logits, hidden=out.hidden, aux_hidden=out.aux_hidden)

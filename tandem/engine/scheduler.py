@@ -57,6 +57,26 @@ class Scheduler:
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """Admit a request whose KV already sits in `req.page_ids` (handed off by a prefill
+        worker): it joins the running set directly, past every queue."""
+        if req.req_id in self.requests:
+            raise ValueError(f"req_id: '{req.req_id}' is already in the engine")
+        self.requests[req.req_id] = req
+        self.running.append(req)
+
+    def detach(self, req: Request) -> list[int]:
+        """Remove a request WITHOUT freeing its pages; the caller now owns them (a prefill
+        worker keeps them until their transfer has completed) and must free them."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        del self.requests[req.req_id]
+        pages = list(req.page_ids)
+        req.page_ids.clear()
+        return pages
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

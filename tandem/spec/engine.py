@@ -21,16 +21,17 @@ import torch
 
 from tandem.engine.attention.metadata import SeqSlice, build_metadata, tree_mask
 from tandem.engine.config import EngineConfig
-from tandem.engine.llm import LLMEngine
+from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
-from tandem.engine.request import FinishReason, RequestOutput
+from tandem.engine.request import FinishReason, Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import StepPlan
 from tandem.spec.accept import accept
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
 from tandem.spec.extend import compact_accepted_path, draft_extend, draft_prefill, make_extend_input
+from tandem.spec.handoff import PrefillHandoff
 from tandem.spec.head import EagleHead
 from tandem.spec.phases import DraftInput, DraftSeed, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
@@ -78,6 +79,8 @@ class SpecEngine(LLMEngine):
         self.spec, self.head = spec, head
         self.draft = DraftRunner(head, self.kv_pool, self.runner.backend)
         self.seeds: dict[str, DraftSeed] = {}  # owned here: one per decoding request
+        self.handoff_only: set[str] = set()  # prefill-only requests still prefilling
+        self.handoffs: dict[str, PrefillHandoff] = {}  # prefilled, waiting to be taken
         self.spec_stats = SpecStats()
         self.capture = head.cfg.feature_layers
 
@@ -128,7 +131,7 @@ class SpecEngine(LLMEngine):
             del self.seeds[rid]
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
-        batch = self._build_batch(plan)
+        batch = self._build_batch(plan, len(plan.chunks))  # eager: no graph padding
         batch = ForwardBatch(input_ids=batch.input_ids, positions=batch.positions,
                              attn=batch.attn, logits_indices=batch.logits_indices,
                              capture_layers=self.capture)
@@ -160,11 +163,80 @@ class SpecEngine(LLMEngine):
             ids, logp = self.head.topk(hidden[end - 1 : end], self.spec.topk)
             result = self._append(req, sampled[c.req_id])
             outputs.append(result)
-            if not result.finished:
-                self.seeds[c.req_id] = DraftSeed(
-                    num_cached=req.num_computed, last_token=sampled[c.req_id],
-                    topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[end - 1])
+            seed = DraftSeed(num_cached=req.num_computed, last_token=sampled[c.req_id],
+                             topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[end - 1])
+            if c.req_id in self.handoff_only:
+                self._hand_off(req, seed, result.finished)
+            elif not result.finished:
+                self.seeds[c.req_id] = seed
         return outputs
+
+    # ---- disaggregation: prefill-only requests out, prefilled requests in ---------------------
+
+    def add_prefill_request(self, prompt_ids, params, req_id: str) -> str:
+        """Prefill only: when the prompt is done (first token sampled, draft prefilled) the
+        request leaves this engine as a `PrefillHandoff` (see `take_handoffs`) and its pages
+        stay allocated until `free_pages` -- the transfer may still be reading them."""
+        self.add_request(prompt_ids, params, req_id)
+        self.handoff_only.add(req_id)
+        return req_id
+
+    def _hand_off(self, req, seed: DraftSeed, finished: bool) -> None:
+        self.handoff_only.discard(req.req_id)
+        gen_state = b""
+        if req.generator is not None:
+            gen_state = bytes(req.generator.get_state().numpy().tobytes())
+        pages: tuple[int, ...] = ()
+        if not finished:  # a finished request already gave its pages back
+            pages = tuple(self.scheduler.detach(req))
+            self._detok.pop(req.req_id, None)
+        self.handoffs[req.req_id] = PrefillHandoff(
+            req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), first_token=req.output_ids[0],
+            seed=seed, page_ids=pages, generator_state=gen_state, finished=finished)
+
+    def take_handoffs(self) -> list[PrefillHandoff]:
+        out = list(self.handoffs.values())
+        self.handoffs.clear()
+        return out
+
+    def free_pages(self, page_ids) -> None:
+        """Return a handed-off request's pages once its transfer can no longer read them."""
+        self.allocator.free(page_ids)
+
+    def admit_prefilled(
+        self, req_id: str, prompt_ids, params, first_token: int, seed: DraftSeed,
+        page_ids, generator_state: bytes = b"",
+    ) -> RequestOutput:
+        """Take in a request whose prompt KV (target and draft) already sits in `page_ids` of
+        this engine's pool: it joins the speculative loop at position len(prompt_ids). The
+        first token goes through the same stop checks and streaming as any other."""
+        prompt_ids = list(prompt_ids)
+        validate_prompt(prompt_ids, self.model_cfg.vocab_size, self.max_model_len)
+        if seed.num_cached != len(prompt_ids) or seed.last_token != first_token:
+            raise ValueError(
+                f"seed: describes {seed.num_cached} cached tokens / last token "
+                f"{seed.last_token}, the request has {len(prompt_ids)} / {first_token}"
+            )
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            if generator_state:
+                gen.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+            else:
+                gen.manual_seed(params.seed or 0)
+        max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
+        req = Request(req_id=req_id, prompt_ids=prompt_ids, params=params,
+                      max_total_len=max_total, generator=gen, page_ids=list(page_ids),
+                      num_computed=len(prompt_ids))
+        self.scheduler.add_running(req)
+        if self.tokenizer is not None:
+            from tandem.engine.tokenizer import IncrementalDetokenizer
+
+            self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
+        out = self._append(req, first_token)
+        if not out.finished:
+            self.seeds[req_id] = seed
+        return out
 
     def _spec_round(self, req_ids: list[str]) -> list[RequestOutput]:
         # Pages for everything this round may write past the committed tokens. Requests are

@@ -1,6 +1,11 @@
 """Attention: per-forward metadata builders and the backends that consume them."""
 
-from tandem.engine.attention.backend import AttentionBackend, available_backends, create_backend
+from tandem.engine.attention.backend import (
+    AttentionBackend,
+    AttentionShape,
+    available_backends,
+    create_backend,
+)
 from tandem.engine.attention.metadata import (
     AttentionMetadata,
     BatchLayout,
@@ -13,6 +18,7 @@ from tandem.engine.attention.metadata import (
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionShape",
     "BatchLayout",
     "SeqSlice",
     "available_backends",

@@ -9,11 +9,23 @@ importing tandem on a CPU machine never touches FlashInfer.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from tandem.engine.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionShape:
+    """The per-rank attention geometry a backend plans for (fixed for a model)."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # of q, k, v and the KV pages
+    scale: float  # softmax scale, head_dim ** -0.5 for every supported family
 
 
 class AttentionBackend(Protocol):
@@ -46,8 +58,11 @@ def available_backends() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks FlashInfer on CUDA and the torch reference elsewhere."""
+def create_backend(
+    name: str, device: torch.device, shape: AttentionShape | None = None
+) -> AttentionBackend:
+    """`auto` picks FlashInfer on CUDA and the torch reference elsewhere. `shape` is required
+    by backends that plan kernels ahead (FlashInfer); the reference ignores it."""
     if name == "auto":
         name = "flashinfer" if device.type == "cuda" else "torch"
     if name not in _REGISTRY:
@@ -57,4 +72,4 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise RuntimeError(f"attention backend '{name}' is not available here: {exc}") from exc
-    return getattr(module, cls_name)(device=device)
+    return getattr(module, cls_name)(device=device, shape=shape)

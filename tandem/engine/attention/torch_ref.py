@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.attention.backend import AttentionShape
 from tandem.engine.attention.metadata import AttentionMetadata, causal_mask
 
 
@@ -30,8 +31,8 @@ class ReferencePlan:
 class TorchReferenceBackend:
     name = "torch"
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, shape: AttentionShape | None = None) -> None:
+        self.device = device  # `shape` is not needed: everything is read off the tensors
 
     def plan(self, meta: AttentionMetadata) -> ReferencePlan:
         ps = meta.page_size

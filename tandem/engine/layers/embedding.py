@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import kernels
 from tandem.engine.layers.linear import check_shape
 from tandem.engine.parallel import ParallelGroup
 
@@ -58,5 +59,5 @@ class ParallelLMHead(nn.Module):
         self.weight.data.copy_(full[self.start : self.end])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, dim] -> [n, vocab] float32
-        logits = F.linear(hidden, self.head_weight()).float()
+        logits = kernels.linear(hidden, self.head_weight()).float()
         return self.tp.all_gather_last_dim(logits)

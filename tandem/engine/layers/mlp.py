@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import kernels
 from tandem.engine.layers.linear import (
     MergedColumnLinear,
     OutputPart,
@@ -24,8 +25,7 @@ from tandem.engine.parallel import ParallelGroup
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return kernels.silu_and_mul(gate_up)
 
 
 class DenseMLP(nn.Module):

@@ -9,6 +9,7 @@ import math
 import torch
 from torch import nn
 
+from tandem.engine import kernels
 from tandem.engine.config import RopeScaling
 
 
@@ -49,11 +50,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; q [T, Hq, D]; k [T, Hk, D] -> rotated (new tensors)."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return kernels.rotary(positions, q, k, self.cos, self.sin)

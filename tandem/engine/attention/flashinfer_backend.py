@@ -1,0 +1,202 @@
+"""The FlashInfer attention backend (CUDA): paged decode, paged causal prefill and
+custom-mask (tree) verify, planned once per forward from the same `AttentionMetadata` the
+torch reference reads.
+
+Planning reads only the metadata's host (`_cpu`) tensors and hands FlashInfer the device page
+ids, so `plan()` never waits on the GPU. New K/V go into the pages with one Triton kernel
+(`kernels.store_kv`) before the attention kernel runs, so a token attends to itself.
+
+Decode always runs through fixed-batch-size ("CUDA graph mode") wrappers, in eager steps too:
+for a given batch size an eager decode and a replayed graph launch the same kernels with the
+same KV split, so greedy outputs with and without CUDA graphs are bitwise equal.
+flashinfer is imported when the backend is constructed, never at tandem import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine import kernels
+from tandem.engine.attention.backend import AttentionShape
+from tandem.engine.attention.metadata import AttentionMetadata
+
+FLOAT_WORKSPACE_BYTES = 128 << 20  # split-KV partial outputs; FlashInfer's recommended size
+INT_WORKSPACE_BYTES = 8 << 20  # scheduler metadata; FlashInfer's own default
+
+
+class _Epoch:
+    """A counter one planner bumps on every plan; a plan is valid while its epoch is current
+    (wrappers and workspaces are shared, so planning the next forward invalidates the last)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class FlashInferPlan:
+    wrapper: Any  # the planned FlashInfer wrapper (decode or prefill)
+    slot_ids: torch.Tensor  # [T] int64, page * page_size + offset of each new K/V
+    epoch: _Epoch  # the planner's counter ...
+    planned_at: int  # ... and its value when this plan was made
+
+
+class _UploadGuard:
+    """FlashInfer's plan() writes scheduler metadata into a pinned host buffer and queues an
+    async copy to the device; the next plan() must not overwrite that buffer before the copy
+    ran. An event recorded after each plan is waited for before the next one."""
+
+    def __init__(self) -> None:
+        self._event: torch.cuda.Event | None = None
+
+    def before_plan(self) -> None:
+        if self._event is not None:
+            # SYNC: waits only for the previous plan's upload (queued before the previous
+            # forward's kernels); a no-op in the engine loop, which syncs once per step anyway.
+            self._event.synchronize()
+
+    def after_plan(self) -> None:
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record()
+
+
+class DecodeWrappers:
+    """Owns fixed-batch-size FlashInfer decode wrappers (one per batch size, created on first
+    use) and every buffer they plan into: page-table buffers (indptr [B+1], page ids
+    [capacity], last-page lengths [B]), the new-token slots [B], and one int workspace with its
+    pinned host mirror shared by all wrappers.
+
+    Invariants: only the latest plan is valid (shared buffers); `plan()` reads host tensors
+    and copies device page ids device-to-device, never syncing on compute. With
+    `growable=False` (CUDA graphs) buffers never move, so captured graphs stay valid; a batch
+    beyond the capacity raises instead of reallocating."""
+
+    def __init__(
+        self, fi: Any, float_workspace: torch.Tensor, shape: AttentionShape,
+        device: torch.device, max_batch_size: int, max_num_pages: int, growable: bool,
+    ) -> None:
+        self._fi, self._float_ws, self.shape, self.device = fi, float_workspace, shape, device
+        self.growable = growable
+        self._int_ws = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._int_ws_host = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                        pin_memory=True)
+        self._epoch, self._guard = _Epoch(), _UploadGuard()
+        self._allocate(max_batch_size, max_num_pages)
+
+    def _allocate(self, max_batch_size: int, max_num_pages: int) -> None:
+        dev = self.device
+        self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
+        self._indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev)  # [B+1]
+        self._last_len = torch.ones(max_batch_size, dtype=torch.int32, device=dev)  # [B]
+        self._page_ids = torch.zeros(max_num_pages, dtype=torch.int32, device=dev)  # [cap]
+        self._slot_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)  # [B]
+        self._wrappers: dict[int, Any] = {}
+
+    def _wrapper(self, batch_size: int) -> Any:
+        w = self._wrappers.get(batch_size)
+        if w is None:
+            w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=self._indptr[: batch_size + 1],
+                paged_kv_indices_buffer=self._page_ids,
+                paged_kv_last_page_len_buffer=self._last_len[:batch_size],
+                backend="fa2",
+            )
+            # Share one int workspace (and its pinned mirror) across batch sizes instead of
+            # 8+8 MiB each; safe because only the latest plan is ever run (see the guard).
+            if hasattr(w, "_int_workspace_buffer") and hasattr(w, "_pin_memory_int_workspace_buffer"):
+                w._int_workspace_buffer = self._int_ws
+                w._pin_memory_int_workspace_buffer = self._int_ws_host
+            self._wrappers[batch_size] = w
+        return w
+
+    def plan(self, meta: AttentionMetadata) -> FlashInferPlan:
+        if not meta.is_decode:
+            raise ValueError("DecodeWrappers.plan: metadata is not a pure decode batch")
+        bs, num_pages = meta.num_seqs, meta.kv_page_ids_cpu.numel()
+        if bs > self.max_batch_size or num_pages > self.max_num_pages:
+            if not self.growable:
+                raise ValueError(
+                    f"decode batch of {bs} sequences over {num_pages} pages exceeds the CUDA "
+                    f"graph buffers ({self.max_batch_size} sequences, {self.max_num_pages} pages)"
+                )
+            self._allocate(max(bs, self.max_batch_size), max(num_pages, 2 * self.max_num_pages))
+        s = self.shape
+        self._guard.before_plan()
+        self._wrapper(bs).plan(
+            meta.kv_page_indptr_cpu, meta.kv_page_ids, meta.kv_last_page_len_cpu,
+            s.num_qo_heads, s.num_kv_heads, s.head_dim, meta.page_size,
+            q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale, non_blocking=True,
+        )
+        self._guard.after_plan()
+        slots = self._slot_ids[:bs]  # [bs] int64, a fixed address for graph replay
+        slots.copy_(meta.slot_ids, non_blocking=True)
+        self._epoch.value += 1
+        return FlashInferPlan(wrapper=self._wrappers[bs], slot_ids=slots, epoch=self._epoch,
+                              planned_at=self._epoch.value)
+
+
+class FlashInferBackend:
+    """Owns the FlashInfer float workspace, the eager decode wrappers and the prefill/verify
+    wrapper. Graph decode wrappers (`graph_decode_planner`) share the float workspace: only
+    one forward runs at a time on the device's stream."""
+
+    name = "flashinfer"
+
+    def __init__(self, device: torch.device, shape: AttentionShape | None = None) -> None:
+        if shape is None:
+            raise ValueError("FlashInferBackend: needs the model's AttentionShape to plan")
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"FlashInferBackend: needs a CUDA device, got {device}")
+        import flashinfer  # lazy: GPU-only dependency
+
+        self._fi, self.device, self.shape = flashinfer, torch.device(device), shape
+        # Zeroed once: FlashInfer requires a zero-initialised float workspace on first use.
+        self._float_ws = torch.zeros(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = DecodeWrappers(flashinfer, self._float_ws, shape, self.device,
+                                      max_batch_size=64, max_num_pages=4096, growable=True)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._float_ws, "NHD", backend="fa2")
+        self._prefill_epoch, self._prefill_guard = _Epoch(), _UploadGuard()
+
+    def graph_decode_planner(self, max_batch_size: int, max_num_pages: int) -> DecodeWrappers:
+        """Decode wrappers whose buffers never move, for CUDA graphs (see `DecodeGraphRunner`)."""
+        return DecodeWrappers(self._fi, self._float_ws, self.shape, self.device,
+                              max_batch_size, max_num_pages, growable=False)
+
+    def plan(self, meta: AttentionMetadata) -> FlashInferPlan:
+        if meta.is_decode:
+            return self._decode.plan(meta)
+        s = self.shape
+        self._prefill_guard.before_plan()
+        # Prefill chunks, ragged batches and tree verify: causal, or the packed custom mask
+        # (FlashInfer's own row-major per-sequence layout, which the builder already uses).
+        self._prefill.plan(
+            meta.qo_indptr_cpu, meta.kv_page_indptr_cpu, meta.kv_page_ids,
+            meta.kv_last_page_len_cpu, s.num_qo_heads, s.num_kv_heads, s.head_dim,
+            meta.page_size, custom_mask=meta.custom_mask, causal=meta.custom_mask is None,
+            sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True,
+        )
+        self._prefill_guard.after_plan()
+        self._prefill_epoch.value += 1
+        return FlashInferPlan(wrapper=self._prefill, slot_ids=meta.slot_ids,
+                              epoch=self._prefill_epoch, planned_at=self._prefill_epoch.value)
+
+    def forward(
+        self, plan: FlashInferPlan, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, scale: float,
+    ) -> torch.Tensor:
+        """kv_cache [num_pages, 2, page_size, Hkv, D] (this layer's; written); q [T, Hq, D];
+        k, v [T, Hkv, D] -> [T, Hq, D]."""
+        if plan.epoch.value != plan.planned_at:
+            raise RuntimeError("FlashInferBackend: a newer plan replaced this one "
+                               "(plans are valid for one forward)")
+        if scale != self.shape.scale:
+            raise ValueError(f"scale: {scale} differs from the planned {self.shape.scale}")
+        kernels.store_kv(kv_cache, k, v, plan.slot_ids)
+        return plan.wrapper.run(q.contiguous(), kv_cache)

@@ -1,0 +1,120 @@
+"""CUDA graphs for decode steps.
+
+A decode step of a small batch is a few hundred short kernels; launching them from Python
+costs more than running them. `DecodeGraphRunner` captures the whole decode forward (embed ->
+layers -> logits) once per padded batch size and replays it. A batch of n sequences runs in
+the graph of the smallest captured size >= n; the caller pads the batch with
+`pad_decode_slices`, whose rows attend to and write only the reserved scratch page 0.
+
+Attention is planned (host work) before each replay into buffers that never move (the
+backend's `graph_decode_planner`), so the captured kernels read the new page tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine.attention.metadata import SeqSlice, build_metadata
+from tandem.engine.runner import ForwardBatch, ModelRunner
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+SCRATCH_PAGE = 0  # reserved by the PageAllocator; padding rows live here
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The padded sizes to capture for a scheduler that runs at most max_num_seqs sequences."""
+    sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < max_num_seqs)
+    return sizes + (max_num_seqs,)
+
+
+def padded_batch_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds num_seqs rows, or None if none does."""
+    fits = [b for b in sizes if b >= num_seqs]
+    return min(fits) if fits else None
+
+
+def pad_decode_slices(slices: Sequence[SeqSlice], batch_size: int) -> list[SeqSlice]:
+    """`slices` plus padding rows up to batch_size: one token at position 0 whose K/V go to
+    the scratch page and who attends only to itself. Their logits are never read."""
+    if len(slices) > batch_size:
+        raise ValueError(f"batch_size: {batch_size} < {len(slices)} sequences")
+    pad = SeqSlice(page_ids=(SCRATCH_PAGE,), num_cached=0, num_new=1)
+    return list(slices) + [pad] * (batch_size - len(slices))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    plan: Any  # the attention plan the graph was captured with (its fixed buffers)
+    logits: torch.Tensor  # [B, V] float32, written by every replay
+
+
+class DecodeGraphRunner:
+    """Owns the decode CUDA graphs, their memory pool, static inputs (token ids [B_max] and
+    positions [B_max], int64) and outputs (logits per graph), and the attention wrappers they
+    replay (from `backend.graph_decode_planner`).
+
+    Invariants: a caller's tensors are only read (copied into the static inputs); `run`
+    returns a new tensor, never a view of a graph's output; padding rows touch only the
+    scratch page; nothing is re-captured, so buffers keep their addresses for life."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int],
+                 max_pages_per_seq: int) -> None:
+        planner_factory = getattr(runner.backend, "graph_decode_planner", None)
+        if planner_factory is None:
+            raise ValueError(f"attention backend '{runner.backend.name}' cannot replay graphs")
+        self.runner = runner
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        max_bs = self.batch_sizes[-1]
+        self.page_size = runner.kv_pool.page_size
+        device = runner.kv_pool.layer(runner.kv_group, 0).device
+        self._planner = planner_factory(max_bs, max_bs * max_pages_per_seq)
+        self._input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
+        self._positions = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
+        self._graphs: dict[int, _Captured] = {}
+        self._pool: Any = None
+
+    def capture(self) -> None:
+        """Capture every batch size, largest first (smaller graphs reuse its pool memory).
+        Each size runs once eagerly first: Triton compiles and tunes, cuBLAS picks kernels."""
+        device = self._input_ids.device
+        for bs in reversed(self.batch_sizes):
+            meta = build_metadata(pad_decode_slices([], bs), self.page_size, device).attn
+            plan = self._planner.plan(meta)
+            ids, pos = self._input_ids[:bs], self._positions[:bs]
+            self.runner.forward_planned(ids, pos, plan, None)
+            torch.cuda.synchronize(device)  # SYNC: once per size, at start-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.runner.forward_planned(ids, pos, plan, None)
+            self._pool = graph.pool()
+            self._graphs[bs] = _Captured(graph=graph, plan=plan, logits=out.logits)
+        torch.cuda.synchronize(device)  # SYNC: start-up only
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.attn.is_decode and batch.attn.num_seqs in self._graphs
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Replay the graph of this (padded) decode batch -> logits [n, V] float32 for
+        batch.logits_indices."""
+        attn = batch.attn
+        captured = self._graphs.get(attn.num_seqs)
+        if captured is None or not attn.is_decode:
+            raise ValueError(f"no graph for a {'decode' if attn.is_decode else 'non-decode'} "
+                             f"batch of {attn.num_seqs} (captured {self.batch_sizes})")
+        bs = attn.num_seqs
+        self._input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
+        self._positions[:bs].copy_(batch.positions, non_blocking=True)
+        plan = self._planner.plan(attn)  # rewrites the captured wrapper's buffers in place
+        assert plan.wrapper is captured.plan.wrapper and plan.slot_ids.data_ptr() == \
+            captured.plan.slot_ids.data_ptr()
+        captured.graph.replay()
+        return captured.logits[batch.logits_indices]  # advanced indexing: a new tensor
+
+    def replay_only(self, batch_size: int) -> None:
+        """Replay without re-planning (benchmarks: pure GPU time of a step)."""
+        self._graphs[batch_size].graph.replay()

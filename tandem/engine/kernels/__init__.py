@@ -1,0 +1,18 @@
+"""Fused kernels for the layers: Triton on CUDA, torch twins elsewhere (see `ops`)."""
+
+from tandem.engine.kernels.ops import (
+    KernelPolicy,
+    add_rms_norm,
+    current_policy,
+    kernel_policy,
+    linear,
+    rms_norm,
+    rotary,
+    silu_and_mul,
+    store_kv,
+)
+
+__all__ = [
+    "KernelPolicy", "add_rms_norm", "current_policy", "kernel_policy", "linear", "rms_norm",
+    "rotary", "silu_and_mul", "store_kv",
+]

@@ -1,0 +1,269 @@
+"""Triton kernels, one launch each where torch needs several. Imported only when a CUDA tensor
+(or a CPU test under TRITON_INTERPRET=1) asks for them; never at tandem import time.
+
+Every kernel has a twin in `torch_ops` with the same signature and semantics; arithmetic runs
+in float32 and rounds once, so results equal the twin within bf16 rounding (not bitwise).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- RMSNorm, optionally fused with the residual add ----------------------------------------
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    stride_x, stride_r, stride_o, stride_s, n_cols, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        # The sum is rounded to the model dtype before the statistics, as HF does.
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=mask,
+                                        other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
+    normed = (x32 * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] (last dim contiguous), weight [H] -> new [..., H]."""
+    x2 = x.reshape(-1, x.shape[-1])  # [R, H]
+    out = torch.empty_like(x2)
+    _launch_norm(x2, None, weight, out, None, eps)
+    return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] -> (rms_norm(x + residual), x + residual), both new tensors."""
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    _launch_norm(x, residual, weight, out, summed, eps)
+    return out, summed
+
+
+def _launch_norm(x, res, w, out, summed, eps: float) -> None:
+    rows, cols = x.shape
+    if rows == 0:
+        return
+    assert x.stride(-1) == 1 and w.is_contiguous()
+    block = triton.next_power_of_2(cols)
+    _rms_norm_kernel[(rows,)](
+        x, res if res is not None else x, w, out, summed if summed is not None else out,
+        x.stride(0), res.stride(0) if res is not None else 0, out.stride(0),
+        summed.stride(0) if summed is not None else 0, cols, eps,
+        HAS_RES=res is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+
+
+# ---- rotary embedding (rotate-half layout) ---------------------------------------------------
+
+@triton.jit
+def _rope_heads(
+    x_ptr, out_ptr, t, cos, sin, stride_xt, stride_xh, n_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    d = tl.arange(0, HALF)[None, :]
+    h = tl.arange(0, BLOCK_H)[:, None]
+    mask = h < n_heads
+    src = x_ptr + t * stride_xt + h * stride_xh + d
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    dst = out_ptr + (t * n_heads + h) * (2 * HALF) + d
+    tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=mask)
+    tl.store(dst + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, n_q_heads, n_k_heads, stride_cos,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Program (t, 0) rotates token t's query heads, (t, 1) its key heads."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + d)[None, :]  # [1, HALF] float32
+    sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
+    if tl.program_id(1) == 0:
+        _rope_heads(q_ptr, q_out_ptr, t, cos, sin, stride_qt, stride_qh, n_q_heads,
+                    HALF, BLOCK_H)
+    else:
+        _rope_heads(k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh, n_k_heads,
+                    HALF, BLOCK_H)
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] int64; q [T, Hq, D], k [T, Hk, D] (views of the qkv output are fine: only
+    the last dim must be contiguous); cos/sin [max_position, D] float32 -> new q, k."""
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # [T, Hk, D]
+    num_tokens, _, d = q.shape
+    if num_tokens == 0:
+        return q_out, k_out
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.is_contiguous()
+    assert rotary_supported(d), f"head_dim {d}: the Triton rope needs a power of two"
+    _rope_kernel[(num_tokens, 2)](
+        q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), q.shape[1], k.shape[1], cos.stride(0),
+        HALF=d // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), num_warps=4,
+    )
+    return q_out, k_out
+
+
+def rotary_supported(head_dim: int) -> bool:
+    return head_dim >= 4 and head_dim & (head_dim - 1) == 0
+
+
+# ---- writing new K/V into pages ---------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_vt, page_size,
+    ROW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)  # int64
+    page, offset = slot // page_size, slot % page_size
+    # [num_pages, 2, page_size, Hkv*D]: K plane then V plane inside each page.
+    base = cache_ptr + (page * 2 * page_size + offset) * ROW
+    cols = tl.arange(0, BLOCK)
+    mask = cols < ROW
+    tl.store(base + cols, tl.load(k_ptr + t * stride_kt + cols, mask=mask), mask=mask)
+    tl.store(base + page_size * ROW + cols, tl.load(v_ptr + t * stride_vt + cols, mask=mask),
+             mask=mask)
+
+
+def store_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_ids: torch.Tensor
+) -> None:
+    """kv_cache [num_pages, 2, page_size, Hkv, D] contiguous (written); k, v [T, Hkv, D] with
+    each token's [Hkv, D] block contiguous; slot_ids [T] int64."""
+    num_tokens, hkv, d = k.shape
+    if num_tokens == 0:
+        return
+    assert kv_cache.is_contiguous() and slot_ids.dtype == torch.int64
+    for x in (k, v):
+        assert x.stride(2) == 1 and x.stride(1) == d, "each token's [Hkv, D] must be contiguous"
+    row = hkv * d
+    _store_kv_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_ids, k.stride(0), v.stride(0), kv_cache.shape[2],
+        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
+    )
+
+
+# ---- SwiGLU activation -------------------------------------------------------------------------
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g32 = g.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype).to(tl.float32)  # F.silu rounds here too
+    tl.store(out_ptr + row * stride_o + cols, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> new [T, I]
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0:
+        return out
+    assert gate_up.stride(-1) == 1
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+# ---- matrix-vector product (decode at batch 1) -------------------------------------------------
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, n_rows, n_cols, stride_w,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, EVEN: tl.constexpr,
+):
+    """out[n] = sum_k w[n, k] * x[k]; each program streams BLOCK_N whole rows of w."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for i in range(NUM_K):  # NUM_K = cdiv(n_cols, BLOCK_K), a constant per weight shape
+        cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN:
+            w = tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols)
+        else:
+            m = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+            w = tl.load(row_ptr + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < n_rows)
+
+
+# (BLOCK_N, BLOCK_K, num_warps) candidates; `gemv_config` picks per shape on first use.
+GEMV_CONFIGS = ((8, 512, 4), (16, 256, 4), (4, 1024, 4), (8, 1024, 8), (16, 512, 8),
+                (2, 2048, 4), (32, 256, 8))
+_gemv_best: dict[tuple[int, int, str], tuple[int, int, int]] = {}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None
+         ) -> torch.Tensor:
+    """x [1, K] (contiguous), weight [N, K] (rows contiguous) -> new [1, N]."""
+    n_rows, n_cols = weight.shape
+    assert x.shape == (1, n_cols) and x.is_contiguous() and weight.stride(1) == 1
+    out = torch.empty(1, n_rows, dtype=x.dtype, device=x.device)
+    if config is None:
+        config = gemv_config(n_rows, n_cols, weight)
+    block_n, block_k, warps = config
+    _gemv_kernel[(triton.cdiv(n_rows, block_n),)](
+        x, weight, out, n_rows, n_cols, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        NUM_K=triton.cdiv(n_cols, block_k), EVEN=(n_rows % block_n == 0 and n_cols % block_k == 0), num_warps=warps,
+    )
+    return out
+
+
+def gemv_config(n_rows: int, n_cols: int, weight: torch.Tensor) -> tuple[int, int, int]:
+    """The fastest config for this shape, timed once per process (interpreter: the first).
+    Timing syncs the device: it happens in warm-up, never inside a captured graph."""
+    key = (n_rows, n_cols, str(weight.dtype))
+    best = _gemv_best.get(key)
+    if best is not None:
+        return best
+    if INTERPRET or weight.device.type != "cuda":
+        best = GEMV_CONFIGS[0]
+    else:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gemv {key}: not tuned before CUDA graph capture")
+        x = torch.randn(1, n_cols, dtype=weight.dtype, device=weight.device)
+        times = {}
+        for cfg in GEMV_CONFIGS:
+            times[cfg] = triton.testing.do_bench(lambda c=cfg: gemv(x, weight, c), warmup=5,
+                                                 rep=20)
+        best = min(times, key=times.__getitem__)
+    _gemv_best[key] = best
+    return best

@@ -1,0 +1,87 @@
+"""The prefill -> decode hand-off of one request: the EAGLE seed as bytes (what travels in the
+transfer's aux slot) and the value a prefill engine hands to its transfer layer.
+
+Seed layout (little-endian):
+    header  <4sIIqqII   magic b"TSD1", version, topk, num_cached, last_token, hidden_size,
+                         len(generator state)
+    topk_ids    int64 [topk]
+    topk_logp   float32 [topk]
+    hidden      float32 [hidden_size]
+    gen_state   uint8 [n]   the request's sampling generator state (empty when greedy), so the
+                            decode side continues the exact random stream colocated would use
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tandem.spec.phases import DraftSeed
+
+_MAGIC = b"TSD1"
+_HEADER = struct.Struct("<4sIIqqII")
+
+
+class SeedFormatError(ValueError):
+    """Bytes that are not a seed (wrong magic, truncated)."""
+
+
+def encode_seed(seed: DraftSeed, generator_state: bytes = b"") -> bytes:
+    ids = seed.topk_ids.detach().to("cpu", torch.int64).numpy()
+    logp = seed.topk_logp.detach().to("cpu", torch.float32).numpy()
+    hidden = seed.hidden.detach().to("cpu", torch.float32).numpy()
+    header = _HEADER.pack(_MAGIC, 1, ids.shape[0], seed.num_cached, seed.last_token,
+                          hidden.shape[0], len(generator_state))
+    return header + ids.tobytes() + logp.tobytes() + hidden.tobytes() + generator_state
+
+
+def decode_seed(buf: bytes, device: torch.device, dtype: torch.dtype
+                ) -> tuple[DraftSeed, bytes]:
+    """-> (seed with hidden in `dtype` on `device`, generator state bytes)."""
+    if len(buf) < _HEADER.size:
+        raise SeedFormatError(f"seed: {len(buf)} bytes is shorter than its header")
+    magic, version, topk, num_cached, last, hidden_size, gen_len = _HEADER.unpack_from(buf)
+    if magic != _MAGIC or version != 1:
+        raise SeedFormatError(f"seed: bad magic/version {magic!r}/{version}")
+    need = _HEADER.size + topk * 12 + hidden_size * 4 + gen_len
+    if len(buf) < need:
+        raise SeedFormatError(f"seed: {len(buf)} bytes, header says {need}")
+    off = _HEADER.size
+    ids = np.frombuffer(buf, np.int64, topk, off)
+    off += topk * 8
+    logp = np.frombuffer(buf, np.float32, topk, off)
+    off += topk * 4
+    hidden = np.frombuffer(buf, np.float32, hidden_size, off)
+    off += hidden_size * 4
+    seed = DraftSeed(
+        num_cached=num_cached, last_token=last,
+        topk_ids=torch.from_numpy(ids.copy()).to(device),
+        topk_logp=torch.from_numpy(logp.copy()).to(device),
+        hidden=torch.from_numpy(hidden.copy()).to(device=device, dtype=dtype),
+    )
+    return seed, bytes(buf[off : off + gen_len])
+
+
+def seed_nbytes(topk: int, hidden_size: int, generator_state: int = 5056) -> int:
+    """Upper bound of an encoded seed (CPU mt19937 generator state is 5056 bytes)."""
+    return _HEADER.size + topk * 12 + hidden_size * 4 + generator_state
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class PrefillHandoff:
+    """A prefilled request, ready to move to a decode worker. Its pages stay allocated on the
+    prefill side until the transfer layer reports the transfer done (then `free_pages`)."""
+
+    req_id: str
+    prompt_ids: tuple[int, ...]
+    first_token: int
+    seed: DraftSeed
+    page_ids: tuple[int, ...]  # prefill-side pages holding the prompt's target and draft KV
+    generator_state: bytes  # empty when greedy
+    finished: bool  # the first token already ended the request (nothing to transfer)
+
+    def seed_bytes(self) -> bytes:
+        return encode_seed(self.seed, self.generator_state)
