@@ -162,6 +162,100 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _served_model_name(model: str) -> str:
+    from pathlib import Path
+
+    return Path(model).name if ("/" in model or Path(model).is_dir()) else model
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+    from pathlib import Path
+
+    from tandem.router import RouterConfig
+    from tandem.router.app import build_colocated_router, serve
+    from tandem.router.server import ServerConfig
+
+    token = args.auth_token if args.auth_token is not None else os.environ.get("TANDEM_AUTH_TOKEN")
+    server_cfg = ServerConfig(
+        host=args.host, port=args.port, auth_token=token or None,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        max_message_bytes=args.max_message_mib << 20)
+    router_cfg = RouterConfig(default_max_tokens=args.default_max_tokens,
+                              max_request_s=args.max_request_s,
+                              prefill_policy=args.prefill_policy, decode_policy=args.decode_policy)
+    engine_cfg = engine_config_from_args(args)
+    t0 = time.perf_counter()
+    if args.speculative:
+        from tandem.spec import SpecConfig, SpecEngine
+
+        engine = SpecEngine.from_config(engine_cfg, SpecConfig(
+            draft_model=args.draft_model, num_steps=args.num_draft_steps, topk=args.draft_topk))
+    else:
+        from tandem.engine import LLMEngine
+
+        engine = LLMEngine.from_config(engine_cfg)
+    model = args.served_model_name or _served_model_name(args.model)
+    router = build_colocated_router(engine, model=model, cfg=router_cfg)
+
+    def ready(server) -> None:
+        mode = "speculative" if args.speculative else "target only"
+        print(f"tandem serve: model '{model}' ({mode}) loaded in {time.perf_counter() - t0:.1f} s; "
+              f"listening on {args.host}:{server.port} ({'TLS' if server_cfg.tls else 'plaintext'}"
+              f"{', token auth' if server_cfg.auth_token else ''}). Ctrl-C stops.", flush=True)
+
+    try:
+        asyncio.run(serve(router, server_cfg, on_ready=ready))
+    except OSError as exc:  # the port is taken, the certificate unreadable, ...
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
+        asyncio.run(router.close())
+        return 1
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from tandem.router.client import (
+        ClientConfig,
+        SamplingFlags,
+        build_request,
+        stream_generate,
+    )
+
+    token = args.auth_token if args.auth_token is not None else os.environ.get("TANDEM_AUTH_TOKEN")
+    cfg = ClientConfig(target=args.target, auth_token=token or None, tls=args.tls,
+                       tls_ca=Path(args.tls_ca) if args.tls_ca else None, timeout_s=args.timeout)
+    sampling = SamplingFlags(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
+    request = build_request(args.prompt, chat=args.chat, system=args.system, sampling=sampling,
+                            model=args.model, prefill_worker=args.prefill_worker,
+                            decode_worker=args.decode_worker, request_id=args.request_id)
+    return stream_generate(cfg, request, sys.stdout, sys.stderr)
+
+
+def cmd_gen_proto(args: argparse.Namespace) -> int:
+    from tandem.proto import codegen
+
+    if args.check:
+        diff = codegen.diff_against_checked_in()
+        if diff:
+            print(diff, end="")
+            print("gen-proto: the checked-in code is stale; run `tandem gen-proto`",
+                  file=sys.stderr)
+            return 1
+        print("gen-proto: the checked-in code is up to date")
+        return 0
+    for path in codegen.regenerate_in_place():
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -222,7 +316,79 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", help="A llama-architecture GGUF file")
     p.add_argument("--out", help="Output directory (with --gguf)")
     p.set_defaults(func=cmd_import_model)
+    _add_router_parsers(sub)
     return parser
+
+
+def _add_router_parsers(sub) -> None:
+    from tandem.router.policy import POLICIES
+
+    p = sub.add_parser("serve", help="Serve the gRPC API (router + a colocated engine worker).",
+                       description="Load the model into one colocated worker (prefill and decode "
+                                   "in one engine) and serve the tandem.v1.Router gRPC API, the "
+                                   "grpc.health.v1 health service and server reflection until "
+                                   "Ctrl-C / SIGTERM.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="Address to bind (0.0.0.0 for all interfaces). Default: %(default)s")
+    p.add_argument("--port", type=int, default=50051, help="Default: %(default)s")
+    p.add_argument("--served-model-name", default=None,
+                   help="Model name in the API (default: --model, or its directory name)")
+    p.add_argument("--speculative", action="store_true",
+                   help="Decode with EAGLE speculative decoding (off by default)")
+    p.add_argument("--draft-model", default=None,
+                   help="EAGLE head directory (with --speculative; default: the shipped head)")
+    p.add_argument("--num-draft-steps", type=int, default=4, help="Default: %(default)s")
+    p.add_argument("--draft-topk", type=int, default=1, help="1 = chain. Default: %(default)s")
+    p.add_argument("--auth-token", default=None,
+                   help="Require 'authorization: Bearer TOKEN' metadata on every call (default: "
+                        "$TANDEM_AUTH_TOKEN; unset = no auth)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    p.add_argument("--max-message-mib", type=int, default=4,
+                   help="Largest request accepted (RESOURCE_EXHAUSTED above). Default: %(default)s")
+    p.add_argument("--max-request-s", type=float, default=None,
+                   help="Deadline for requests whose client sets none (default: none)")
+    p.add_argument("--default-max-tokens", type=int, default=128,
+                   help="max_tokens when a request sets none. Default: %(default)s")
+    p.add_argument("--prefill-policy", choices=sorted(POLICIES), default="least-load",
+                   help="Default: %(default)s")
+    p.add_argument("--decode-policy", choices=sorted(POLICIES), default="power-of-two",
+                   help="Default: %(default)s")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="Send one prompt to a running `tandem serve` and stream "
+                                        "the answer.",
+                       description="A gRPC client: streams the generated text to stdout, then "
+                                   "prints usage, TTFT and speed to stderr. Failures print the "
+                                   "gRPC status code and the server's message.")
+    p.add_argument("prompt", help="Prompt text")
+    p.add_argument("--target", default="127.0.0.1:50051",
+                   help="Router address host:port. Default: %(default)s")
+    p.add_argument("--chat", action="store_true",
+                   help="Send the prompt as a user chat message (chat template applied)")
+    p.add_argument("--system", default=None, help="System message (with --chat)")
+    p.add_argument("--model", default="", help="Model name (default: the served model)")
+    p.add_argument("--prefill-worker", default="", help="Pin the prefill worker")
+    p.add_argument("--decode-worker", default="", help="Pin the decode worker")
+    p.add_argument("--request-id", default="", help="Client request id (default: assigned)")
+    p.add_argument("--timeout", type=float, default=None, help="Deadline of the call, seconds")
+    p.add_argument("--auth-token", default=None,
+                   help="Bearer token (default: $TANDEM_AUTH_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="Use TLS with the system's root certificates")
+    p.add_argument("--tls-ca", default=None, help="PEM root certificate of the server (implies TLS)")
+    add_sampling_args(p)
+    p.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   help="Stop token id (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="Keep generating after EOS")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("gen-proto", help="Regenerate the checked-in gRPC/protobuf Python code.",
+                       description="Run grpcio-tools on proto/tandem/v1/*.proto and write "
+                                   "tandem/proto/tandem/v1/*_pb2*.py (dev dependency).")
+    p.add_argument("--check", action="store_true",
+                   help="Only compare with the checked-in files (exit 1 and print a diff if stale)")
+    p.set_defaults(func=cmd_gen_proto)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

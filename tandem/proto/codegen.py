@@ -21,12 +21,13 @@ PROTO_ROOT = REPO_ROOT / "proto"
 PROTO_PACKAGE_DIR = Path("tandem") / "v1"  # relative to PROTO_ROOT and to PACKAGE_ROOT
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
-_IMPORT_FIX = (re.compile(r"^from tandem\.v1 import ", re.M), "from tandem.proto.tandem.v1 import ")
+_IMPORT_FIX = (re.compile(r"^from tandem\.v1 import ", re.MULTILINE),
+               "from tandem.proto.tandem.v1 import ")
 # Lines that record the generator's version; masked when comparing so that a newer grpcio-tools
 # with identical output does not fail the check.
 _VERSION_LINES = re.compile(
     r"^# Protobuf Python Version: .*$|^GRPC_GENERATED_VERSION = .*$"
-    r"|ValidateProtobufRuntimeVersion\(.*?\)", re.M | re.S)
+    r"|ValidateProtobufRuntimeVersion\(.*?\)", re.MULTILINE | re.DOTALL)
 
 
 def proto_files() -> list[Path]:

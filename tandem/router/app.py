@@ -1,0 +1,100 @@
+"""Assembling and running a router: engine -> `ColocatedDispatcher` -> `Router` -> `RouterServer`,
+served until SIGINT/SIGTERM and then stopped gracefully (what `tandem serve` runs), or in a
+background thread (`BackgroundServer`: tests, an in-process demo)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+from tandem.router.colocated import ColocatedDispatcher
+from tandem.router.router import Router, RouterConfig
+from tandem.router.server import RouterServer, ServerConfig
+
+if TYPE_CHECKING:
+    from typing import Self
+
+T = TypeVar("T")
+
+
+def build_colocated_router(engine, model: str = "default", worker: str = "colocated-0",
+                           cfg: RouterConfig | None = None) -> Router:
+    """One colocated worker running `engine` (its loop thread starts here)."""
+    dispatcher = ColocatedDispatcher.from_engine(engine, name=worker, model=model)
+    return Router(dispatcher, {model: engine.tokenizer}, cfg or RouterConfig())
+
+
+async def serve(router: Router, cfg: ServerConfig,
+                on_ready: Callable[[RouterServer], None] | None = None,
+                grace_s: float = 5.0) -> None:
+    server = RouterServer(router, cfg)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(server)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await server.stop(grace_s)
+
+
+class BackgroundServer:
+    """A `RouterServer` on its own event loop in a daemon thread, for callers that are not
+    async (tests, an in-process demo). Owns that thread and loop; `with` starts and stops it."""
+
+    def __init__(self, router: Router, cfg: ServerConfig, grace_s: float = 1.0) -> None:
+        self.router, self.cfg, self.grace_s = router, cfg, grace_s
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="router-server", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> Self:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError("router server did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def call(self, fn: Callable[[], Awaitable[T]], timeout_s: float = 30.0) -> T:
+        """Run `fn()` on the server's loop (the router is single-threaded) and return its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(fn(), self._loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        server = RouterServer(self.router, self.cfg)
+        try:
+            self.port = await server.start()
+        except Exception as exc:  # noqa: BLE001 -- re-raised by start() in the caller's thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await server.stop(self.grace_s)

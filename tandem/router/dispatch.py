@@ -1,0 +1,172 @@
+"""The seam between the router and whatever runs the model: the `Dispatcher` protocol, the
+values that cross it, and the errors it may raise.
+
+Owns no state. Two implementations are meant to sit behind it:
+- `ColocatedDispatcher` (router/colocated.py): prefill and decode in one engine per worker.
+- the disaggregated dispatcher (next): decode reserves pages for the request and answers with
+  its KV destination; prefill gets the request plus that destination and pushes target KV,
+  draft KV and the EAGLE seed over Mooncake/NIXL; workers are Ray actors. It receives the same
+  `RoutedRequest` (the `room` is the transfer's bootstrap room, `placement` names both
+  workers) and must keep the same contract.
+
+Contract of `Dispatcher.submit(request)`:
+1. It returns an async generator; the request starts on its first `__anext__`.
+2. Chunks come in generation order; the last one has `finish_reason` set, then it ends.
+3. Failures raise a `DispatchError` subclass: `WorkerUnavailable` (a worker died or is
+   unreachable -- raised fast, never a hang), `DeadlineExceeded` (the request passed
+   `request.deadline`; it was stopped on every worker), `CapacityExceeded`, `RequestRejected`.
+4. Closing the generator before its last chunk (`aclose()`, or the consumer task cancelled)
+   aborts the request on every worker; its pages return to the pools once no transfer can
+   still write into them.
+5. `abort(request_id)` ends the request's stream with `FinishReason.ABORT`; it is valid from the
+   stream's first `__anext__` on (a dispatcher still placing the request must remember it).
+6. Worker state reported by `workers()` is how the router learns of deaths between requests:
+   a worker that died is reported `healthy=False` (or left out), promptly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol, runtime_checkable
+
+from tandem.engine.request import FinishReason
+from tandem.engine.sampling import SamplingParams
+
+
+class WorkerRole(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"  # prefill and decode in one engine
+
+    @property
+    def can_prefill(self) -> bool:
+        return self is not WorkerRole.DECODE
+
+    @property
+    def can_decode(self) -> bool:
+        return self is not WorkerRole.PREFILL
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerInfo:
+    """A worker as its dispatcher last saw it."""
+
+    name: str
+    role: WorkerRole
+    model: str
+    healthy: bool = True
+    error: str = ""  # why it is unhealthy
+    address: str = ""  # where it runs (Ray actor id, host:port); "" in-process
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_pages: int = 0
+    num_pages: int = 0
+    speculative: bool = False
+
+    @property
+    def kv_load(self) -> float:
+        """Fraction of KV pages in use (1.0 when the worker reports no pool)."""
+        return 1.0 - self.num_free_pages / self.num_pages if self.num_pages else 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelInfo:
+    """What the router needs to validate a request for one served model."""
+
+    name: str
+    vocab_size: int  # token ids must be in [0, vocab_size)
+    max_model_len: int  # prompt + new tokens, at most
+    max_request_tokens: int  # KV slots one request may hold on the smallest decode pool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    prefill_worker: str
+    decode_worker: str  # == prefill_worker on a colocated worker
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoutedRequest:
+    """A validated, tokenized, placed request: everything a dispatcher needs."""
+
+    request_id: str
+    room: int  # 64-bit, unique among in-flight requests (the KV transfer's bootstrap room)
+    model: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams  # validated; max_new_tokens fits the context and the KV pool
+    placement: Placement
+    deadline: float | None  # time.time() seconds (wall clock: workers may be other hosts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpecAcceptance:
+    mean_acceptance_length: float  # tokens committed per round (accepted drafts + 1)
+    per_position: tuple[float, ...]  # [j] = P(draft j+1 accepted)
+    num_rounds: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenChunk:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text_delta: str
+    finish_reason: FinishReason | None = None  # set on the last chunk only
+    spec: SpecAcceptance | None = None  # last chunk only, when the decode worker speculates
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DispatcherStats:
+    spec: SpecAcceptance | None  # over all requests of all speculative workers
+
+
+class DispatchError(Exception):
+    """Base of the errors a dispatcher raises; the message is shown to the client."""
+
+
+class WorkerUnavailable(DispatchError):
+    def __init__(self, worker: str, message: str) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class RequestRejected(DispatchError):
+    """The worker refused the request's content; the message names the field."""
+
+
+class CapacityExceeded(DispatchError):
+    """The request can never fit (e.g. its KV cache exceeds the pool)."""
+
+
+class DeadlineExceeded(DispatchError):
+    pass
+
+
+@runtime_checkable
+class Dispatcher(Protocol):
+    def models(self) -> Sequence[ModelInfo]:
+        """The models served (fixed for the dispatcher's lifetime)."""
+        ...
+
+    def workers(self) -> Sequence[WorkerInfo]:
+        """A fresh snapshot of every worker, healthy or not. Cheap: called per placement."""
+        ...
+
+    def submit(self, request: RoutedRequest) -> AsyncGenerator[TokenChunk, None]:
+        """Run the request on `request.placement`; see the module docstring for the contract."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop an in-flight request; False if the dispatcher does not know it."""
+        ...
+
+    def stats(self) -> DispatcherStats: ...
+
+    async def close(self) -> None:
+        """Stop every worker; in-flight requests end with WorkerUnavailable."""
+        ...

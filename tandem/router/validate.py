@@ -1,0 +1,182 @@
+"""Request validation and tokenization: a client's `GenerateInput` becomes prompt token ids plus
+engine `SamplingParams`, or a `RouterError` whose message starts with the offending field as the
+API spells it (`prompt`, `messages[1].role`, `sampling.top_p`, ...).
+
+Pure functions; the tokenizer is immutable and shared. Tokenization happens here, once per
+request: workers receive token ids only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.engine.sampling import SamplingParams
+from tandem.engine.tokenizer import ALLOWED_ROLES, ChatMessage, Tokenizer
+from tandem.router.dispatch import ModelInfo
+from tandem.router.errors import Code, RouterError, invalid
+
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingInput:
+    """`tandem.v1.SamplingParams` as plain values; None = not set (engine default)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateInput:
+    """`tandem.v1.GenerateRequest` as plain values (see router.proto for the meaning)."""
+
+    prompt: str | None = None  # None: not set ("" is set and empty)
+    prompt_token_ids: tuple[int, ...] = ()
+    messages: tuple[ChatMessage, ...] = ()
+    sampling: SamplingInput = SamplingInput()
+    model: str = ""
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidRequest:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+def resolve_model(name: str, models: Sequence[ModelInfo]) -> ModelInfo:
+    if not name:
+        if len(models) == 1:
+            return models[0]
+        raise invalid(f"model: this router serves several models; name one of "
+                      f"{', '.join(m.name for m in models)}")
+    for m in models:
+        if m.name == name:
+            return m
+    raise RouterError(Code.NOT_FOUND, f"model: no model named '{name}' (served: "
+                                      f"{', '.join(m.name for m in models)})")
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
+    if any(not c.isprintable() for c in request_id):
+        raise invalid("request_id: must contain printable characters only")
+
+
+def validate(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer | None,
+             default_max_tokens: int) -> ValidRequest:
+    """Check everything about the request that does not depend on worker state."""
+    check_sampling_fields(inp.sampling, model)
+    field, prompt_ids = tokenize(inp, tokenizer, model)
+    n = len(prompt_ids)
+    if n >= model.max_model_len:
+        raise invalid(f"{field}: the prompt has {n} tokens; the context of model "
+                      f"'{model.name}' holds {model.max_model_len} (prompt + at least one new "
+                      f"token)")
+    s = inp.sampling
+    if s.max_tokens is None:
+        max_tokens = min(default_max_tokens, model.max_model_len - n,
+                         model.max_request_tokens - n)
+        if max_tokens <= 0:
+            raise RouterError(Code.RESOURCE_EXHAUSTED, _capacity_message(field, n, 1, model))
+    else:
+        max_tokens = s.max_tokens
+        if n + max_tokens > model.max_model_len:
+            raise invalid(f"sampling.max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) "
+                          f"exceeds the context of {model.max_model_len} tokens")
+        if n + max_tokens > model.max_request_tokens:
+            raise RouterError(Code.RESOURCE_EXHAUSTED,
+                              _capacity_message("sampling.max_tokens", n, max_tokens, model))
+    try:
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=0.0 if s.temperature is None else s.temperature,
+            top_k=0 if s.top_k is None else s.top_k,
+            top_p=1.0 if s.top_p is None else s.top_p,
+            min_p=0.0 if s.min_p is None else s.min_p,
+            seed=s.seed, stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+    except ValueError as exc:  # backstop: the checks above cover every field
+        raise invalid(f"sampling.{exc}") from exc
+    return ValidRequest(prompt_ids=tuple(prompt_ids), params=params)
+
+
+def check_sampling_fields(s: SamplingInput, model: ModelInfo) -> None:
+    if s.max_tokens is not None and s.max_tokens <= 0:
+        raise invalid(f"sampling.max_tokens: must be > 0, got {s.max_tokens}")
+    if s.temperature is not None and not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise invalid(f"sampling.temperature: must be a finite number >= 0, got {s.temperature}")
+    if s.top_k is not None and s.top_k < 0:
+        raise invalid(f"sampling.top_k: must be >= 0 (0 disables), got {s.top_k}")
+    if s.top_p is not None and not 0.0 < s.top_p <= 1.0:
+        raise invalid(f"sampling.top_p: must be in (0, 1], got {s.top_p}")
+    if s.min_p is not None and not 0.0 <= s.min_p <= 1.0:
+        raise invalid(f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise invalid(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
+    for i, stop in enumerate(s.stop):
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise invalid(f"sampling.stop[{i}]: must have 1 to {MAX_STOP_CHARS} characters")
+    for i, t in enumerate(s.stop_token_ids):
+        if not 0 <= t < model.vocab_size:
+            raise invalid(f"sampling.stop_token_ids[{i}]: token id {t} is outside the "
+                          f"vocabulary [0, {model.vocab_size})")
+
+
+def tokenize(inp: GenerateInput, tokenizer: Tokenizer | None, model: ModelInfo
+             ) -> tuple[str, list[int]]:
+    """(the field the prompt came from, its token ids). Exactly one source must be given."""
+    given = [name for name, present in (("prompt", inp.prompt is not None),
+                                        ("prompt_token_ids", bool(inp.prompt_token_ids)),
+                                        ("messages", bool(inp.messages))) if present]
+    if len(given) > 1:
+        raise invalid(f"{', '.join(given)}: give only one of prompt, prompt_token_ids, messages")
+    if not given:
+        raise invalid("prompt: the request has no prompt (set prompt, prompt_token_ids or "
+                      "messages)")
+    field = given[0]
+    if field == "prompt_token_ids":
+        for i, t in enumerate(inp.prompt_token_ids):
+            if not 0 <= t < model.vocab_size:
+                raise invalid(f"prompt_token_ids[{i}]: token id {t} is outside the vocabulary "
+                              f"[0, {model.vocab_size})")
+        return field, list(inp.prompt_token_ids)
+    if field == "prompt" and not inp.prompt:
+        raise invalid("prompt: is empty")
+    if tokenizer is None:
+        raise RouterError(Code.FAILED_PRECONDITION,
+                          f"{field}: model '{model.name}' has no tokenizer; send "
+                          f"prompt_token_ids")
+    if field == "prompt":
+        ids = tokenizer.encode(inp.prompt or "")
+        if not ids:
+            raise invalid("prompt: encodes to no tokens")
+        return field, ids
+    for i, m in enumerate(inp.messages):
+        if m.role not in ALLOWED_ROLES:
+            raise invalid(f"messages[{i}].role: unknown role '{m.role}' (expected one of "
+                          f"{', '.join(ALLOWED_ROLES)})")
+    try:
+        return field, tokenizer.encode_chat(list(inp.messages))
+    except ValueError as exc:  # no template, or the template rejects the conversation
+        msg = str(exc)
+        raise invalid(msg if msg.startswith("messages") else f"messages: {msg}") from exc
+
+
+def _capacity_message(field: str, num_prompt: int, max_tokens: int, model: ModelInfo) -> str:
+    return (f"{field}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs more KV "
+            f"cache than a worker of model '{model.name}' has ({model.max_request_tokens} "
+            f"tokens); lower max_tokens or shorten the prompt")
