@@ -18,20 +18,34 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import pytest
 import torch
 
-from tandem.engine import EngineConfig, LLMEngine, ModelConfig, ParallelContext, SamplingParams
+from tandem.engine import (
+    EngineConfig,
+    LLMEngine,
+    ModelConfig,
+    ParallelContext,
+    SamplingParams,
+)
 from tandem.engine.models.decoder import DecoderLM
-from tandem.spec import DraftHeadConfig, EagleHead, SpecConfig, SpecEngine, VerifyInput, dummy_head
+from tandem.spec import (
+    DraftHeadConfig,
+    EagleHead,
+    SpecConfig,
+    SpecEngine,
+    VerifyInput,
+    dummy_head,
+)
 from tandem.spec.phases import DraftInput
 
 VOCAB = 256
 MAX_LEN = 512
 LIVE = (3, 17, 60, 101, 150, 222, 240, 255)  # target ids the restricted lm_head can emit
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=MAX_LEN, rms_norm_eps=1e-6,
-               rope_theta=10000.0, tie_word_embeddings=False)
+_COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": MAX_LEN,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
 _ARCH = {
     "llama": {"architectures": ["LlamaForCausalLM"]},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
@@ -40,12 +54,24 @@ _ARCH = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only contend (10x slower).
+    Import this fixture into a test module to run it single-threaded; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_target(arch: str = "llama", *, num_layers: int = 4, seed: int = 0,
-                live: Sequence[int] | None = LIVE, eos_token_id: int | None = None) -> DecoderLM:
+                live: Sequence[int] | None = LIVE, eos_token_id: int | None = None,
+                max_position: int = MAX_LEN) -> DecoderLM:
+    """max_position: rope table length (`build_model` uses the engine's max_model_len)."""
     raw = dict(_COMMON, **_ARCH[arch], num_hidden_layers=num_layers, eos_token_id=eos_token_id)
     cfg = ModelConfig.from_hf(raw)
     with torch.device("cpu"):
-        model = DecoderLM(cfg, ParallelContext(), torch.float32, MAX_LEN)
+        model = DecoderLM(cfg, ParallelContext(), torch.float32, max_position)
     gen = torch.Generator().manual_seed(seed)
     for name, slot in sorted(model.weight_loaders().items()):
         t = torch.randn(slot.shape, generator=gen) * 0.1  # HF's initializer_range of hf_tiny
@@ -60,24 +86,28 @@ def tiny_target(arch: str = "llama", *, num_layers: int = 4, seed: int = 0,
 
 
 def tiny_head(model: DecoderLM, kind: str = "eagle", *, live: Sequence[int] | None = LIVE,
-              seed: int = 1) -> EagleHead:
+              seed: int = 1, max_position: int = MAX_LEN) -> EagleHead:
     mc = model.cfg
     if kind == "eagle":
         cfg = DraftHeadConfig.like_target(mc, "eagle")
     else:
-        cfg = DraftHeadConfig.like_target(mc, "eagle3", draft_vocab_size=len(live) if live else None)
+        vocab = len(live) if live else None
+        cfg = DraftHeadConfig.like_target(mc, "eagle3", draft_vocab_size=vocab)
         n = mc.num_layers
         cfg = replace(cfg, feature_layers=(0, n // 2, n - 1))  # like_target's needs >= 7 layers
-    head = dummy_head(cfg, model, torch.float32, torch.device("cpu"), MAX_LEN, seed=seed)
+    head = dummy_head(cfg, model, torch.float32, torch.device("cpu"), max_position, seed=seed)
     if kind == "eagle3" and live:
         ids = torch.tensor(sorted(live))
         head.d2t.copy_(ids - torch.arange(len(ids)))  # draft id i -> target id sorted(live)[i]
+        # The draft vocabulary's rows of the target's lm_head, so that a random EAGLE-3 head
+        # agrees with the target about as often as a random EAGLE one.
+        head.lm_head.weight.data.copy_(model.lm_head.weight.data[ids])
     return head
 
 
 def engine_cfg(**kw) -> EngineConfig:
-    base = dict(model="tiny-in-process", dtype="float32", num_pages=256, page_size=4,
-                max_num_batched_tokens=64, cuda_graphs=False)
+    base = {"model": "tiny-in-process", "dtype": "float32", "num_pages": 256, "page_size": 4,
+            "max_num_batched_tokens": 64, "cuda_graphs": False}
     base.update(kw)
     return EngineConfig(**base)
 
@@ -160,15 +190,21 @@ Script = Callable[[str, list[int]], Tree]  # (req_id, committed output ids) -> d
 
 
 class ScriptedSpecEngine(SpecEngine):
-    """Drafts come from `script`; the real draft head still runs draft-extend and prefill. Every
-    round's (req_id, path_nodes, new_tokens) is recorded in `rounds`."""
+    """Drafts come from `script` (None: the real draft head drafts); the head still runs
+    draft-extend and prefill. Every round's (req_id, path_nodes, new_tokens) is recorded in
+    `rounds`. With `draft_too`, the real drafting also runs (its forwards are what some tests
+    inspect) and its proposal is replaced by the script's."""
 
-    def __init__(self, *args, script: Script, **kw) -> None:
+    def __init__(self, *args, script: Script | None, draft_too: bool = False, **kw) -> None:
         super().__init__(*args, **kw)
-        self.script = script
+        self.script, self.draft_too = script, draft_too
         self.rounds: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
 
     def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
+        if self.script is None or self.draft_too:
+            drafted = super()._propose(req_ids, inp)
+            if self.script is None:
+                return drafted
         trees = [self.script(rid, list(self.scheduler.requests[rid].output_ids)) for rid in req_ids]
         n = len(trees[0].tokens) + 1
         assert all(len(t.tokens) + 1 == n for t in trees), "scripted trees differ in size"
@@ -195,9 +231,10 @@ class ScriptedSpecEngine(SpecEngine):
         return [p for r, p, _ in self.rounds if r == req_id]
 
 
-def scripted_engine(model, head, spec: SpecConfig, script: Script, tokenizer=None,
-                    **cfg) -> ScriptedSpecEngine:
-    return ScriptedSpecEngine(engine_cfg(**cfg), spec, model, head, tokenizer, script=script)
+def scripted_engine(model, head, spec: SpecConfig, script: Script | None, tokenizer=None,
+                    draft_too: bool = False, **cfg) -> ScriptedSpecEngine:
+    return ScriptedSpecEngine(engine_cfg(**cfg), spec, model, head, tokenizer, script=script,
+                              draft_too=draft_too)
 
 
 def run_ids(eng: LLMEngine, ps, params) -> tuple[list[str], list]:
@@ -240,6 +277,7 @@ class Recorder:
     round_page_ids: tuple[tuple[int, ...], ...] = ()
     round_req_ids: list[list[str]] = field(default_factory=list)
     results: list[object] = field(default_factory=list)  # VerifyResult per round
+    verifies: list[object] = field(default_factory=list)  # VerifyInput per round
 
     def install(self, eng: SpecEngine, monkeypatch) -> Recorder:
         import tandem.spec.engine as spec_engine
@@ -310,8 +348,9 @@ class Recorder:
         monkeypatch.setattr(eng, "_propose", propose)
         orig_accept = spec_engine.accept
 
-        def accept(*a, **kw):
-            res = orig_accept(*a, **kw)
+        def accept(verify, *a, **kw):
+            res = orig_accept(verify, *a, **kw)
+            rec.verifies.append(verify)
             rec.results.append(res)
             return res
 

@@ -114,6 +114,7 @@ class SpecEngine(LLMEngine):
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drop_stale_seeds()
+        self._drop_seeds_near_context_end()
         plan = self.scheduler.schedule(exclude=frozenset(self.seeds))
         if plan.chunks:
             outputs += self._prefill_step(plan)
@@ -128,6 +129,15 @@ class SpecEngine(LLMEngine):
         """A preempted request lost its KV: it is prefilled again and gets a new seed."""
         running = {r.req_id for r in self.scheduler.running}
         for rid in [rid for rid in self.seeds if rid not in running]:
+            del self.seeds[rid]
+
+    def _drop_seeds_near_context_end(self) -> None:
+        """A round writes rope positions up to num_cached + num_steps (its deepest verify node),
+        but the rope table and the context end at max_model_len: past it the forward indexes
+        out of bounds. A request that close to the end finishes with plain decode steps (the
+        scheduler runs a seedless request like any other), which never look past their token."""
+        for rid in [rid for rid, s in self.seeds.items()
+                    if s.num_cached + self.spec.num_steps >= self.max_model_len]:
             del self.seeds[rid]
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
