@@ -24,7 +24,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
-from tandem.engine.request import FinishReason, Request, RequestOutput
+from tandem.engine.request import Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import StepPlan
 from tandem.spec.accept import accept
@@ -66,10 +66,8 @@ class SpecStats:
 
 
 def target_features(out: ForwardOutput, head: EagleHead) -> torch.Tensor:
-    """[T, F]: what the head consumes -- the final hidden (EAGLE) or the fused layers (EAGLE-3)."""
-    if head.cfg.kind == "eagle3":
-        return torch.cat(out.aux_hidden, dim=-1)
-    return out.hidden
+    """[T, F]: what the head consumes from this target forward."""
+    return head.target_features(out.hidden, out.aux_hidden)
 
 
 class SpecEngine(LLMEngine):
@@ -301,6 +299,8 @@ class SpecEngine(LLMEngine):
         outputs = []
         next_seeds = nxt.seeds()
         for req, toks, seed in zip(reqs, result.new_tokens, next_seeds):
+            # tau measures the draft: it counts what verification accepted, even when a stop
+            # condition then ends the request inside the accepted run.
             self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
             # The target KV now holds the root and the accepted drafts.
             req.num_computed = seed.num_cached
@@ -316,7 +316,3 @@ class SpecEngine(LLMEngine):
             else:
                 self.seeds[req.req_id] = seed
         return outputs
-
-    def finish_reason_of(self, req_id: str) -> FinishReason | None:
-        req = self.scheduler.requests.get(req_id)
-        return None if req is None else req.finish_reason

@@ -30,7 +30,7 @@ from torch import nn
 
 from tandem.engine.config import ModelConfig, RopeScaling, _parse_rope
 from tandem.engine.layers.attention import ForwardContext, HeadLayout, SelfAttention
-from tandem.engine.layers.linear import check_shape
+from tandem.engine.layers.linear import WeightShapeError, check_shape
 from tandem.engine.layers.mlp import DenseMLP
 from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
@@ -38,6 +38,8 @@ from tandem.engine.models.decoder import DecoderLM
 from tandem.engine.parallel import ParallelGroup
 
 HeadKind = Literal["eagle", "eagle3"]
+# Checkpoint tensors a head may carry beyond what it loads (t2d is derivable from d2t).
+_OPTIONAL_KEYS = frozenset({"t2d", "embed_tokens.weight"})
 
 
 class DraftHeadError(ValueError):
@@ -60,6 +62,13 @@ class DraftHeadConfig:
     fc_bias: bool
     feature_layers: tuple[int, ...]  # target layers whose input stream EAGLE-3 fuses; () for EAGLE
 
+    def __post_init__(self) -> None:
+        if self.kind == "eagle3" and (len(set(self.feature_layers)) < 2
+                                      or len(set(self.feature_layers)) != len(self.feature_layers)):
+            raise DraftHeadError(
+                f"feature_layers: an EAGLE-3 head fuses at least two distinct target layers, "
+                f"got {self.feature_layers}")
+
     @property
     def feature_size(self) -> int:
         """Width of the target feature the head consumes."""
@@ -78,7 +87,7 @@ class DraftHeadConfig:
             vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size or target.vocab_size,
             fc_bias=kind == "eagle",
-            feature_layers=(2, n // 2, n - 3) if kind == "eagle3" else (),
+            feature_layers=default_feature_layers(n) if kind == "eagle3" else (),
         )
 
     def to_json(self) -> dict[str, object]:
@@ -112,7 +121,7 @@ class DraftHeadConfig:
         layers: tuple[int, ...] = ()
         if kind == "eagle3":
             ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            layers = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)
+            layers = tuple(int(i) for i in ids) if ids else default_feature_layers(n)
             if any(not 0 <= i < n for i in layers):
                 raise DraftHeadError(f"draft config.json: feature layers {layers} outside [0, {n})")
         return DraftHeadConfig(
@@ -127,6 +136,21 @@ class DraftHeadConfig:
             fc_bias=bool(raw.get("bias", kind == "eagle")),
             feature_layers=layers,
         )
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high target layers whose INPUT residual stream EAGLE-3 fuses (the
+    EAGLE-3 paper's (2, L/2, L-3)); deduplicated for very shallow targets.
+
+    Convention: id i means the stream entering layer i (= output of layer i-1), which is what
+    `DecoderLM.forward(capture_layers=...)` returns. SGLang reads a checkpoint's explicit
+    `eagle_aux_hidden_state_layer_ids` as layer OUTPUTS (captures at i+1); heads trained that
+    way need their ids shifted by one."""
+    n = num_layers
+    picks = sorted({min(max(i, 0), n - 1) for i in (2, n // 2, n - 3)})
+    if len(picks) < 2:
+        picks = sorted({0, n - 1})
+    return tuple(picks)
 
 
 class EagleHead(nn.Module):
@@ -190,6 +214,16 @@ class EagleHead(nn.Module):
             logits = self.lm_head(self.norm(hidden)).float()
         return torch.log_softmax(logits, dim=-1)
 
+    def target_features(self, hidden: torch.Tensor, aux_hidden: tuple[torch.Tensor, ...]
+                        ) -> torch.Tensor:
+        """[T, F] feature the head consumes from a target forward: the final hidden (EAGLE)
+        or the captured streams (EAGLE-3) concatenated in the config's layer order (the
+        forward returns them in increasing layer order)."""
+        if self.cfg.kind == "eagle":
+            return hidden
+        order = sorted(self.cfg.feature_layers)
+        return torch.cat([aux_hidden[order.index(i)] for i in self.cfg.feature_layers], dim=-1)
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.kind == "eagle":
             return draft_ids
@@ -228,20 +262,31 @@ class EagleHead(nn.Module):
         missing = sorted(n for n in needed if n not in state)
         if missing:
             raise DraftHeadError(f"{source}: missing draft weight(s) {', '.join(missing[:5])}")
-        for name, dst in self.weight_names().items():
-            check_shape(name, state[name].shape, tuple(dst.shape))
-            dst.data.copy_(state[name])
-        for part, x in enumerate("qkv"):
-            self.attn.qkv.load_part(f"{p}.self_attn.{x}_proj.weight", part,
-                                    state[f"{p}.self_attn.{x}_proj.weight"])
-        for part, x in enumerate(("gate", "up")):
-            self.mlp.gate_up.load_part(f"{p}.mlp.{x}_proj.weight", part,
-                                       state[f"{p}.mlp.{x}_proj.weight"])
-        emb = state.get("embed_tokens.weight")
-        if emb is not None:
-            check_shape("embed_tokens.weight", emb.shape, (self.cfg.vocab_size, h))
-            self.own_embed = nn.Parameter(emb.to(self.fc.weight.dtype).to(self.fc.weight.device),
-                                          False)
+        # Anything else would be silently dropped and give a quietly bad head (a bias the
+        # config did not announce, a second layer): refuse it.
+        unexpected = sorted(n for n in state if n not in needed and n not in _OPTIONAL_KEYS
+                            and not n.endswith("rotary_emb.inv_freq"))
+        if unexpected:
+            raise DraftHeadError(
+                f"{source}: unexpected draft weight(s) {', '.join(unexpected[:5])} for a "
+                f"{self.cfg.kind} head")
+        try:
+            for name, dst in self.weight_names().items():
+                check_shape(name, state[name].shape, tuple(dst.shape))
+                dst.data.copy_(state[name])
+            for part, x in enumerate("qkv"):
+                self.attn.qkv.load_part(f"{p}.self_attn.{x}_proj.weight", part,
+                                        state[f"{p}.self_attn.{x}_proj.weight"])
+            for part, x in enumerate(("gate", "up")):
+                self.mlp.gate_up.load_part(f"{p}.mlp.{x}_proj.weight", part,
+                                           state[f"{p}.mlp.{x}_proj.weight"])
+            emb = state.get("embed_tokens.weight")
+            if emb is not None:
+                check_shape("embed_tokens.weight", emb.shape, (self.cfg.vocab_size, h))
+                self.own_embed = nn.Parameter(
+                    emb.to(self.fc.weight.dtype).to(self.fc.weight.device), False)
+        except WeightShapeError as exc:
+            raise DraftHeadError(f"{source}: {exc}") from exc
 
     def state_for_saving(self) -> dict[str, torch.Tensor]:
         """The checkpoint layout `load_state` reads (q/k/v and gate/up unmerged)."""

@@ -125,7 +125,7 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
     finally:
         for p in pages:
             engine.allocator.free(p)
-    feats = torch.cat(out.aux_hidden, dim=-1) if head.cfg.kind == "eagle3" else out.hidden
+    feats = head.target_features(out.hidden, out.aux_hidden)
     t_len = max(len(x) for x in seqs) - 1
     b = len(seqs)
     tokens = torch.zeros(b, t_len, dtype=torch.int64)

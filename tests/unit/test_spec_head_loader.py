@@ -321,3 +321,23 @@ def test_directory_problems_are_named(tmp_path, target):
     write(tmp_path, cfg, sd, "safetensors")
     with pytest.raises(DraftHeadError, match="missing field 'num_attention_heads'"):
         load(tmp_path, target)
+
+
+def test_unexpected_head_tensor_is_refused(tmp_path):
+    """A tensor the head would not load (e.g. a bias its config does not announce) must not be
+    silently dropped."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from spec_helpers import tiny_head, tiny_target
+    from tandem.spec.head import DraftHeadError, load_head
+
+    target = tiny_target("llama")
+    head = tiny_head(target, "eagle")
+    state = head.state_for_saving()
+    state["layers.0.self_attn.q_proj.bias"] = torch.zeros(state["layers.0.self_attn.q_proj.weight"].shape[0])
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(head.cfg.to_json()))
+    with pytest.raises(DraftHeadError, match="unexpected draft weight.*q_proj.bias"):
+        load_head(tmp_path, target, torch.float32, torch.device("cpu"), 512)
