@@ -1,0 +1,82 @@
+"""`CompatInfo`: what prefill and decode must agree on before any request moves (DESIGN §3
+"Compatibility at handshake"), its digest, and the field-by-field check that names every difference.
+
+The check raises `TransferError(HANDSHAKE)` (imported lazily from contract to avoid a cycle) except
+for a differing `tp_size`, which is a valid deployment that needs head re-slicing: that raises
+`NotImplementedError` until re-slicing exists (each region already records its head range).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompatInfo:
+    model: str  # target model id/path digest the worker loaded
+    dtype: str  # KV dtype, e.g. "bfloat16"
+    page_size: int  # tokens per KV page
+    kv_layout: str  # byte layout inside a page, e.g. "NHD" (tokens, heads, head_dim)
+    tp_size: int
+    tp_rank: int  # each prefill rank pairs with the decode rank of the same index
+    draft_model: str  # "" when no draft
+    draft_hidden_size: int  # 0 when no draft
+    topk: int  # draft top-k carried in the seed (1 = chain)
+    feature_layers: tuple[int, ...]  # target layers whose features feed the draft (EAGLE-3)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
+        for name in ("page_size", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CompatInfo.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"CompatInfo.tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> CompatInfo:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+    def digest(self) -> str:
+        """16 hex chars over every field (canonical JSON), for logs and quick equality."""
+        blob = json.dumps(self.to_wire(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def differences(self, other: CompatInfo) -> list[tuple[str, object, object]]:
+        """(field, self value, other value) for every differing field, in declaration order."""
+        return [
+            (f.name, getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+def check_compat(
+    local: CompatInfo, remote: CompatInfo, *, local_role: str, remote_role: str
+) -> None:
+    """Raise unless `local` and `remote` may exchange KV. The message names each differing field
+    with both values, e.g. "dtype: prefill='bfloat16' decode='float16'"."""
+    from tandem.kvtransfer.contract import ErrorKind, TransferError
+
+    if local.digest() == remote.digest():
+        return
+    diffs = local.differences(remote)
+    tp_differs = local.tp_size != remote.tp_size
+    # With different TP sizes, rank pairing is a re-slicing question, not a mismatch.
+    soft = {"tp_size", "tp_rank"} if tp_differs else set()
+    hard = [d for d in diffs if d[0] not in soft]
+    if hard:
+        parts = [f"{name}: {local_role}={a!r} {remote_role}={b!r}" for name, a, b in hard]
+        raise TransferError(ErrorKind.HANDSHAKE,
+                            "incompatible peers, refused before any request: " + "; ".join(parts))
+    # Only the TP layout differs: a legal deployment that needs head re-slicing.
+    raise NotImplementedError(
+        f"tp_size: {local_role}={local.tp_size} {remote_role}={remote.tp_size}: transfer between "
+        "different TP sizes needs KV head re-slicing, which is not implemented yet"
+    )

@@ -1,0 +1,250 @@
+"""`DecodeReceiver`: the decode rank's side of the contract (`KVReceiver`), over any backend.
+
+Owns: its backend instance, the `ReceiveTable` (page/slot claims and the release callback), and
+the set of connected writers (prefill ranks that passed the handshake). Single-threaded; `poll()`
+answers handshakes and grants, verifies completions, enforces deadlines and leases.
+
+A room is `Received` only if: the granted writer's FINAL(done) arrived (after all its writes), it
+wrote exactly the pages it announced, its byte count equals pages x (every layer of every group),
+and the aux slot decodes (magic, checksum) to the same room (DESIGN §3 "Transfer completeness").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tandem.kvtransfer.aux_slot import HEADER_BYTES, check_aux
+from tandem.kvtransfer.backend import BackendOptions, PeerEvent, TransferBackend
+from tandem.kvtransfer.compat import CompatInfo, check_compat
+from tandem.kvtransfer.contract import (Destination, EndpointInfo, ErrorKind, ReceiveEvent,
+                                        Received, ReceiveFailed, TransferError, TransferState)
+from tandem.kvtransfer.endpoint import EndpointBase, EndpointConfig
+from tandem.kvtransfer.layout import KVLayout, layout_mismatches
+from tandem.kvtransfer.leases import ReceiveTable, Release
+from tandem.kvtransfer.wire import Message, MsgKind, decode_message
+
+
+@dataclass(slots=True)
+class _Writer:
+    peer_id: str
+    session: int  # the prefill endpoint's session
+    fenced: bool = False  # disconnected after a lease expiry: must connect() again
+
+
+class DecodeReceiver(EndpointBase):
+    """KVReceiver for one decode TP rank. `release` is called exactly once per expected room
+    (see leases.ReceiveTable for when)."""
+
+    role = "decode"
+
+    def __init__(self, backend: TransferBackend | str, layout: KVLayout, compat: CompatInfo, *,
+                 release: Callable[[Release], None], config: EndpointConfig | None = None,
+                 options: BackendOptions | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(backend, layout, compat, config=config, options=options, clock=clock)
+        self.table = ReceiveTable(release, clock=clock)
+        self._writers: dict[str, _Writer] = {}
+        self._events: list[ReceiveEvent] = []
+
+    # -- per-room API ---------------------------------------------------------------------------
+    def expect(self, room: int, page_ids: Sequence[int], aux_slot: int, *,
+               timeout_s: float | None = None) -> Destination:
+        pages = tuple(int(p) for p in page_ids)
+        bad = [p for p in pages if not 0 <= p < self.layout.num_pages]
+        if bad or not 0 <= aux_slot < self.layout.aux.num_slots or not pages:
+            raise TransferError(ErrorKind.INVALID, f"expect: pages {bad[:8]} / aux slot "
+                                f"{aux_slot} out of range, or no pages", room=room)
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        try:
+            self.table.reserve(room, pages, aux_slot, timeout_s=timeout,
+                               lease_margin_s=self.config.lease_margin_s)
+        except ValueError as e:
+            raise TransferError(ErrorKind.INVALID, str(e), room=room) from e
+        # A slot never written for this room must not decode as a seed (stale-slot guard).
+        ctypes.memset(self.layout.aux.slot_addr(aux_slot), 0, HEADER_BYTES)
+        return Destination(receiver_session=self.session, room=room, page_ids=pages,
+                           aux_slot=aux_slot, timeout_s=timeout)
+
+    def abort(self, room: int) -> None:
+        """Decode gives up on `room` (client cancel, deadline). Its pages come back through the
+        release callback once the writer confirmed it stopped, or at the lease."""
+        if room in self.table and not self.table.state(room).terminal:  # type: ignore[union-attr]
+            writer = self.table.fail(room, TransferError(ErrorKind.ABORTED, "aborted by decode",
+                                                         room=room))
+            self._metrics.record_failure(ErrorKind.ABORTED)
+            if writer is not None:
+                self._send(writer, Message(kind=MsgKind.ABORT, room=room))
+        self._pump()
+
+    def state(self, room: int) -> TransferState | None:
+        return self.table.state(room)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for w in self._writers.values():
+            if not w.fenced:
+                self._send(w.peer_id, Message(kind=MsgKind.BYE))
+        self.table.close()
+        self._closed = True
+        self.backend.close()
+
+    # -- progress -------------------------------------------------------------------------------
+    def poll(self) -> list[ReceiveEvent]:
+        """Progress; return the events since the last poll() (release callbacks run inside)."""
+        self._pump()
+        out, self._events = self._events, []
+        return out
+
+    def _pump(self) -> None:
+        for ev in self.backend.poll_events():
+            self._on_event(ev)
+        self._enforce_deadlines()
+
+    def _send(self, peer_id: str, msg: Message) -> None:
+        self.backend.send_message(peer_id, msg.encode())
+
+    def _failed(self, room: int, error: TransferError) -> None:
+        self._metrics.record_failure(error.kind)
+        self._events.append(ReceiveFailed(room=room, error=error))
+
+    def _on_event(self, ev: PeerEvent) -> None:
+        if ev.message is None:  # cannot reach this writer: stop waiting, keep the lease
+            self._writer_gone(ev.peer_id, ev.error or TransferError(ErrorKind.PEER_DEAD, "lost"))
+            return
+        try:
+            msg = decode_message(ev.message)
+        except TransferError:
+            return
+        if msg.kind is MsgKind.HELLO:
+            self._on_hello(ev.peer_id, msg)
+            return
+        writer = self._writers.get(ev.peer_id)
+        if writer is None or writer.fenced:
+            if msg.kind is MsgKind.BEGIN:  # answer, or the sender would wait for its deadline
+                self._send(ev.peer_id, Message(kind=MsgKind.DENY, room=msg.room,
+                                               reason="not connected (or fenced): connect() again"))
+            return
+        if msg.kind is MsgKind.BEGIN:
+            self._on_begin(writer, msg)
+        elif msg.kind is MsgKind.FINAL:
+            self._on_final(writer, msg)
+        elif msg.kind is MsgKind.BYE:
+            self._writer_gone(writer.peer_id, TransferError(ErrorKind.PEER_DEAD, "prefill closed"))
+
+    def _on_hello(self, peer_id: str, msg: Message) -> None:
+        try:
+            info = EndpointInfo.from_wire(msg.body["info"])
+            remote_layout = KVLayout.from_wire(msg.body["layout"])
+            reply_to = self.backend.connect(info.address)
+        except (KeyError, TypeError, ValueError, TransferError):
+            return  # cannot even answer: the sender's connect() times out
+        reason = ""
+        try:
+            if info.backend != self.backend.name:
+                raise TransferError(ErrorKind.HANDSHAKE, f"backend: decode={self.backend.name!r} "
+                                    f"prefill={info.backend!r}")
+            check_compat(self.compat, info.compat, local_role="decode", remote_role="prefill")
+            mismatches = layout_mismatches(remote_layout, self.layout)
+            if mismatches:
+                raise TransferError(ErrorKind.HANDSHAKE,
+                                    "incompatible KV layout: " + "; ".join(mismatches))
+            if reply_to != peer_id:
+                raise TransferError(ErrorKind.HANDSHAKE,
+                                    f"address names {reply_to}, sent by {peer_id}")
+        except (TransferError, NotImplementedError) as e:
+            reason = e.message if isinstance(e, TransferError) else str(e)
+        if reason:
+            self._send(reply_to, Message(kind=MsgKind.REFUSE, reason=reason))
+            return
+        self._writers[peer_id] = _Writer(peer_id=peer_id, session=info.session)
+        self._send(peer_id, Message(kind=MsgKind.WELCOME, session=self.session,
+                                    body={"layout": self.layout.to_wire()}))
+
+    def _on_begin(self, writer: _Writer, msg: Message) -> None:
+        room, state = msg.room, self.table.state(msg.room)
+        reason = ""
+        if msg.session != self.session:
+            reason = f"stale decode session {msg.session} (now {self.session})"
+        elif state is None:
+            reason = "unknown room (never reserved, expired or aborted)"
+        elif state is not TransferState.RESERVED:
+            reason = f"room is {state.value}"
+        elif msg.num_pages > len(self.table.claim(room).page_ids):
+            reason = f"{msg.num_pages} pages > {len(self.table.claim(room).page_ids)} reserved"
+        if reason:
+            self._send(writer.peer_id, Message(kind=MsgKind.DENY, room=room, reason=reason))
+            return
+        self.table.grant(room, writer.peer_id, msg.num_pages)
+        self._send(writer.peer_id, Message(kind=MsgKind.GO, room=room))
+
+    def _on_final(self, writer: _Writer, msg: Message) -> None:
+        room = msg.room
+        if room not in self.table or self.table.claim(room).writer != writer.peer_id:
+            return  # stale (already released) or not this writer's room
+        claim = self.table.claim(room)
+        if msg.outcome != "done":
+            try:
+                kind = ErrorKind(msg.outcome)
+            except ValueError:
+                kind = ErrorKind.BACKEND
+            error = TransferError(kind, f"prefill: {msg.reason}", room=room)
+            if self.table.writer_final(room, writer.peer_id, error):
+                self._failed(room, error)
+            return
+        if claim.state.terminal:  # decode gave up earlier (deadline/abort): just the final word
+            self.table.writer_final(room, writer.peer_id, None)
+            return
+        try:
+            payload = self._verify_done(room, msg, claim.num_pages)
+        except TransferError as e:
+            self.table.writer_final(room, writer.peer_id, e)
+            self._failed(room, e)
+            return
+        latency = self.clock() - claim.granted_at
+        self.table.complete(room)  # releases with outcome DONE: the pages now hold the request
+        self._metrics.record_done(msg.nbytes + HEADER_BYTES + len(payload), latency)
+        self._events.append(Received(room=room, page_ids=claim.page_ids[: claim.num_pages],
+                                     aux_payload=payload))
+
+    def _verify_done(self, room: int, msg: Message, granted_pages: int) -> bytes:
+        expected = granted_pages * self.layout.bytes_per_page
+        if msg.num_pages != granted_pages or msg.nbytes != expected:
+            raise TransferError(ErrorKind.CORRUPT, f"completion says {msg.num_pages} pages / "
+                                f"{msg.nbytes} B, expected {granted_pages} pages / {expected} B "
+                                "(every layer of every group)", room=room)
+        slot = self.layout.aux.slot_addr(self.table.claim(room).aux_slot)
+        return check_aux(ctypes.string_at(slot, self.layout.aux.slot_bytes), room)
+
+    def _writer_gone(self, peer_id: str, error: TransferError) -> None:
+        for room in self.table.rooms_of(peer_id):
+            if not self.table.state(room).terminal:  # type: ignore[union-attr]
+                err = TransferError(error.kind, error.message, room=room)
+                self.table.fail(room, err)
+                self._failed(room, err)
+
+    def _enforce_deadlines(self) -> None:
+        timed_out, lease_over = self.table.expired()
+        for room in timed_out:
+            err = TransferError(ErrorKind.TIMEOUT, "KV + seed not received before the deadline "
+                                f"({self.table.claim(room).state.value})", room=room)
+            writer = self.table.fail(room, err)
+            self._failed(room, err)
+            if writer is not None:
+                self._send(writer, Message(kind=MsgKind.ABORT, room=room))
+        fenced: set[str] = set()
+        for claim in lease_over:
+            if claim.writer is None or claim.writer in fenced or claim.room not in self.table:
+                continue
+            # Lease over and the writer never confirmed it stopped: cut it off, then release.
+            fenced.add(claim.writer)
+            self.backend.disconnect(claim.writer)
+            w = self._writers.get(claim.writer)
+            if w is not None:
+                w.fenced = True
+            for room in self.table.fence(claim.writer):
+                self._failed(room, TransferError(ErrorKind.PEER_DEAD, f"writer {claim.writer} "
+                                                 "fenced at lease expiry", room=room))

@@ -1,0 +1,387 @@
+"""`PrefillSender`: the prefill rank's side of the contract (`KVSender`), over any backend.
+
+Owns: its backend instance, the aux staging slots (its own `layout.aux`, host memory), the table
+of active sends, and the memory of recently finished rooms. Single-threaded; `poll()` progresses.
+
+Per room: `start` sends BEGIN and waits (without blocking) for GO; `push_layers` queues page
+batches, posted once GO arrived; `finish` stages the aux seed; when every layer of every group
+has landed, the aux write goes out carrying FINAL(done) as its notification - so decode sees the
+completion only after all bytes. On any failure the room turns terminal at once (the caller
+learns), but the decode side is told FINAL only after every posted write finished or was
+cancelled (its pages stay leased until then); if writes hang past `drain_timeout_s`, the peer is
+fenced (disconnected) instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tandem.kvtransfer.aux_slot import HEADER_BYTES, encode_aux
+from tandem.kvtransfer.backend import BackendOptions, PeerEvent, TransferBackend, WriteStatus
+from tandem.kvtransfer.compat import CompatInfo, check_compat
+from tandem.kvtransfer.contract import (Destination, EndpointInfo, ErrorKind, SendOutcome,
+                                        TransferError, TransferState, advance)
+from tandem.kvtransfer.endpoint import EndpointBase, EndpointConfig
+from tandem.kvtransfer.faults import FailureInjection, FaultDice, FaultKind
+from tandem.kvtransfer.layout import (CopyBatch, KVLayout, layout_mismatches, page_runs,
+                                      plan_layers, split_batches, validate_pages)
+from tandem.kvtransfer.wire import Message, MsgKind, decode_message
+
+
+@dataclass(slots=True)
+class _Peer:
+    peer_id: str
+    session: int
+    layout: KVLayout  # the receiver's (base pointers included)
+    alive: bool = True
+
+
+@dataclass(slots=True)
+class _Send:
+    room: int
+    dest: Destination
+    peer: _Peer
+    runs: list[tuple[int, int, int]]  # coalesced (src page, dst page, count)
+    num_pages: int  # source pages; they land in dest.page_ids[:num_pages]
+    deadline: float  # monotonic s: terminal by then (Destination.timeout_s after start)
+    started_at: float  # monotonic s
+    fault: FaultKind | None  # injected misbehaviour of this transfer (tests only)
+    state: TransferState = TransferState.RESERVED
+    pushed: dict[str, set[int]] = field(default_factory=dict)  # group -> layers queued
+    queued: deque[CopyBatch] = field(default_factory=deque)  # waiting for GO / DELAY
+    inflight: list[tuple[object, int]] = field(default_factory=list)  # (write handle, bytes)
+    post_after: float = 0.0  # monotonic s: writes wait until then (DELAY fault)
+    aux_payload: bytes | None = None
+    staging_slot: int | None = None
+    final_handle: object | None = None  # the aux write carrying FINAL(done)
+    final_bytes: int = 0
+    kv_bytes: int = 0  # bytes of page writes that completed
+    error: TransferError | None = None
+    drain_deadline: float = float("inf")  # monotonic s: stop waiting for posted writes
+    final_said: bool = False  # decode got (or can no longer get) our final word
+
+
+class PrefillSender(EndpointBase):
+    """KVSender for one prefill TP rank. Invariant: a room is FINAL-ed to decode only when none
+    of its writes can land any more (completed, cancelled, or peer fenced)."""
+
+    role = "prefill"
+
+    def __init__(self, backend: TransferBackend | str, layout: KVLayout, compat: CompatInfo, *,
+                 config: EndpointConfig | None = None, options: BackendOptions | None = None,
+                 faults: FailureInjection | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(backend, layout, compat, config=config, options=options, clock=clock)
+        self._dice = FaultDice(faults)
+        self._peers: dict[int, _Peer] = {}  # receiver session -> peer
+        self._hello: dict[str, Message] = {}  # peer id -> WELCOME/REFUSE awaiting connect()
+        self._sends: dict[int, _Send] = {}
+        self._recent: OrderedDict[int, tuple[TransferState, TransferError | None]] = OrderedDict()
+        self._free_staging = list(range(layout.aux.num_slots))
+        self._outcomes: list[SendOutcome] = []
+
+    # -- handshake ----------------------------------------------------------------------------
+    def connect(self, receiver: EndpointInfo, *, timeout_s: float | None = None) -> None:
+        if receiver.backend != self.backend.name:
+            raise TransferError(ErrorKind.HANDSHAKE, f"backend: prefill={self.backend.name!r} "
+                                f"decode={receiver.backend!r}")
+        check_compat(self.compat, receiver.compat, local_role="prefill", remote_role="decode")
+        peer_id = self.backend.connect(receiver.address)
+        self._hello.pop(peer_id, None)
+        hello = Message(kind=MsgKind.HELLO, body={"info": self.info().to_wire(),
+                                                  "layout": self.layout.to_wire()})
+        self.backend.send_message(peer_id, hello.encode())
+        self._wait_until(lambda: peer_id in self._hello,
+                         timeout_s or self.config.handshake_timeout_s, f"handshake with {peer_id}")
+        reply = self._hello.pop(peer_id)
+        if reply.kind is MsgKind.REFUSE:
+            raise TransferError(ErrorKind.HANDSHAKE, f"decode refused: {reply.reason}")
+        remote = KVLayout.from_wire(reply.body["layout"])
+        mismatches = layout_mismatches(self.layout, remote)
+        if mismatches or reply.session != receiver.session:
+            mismatches = mismatches or [f"session: info={receiver.session} welcome={reply.session}"]
+            raise TransferError(ErrorKind.HANDSHAKE,
+                                "incompatible KV layout: " + "; ".join(mismatches))
+        self._peers[receiver.session] = _Peer(peer_id=peer_id, session=receiver.session,
+                                              layout=remote)
+
+    # -- per-room API ---------------------------------------------------------------------------
+    def start(self, dest: Destination, src_page_ids: Sequence[int]) -> None:
+        peer = self._peers.get(dest.receiver_session)
+        if peer is None:
+            raise TransferError(ErrorKind.HANDSHAKE, f"not connected to decode session "
+                                f"{dest.receiver_session}: connect() first", room=dest.room)
+        if not peer.alive:
+            raise TransferError(ErrorKind.PEER_DEAD, f"decode {peer.peer_id} is gone or fenced; "
+                                "connect() again", room=dest.room)
+        if dest.room in self._sends:
+            raise TransferError(ErrorKind.INVALID, "room already being sent", room=dest.room)
+        validate_pages(self.layout, peer.layout, src_page_ids, dest.page_ids, room=dest.room)
+        now = self.clock()
+        s = _Send(room=dest.room, dest=dest, peer=peer, num_pages=len(src_page_ids),
+                  runs=page_runs(src_page_ids, dest.page_ids), deadline=now + dest.timeout_s,
+                  started_at=now, fault=self._dice.draw())
+        self._sends[dest.room] = s
+        self._recent.pop(dest.room, None)
+        self.backend.send_message(peer.peer_id, Message(
+            kind=MsgKind.BEGIN, room=dest.room, session=peer.session,
+            num_pages=s.num_pages).encode())
+        self._pump()
+
+    def push_layers(self, room: int, group: str, layers: range) -> None:
+        s = self._live(room)
+        done = s.pushed.setdefault(group, set())
+        if done.intersection(layers):
+            twice = sorted(done.intersection(layers))
+            raise TransferError(ErrorKind.INVALID, f"{group} layers {twice} pushed twice",
+                                room=room)
+        src, dst = self.layout.region(group), s.peer.layout.region(group)
+        s.queued.extend(plan_layers(src, dst, s.runs, layers,
+                                    max_entries=self.config.max_batch_entries))
+        done.update(layers)
+        self._pump()
+
+    def finish(self, room: int, aux_payload: bytes) -> None:
+        s = self._live(room)
+        if HEADER_BYTES + len(aux_payload) > self.layout.aux.slot_bytes:
+            raise TransferError(ErrorKind.INVALID, f"aux payload {len(aux_payload)} B does not fit "
+                                f"a {self.layout.aux.slot_bytes} B slot", room=room)
+        if s.aux_payload is not None:
+            raise TransferError(ErrorKind.INVALID, "finish() called twice", room=room)
+        s.aux_payload = bytes(aux_payload)
+        self._pump()
+
+    def send(self, dest: Destination, src_page_ids: Sequence[int], aux_payload: bytes) -> None:
+        self.start(dest, src_page_ids)
+        for region in self.layout.regions:
+            self.push_layers(dest.room, region.name, range(region.num_layers))
+        self.finish(dest.room, aux_payload)
+
+    def abort(self, room: int) -> None:
+        s = self._sends.get(room)
+        if s is not None and not s.state.terminal:
+            self._terminate(s, TransferError(ErrorKind.ABORTED, "aborted by prefill", room=room))
+        self._pump()
+
+    def state(self, room: int) -> TransferState:
+        if room in self._sends:
+            return self._sends[room].state
+        if room in self._recent:
+            return self._recent[room][0]
+        raise TransferError(ErrorKind.INVALID, "unknown room", room=room)
+
+    def wait(self, room: int, timeout_s: float | None = None) -> None:
+        self._wait_until(lambda: self.state(room).terminal, timeout_s, f"wait(room {room})")
+        s = self._sends.get(room)
+        state, error = (s.state, s.error) if s is not None else self._recent[room]
+        if state is not TransferState.DONE:
+            assert error is not None
+            raise error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for s in list(self._sends.values()):
+            if not s.state.terminal:
+                self._terminate(s, TransferError(ErrorKind.ABORTED, "prefill closing", room=s.room))
+        end = self.clock() + min(self.config.drain_timeout_s, 2.0)
+        while self._sends and self.clock() < end:  # best effort: let decode release promptly
+            self._pump()
+            time.sleep(self.config.poll_sleep_s)
+        for peer in self._peers.values():
+            if peer.alive:
+                self.backend.send_message(peer.peer_id, Message(kind=MsgKind.BYE).encode())
+        self._closed = True
+        self.backend.close()
+
+    # -- progress -------------------------------------------------------------------------------
+    def poll(self) -> list[SendOutcome]:
+        """Progress every transfer; return the outcomes reached since the last poll()."""
+        self._pump()
+        out, self._outcomes = self._outcomes, []
+        return out
+
+    def _pump(self) -> None:
+        for ev in self.backend.poll_events():
+            self._on_event(ev)
+        for s in list(self._sends.values()):
+            self._progress(s)
+
+    def _live(self, room: int) -> _Send:
+        s = self._sends.get(room)
+        if s is None:
+            raise TransferError(ErrorKind.INVALID, "unknown room: start() first", room=room)
+        if s.state.terminal:
+            assert s.error is not None or s.state is TransferState.DONE
+            raise s.error or TransferError(ErrorKind.INVALID, "room already done", room=room)
+        return s
+
+    def _on_event(self, ev: PeerEvent) -> None:
+        if ev.message is None:  # the backend lost this peer
+            self._peer_gone(ev.peer_id, ev.error or TransferError(ErrorKind.PEER_DEAD, "peer lost"))
+            return
+        try:
+            msg = decode_message(ev.message)
+        except TransferError:
+            return  # not ours / garbled: ignore rather than crash the worker
+        if msg.kind in (MsgKind.WELCOME, MsgKind.REFUSE):
+            self._hello[ev.peer_id] = msg
+        elif msg.kind is MsgKind.BYE:
+            self._peer_gone(ev.peer_id, TransferError(ErrorKind.PEER_DEAD, "decode closed"))
+        elif msg.kind in (MsgKind.GO, MsgKind.DENY, MsgKind.ABORT):
+            s = self._sends.get(msg.room)
+            if s is None or s.peer.peer_id != ev.peer_id:
+                if msg.kind is MsgKind.ABORT and msg.room in self._recent:
+                    self._say_final(ev.peer_id, msg.room, *self._recent[msg.room])
+                return
+            if msg.kind is MsgKind.GO and s.state is TransferState.RESERVED:
+                s.state = advance(s.state, TransferState.TRANSFERRING, room=s.room)
+                if s.fault is FaultKind.DELAY:
+                    s.post_after = self.clock() + self._dice.injection.delay_s  # type: ignore[union-attr]
+            elif msg.kind is MsgKind.DENY and not s.state.terminal:
+                self._terminate(s, TransferError(ErrorKind.REFUSED, msg.reason, room=s.room))
+            elif msg.kind is MsgKind.ABORT and not s.state.terminal:
+                self._terminate(s, TransferError(ErrorKind.ABORTED, "aborted by decode",
+                                                 room=s.room))
+
+    def _peer_gone(self, peer_id: str, error: TransferError) -> None:
+        for peer in self._peers.values():
+            if peer.peer_id == peer_id:
+                peer.alive = False
+        for s in list(self._sends.values()):
+            if s.peer.peer_id == peer_id and not s.state.terminal:
+                self._terminate(s, TransferError(error.kind, error.message, room=s.room))
+
+    def _progress(self, s: _Send) -> None:
+        now = self.clock()
+        if not s.state.terminal and now >= s.deadline:
+            self._terminate(s, TransferError(ErrorKind.TIMEOUT, f"not done within "
+                                             f"{s.dest.timeout_s:g}s (state {s.state.value})",
+                                             room=s.room))
+        if s.state is TransferState.TRANSFERRING and now >= s.post_after:
+            self._post_queued(s)
+        for item in list(s.inflight):
+            r = self.backend.poll_write(item[0])
+            if r.status is WriteStatus.PENDING:
+                continue
+            s.inflight.remove(item)
+            if r.status is WriteStatus.DONE:
+                s.kv_bytes += item[1]
+            elif not s.state.terminal:
+                assert r.error is not None
+                self._terminate(s, TransferError(r.error.kind, r.error.message, room=s.room))
+        if s.state is TransferState.TRANSFERRING:
+            self._maybe_post_final(s)
+        if s.final_handle is not None:
+            self._poll_final(s)
+        if s.state.terminal and not s.final_said:
+            if not s.inflight and s.final_handle is None:  # nothing of ours can land any more
+                if s.peer.alive:
+                    self._say_final(s.peer.peer_id, s.room, s.state, s.error)
+                s.final_said = True
+            elif now >= s.drain_deadline:  # writes hang (frozen peer): fence, then forget them
+                if s.peer.alive:
+                    self.backend.disconnect(s.peer.peer_id)
+                    self._peer_gone(s.peer.peer_id, TransferError(ErrorKind.PEER_DEAD, "fenced"))
+                s.inflight.clear()
+                if s.final_handle is not None:
+                    s.final_handle = None
+                    self._free_staging.append(s.staging_slot)  # type: ignore[arg-type]
+                s.final_said = True
+        if s.state.terminal and s.final_said:
+            self._retire(s)
+
+    def _post_queued(self, s: _Send) -> None:
+        while s.queued and not s.state.terminal:
+            batch = s.queued.popleft()
+            if s.fault is FaultKind.FAIL_TRANSFER:
+                self._terminate(s, TransferError(ErrorKind.BACKEND, "injected failure",
+                                                 room=s.room))
+                return
+            try:
+                h = self.backend.post_write(s.peer.peer_id, batch, None)
+            except TransferError as e:
+                self._terminate(s, TransferError(e.kind, e.message, room=s.room))
+                return
+            s.inflight.append((h, batch.nbytes))
+
+    def _maybe_post_final(self, s: _Send) -> None:
+        if s.aux_payload is None or s.queued or s.inflight or s.final_handle is not None:
+            return
+        layers_missing = any(len(s.pushed.get(r.name, ())) < r.num_layers
+                             for r in self.layout.regions)
+        if layers_missing or self.clock() < s.post_after:
+            return  # layers still to come: the final word waits for every one of them
+        if not self._free_staging:
+            return  # every staging slot is busy with another final write: try next poll
+        s.staging_slot = self._free_staging.pop()
+        room_in_slot = s.room ^ 1 if s.fault is FaultKind.WRONG_ROOM else s.room
+        blob = bytearray(encode_aux(room_in_slot, s.aux_payload))
+        if s.fault is FaultKind.CORRUPT_AUX:
+            blob[-1 if s.aux_payload else HEADER_BYTES - 1] ^= 0xFF
+        local = self.layout.aux.slot_addr(s.staging_slot)
+        ctypes.memmove(local, bytes(blob), len(blob))
+        final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
+                        nbytes=s.kv_bytes)
+        notify = None if s.fault is FaultKind.DROP_NOTIFICATION else final.encode()
+        batch = split_batches([(local, s.peer.layout.aux.slot_addr(s.dest.aux_slot), len(blob))],
+                              "cpu", "cpu")[0]
+        try:
+            s.final_handle = self.backend.post_write(s.peer.peer_id, batch, notify)
+        except TransferError as e:
+            self._free_staging.append(s.staging_slot)
+            s.staging_slot = None
+            self._terminate(s, TransferError(e.kind, e.message, room=s.room))
+            return
+        s.final_bytes = batch.nbytes
+
+    def _poll_final(self, s: _Send) -> None:
+        r = self.backend.poll_write(s.final_handle)
+        if r.status is WriteStatus.PENDING:
+            return
+        nbytes = s.final_bytes
+        s.final_handle = None
+        self._free_staging.append(s.staging_slot)  # type: ignore[arg-type]
+        s.staging_slot = None
+        if r.status is WriteStatus.DONE and not s.state.terminal:
+            s.state = advance(s.state, TransferState.DONE, room=s.room)
+            s.final_said = True  # the notification was our final word
+            self._metrics.record_done(s.kv_bytes + nbytes, self.clock() - s.started_at)
+            self._outcomes.append(SendOutcome(room=s.room, state=s.state, error=None))
+        elif r.status is WriteStatus.FAILED and not s.state.terminal:
+            assert r.error is not None
+            self._terminate(s, TransferError(r.error.kind, r.error.message, room=s.room))
+
+    def _terminate(self, s: _Send, error: TransferError) -> None:
+        target = TransferState.ABORTED if error.kind is ErrorKind.ABORTED else TransferState.FAILED
+        s.state = advance(s.state, target, room=s.room)
+        s.error = error
+        s.queued.clear()
+        s.drain_deadline = self.clock() + self.config.drain_timeout_s
+        s.inflight = [item for item in s.inflight if not self.backend.cancel_write(item[0])]
+        if s.final_handle is not None and self.backend.cancel_write(s.final_handle):
+            s.final_handle = None
+            self._free_staging.append(s.staging_slot)  # type: ignore[arg-type]
+        self._metrics.record_failure(error.kind)
+        self._outcomes.append(SendOutcome(room=s.room, state=s.state, error=error))
+
+    def _say_final(self, peer_id: str, room: int, state: TransferState,
+                   error: TransferError | None) -> None:
+        if state is TransferState.DONE:
+            outcome = "done"
+        else:  # the error kind travels, so decode reports the same reason
+            outcome = error.kind.value if error else ErrorKind.BACKEND.value
+        reason = error.message if error else ""
+        self.backend.send_message(peer_id, Message(kind=MsgKind.FINAL, room=room, outcome=outcome,
+                                                   reason=reason[:200]).encode())
+
+    def _retire(self, s: _Send) -> None:
+        del self._sends[s.room]
+        self._recent[s.room] = (s.state, s.error)
+        while len(self._recent) > self.config.recent_outcomes:
+            self._recent.popitem(last=False)
+

@@ -1,0 +1,84 @@
+"""Control messages between a sender and a receiver, and their ASCII encoding.
+
+Messages travel as backend notifications (NIXL notif bytes, Mooncake TransferNotify strings, which
+must be valid UTF-8, hence ASCII JSON). Per peer pair they are delivered in order.
+
+    sender (prefill)                         receiver (decode)
+    HELLO(info, layout)            ───►      check compat + layout
+                                   ◄───      WELCOME(session, layout) | REFUSE(reason)
+    BEGIN(room, num_pages)         ───►      room reserved & fits?  -> state TRANSFERRING
+                                   ◄───      GO(room) | DENY(room, reason)
+    ...page writes...              ───►
+    aux write + FINAL(done, n, bytes) as the write's notification (arrives after the data)
+    FINAL(failed|aborted)          ───►      sent only after every posted write finished
+                                   ◄───      ABORT(room)   (decode abort or decode deadline)
+    BYE                            ◄──►      endpoint closing
+
+FINAL is the sender's "final word": after it, the sender never writes that room again.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+from tandem.kvtransfer.contract import ErrorKind, TransferError
+
+WIRE_VERSION = 1
+
+
+class MsgKind(enum.Enum):
+    HELLO = "hello"
+    WELCOME = "welcome"
+    REFUSE = "refuse"
+    BEGIN = "begin"
+    GO = "go"
+    DENY = "deny"
+    ABORT = "abort"
+    FINAL = "final"
+    BYE = "bye"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    kind: MsgKind
+    room: int = 0
+    session: int = 0  # BEGIN: the receiver session it targets; WELCOME: the receiver's session
+    num_pages: int = 0  # BEGIN / FINAL(done): pages written
+    nbytes: int = 0  # FINAL(done): KV bytes written (all groups, all layers) + aux bytes
+    outcome: str = ""  # FINAL: "done" | "failed" | "aborted"
+    reason: str = ""  # REFUSE / DENY / FINAL(failed)
+    body: dict = field(default_factory=dict)  # HELLO: {"info", "layout"}; WELCOME: {"layout"}
+
+    def encode(self) -> str:
+        d: dict = {"v": WIRE_VERSION, "t": self.kind.value}
+        for name in ("room", "session", "num_pages", "nbytes"):
+            if getattr(self, name):
+                d[name] = getattr(self, name)
+        for name in ("outcome", "reason"):
+            if getattr(self, name):
+                d[name] = getattr(self, name)
+        if self.body:
+            d["body"] = self.body
+        return json.dumps(d, separators=(",", ":"))
+
+
+def decode_message(text: str | bytes) -> Message:
+    try:
+        d = json.loads(text)
+        if d.get("v") != WIRE_VERSION:
+            raise ValueError(f"wire version {d.get('v')!r}, expected {WIRE_VERSION}")
+        return Message(
+            kind=MsgKind(d["t"]),
+            room=int(d.get("room", 0)),
+            session=int(d.get("session", 0)),
+            num_pages=int(d.get("num_pages", 0)),
+            nbytes=int(d.get("nbytes", 0)),
+            outcome=str(d.get("outcome", "")),
+            reason=str(d.get("reason", "")),
+            body=dict(d.get("body", {})),
+        )
+    except (ValueError, KeyError, TypeError) as e:
+        preview = text[:80] if isinstance(text, str) else text[:80].decode(errors="replace")
+        raise TransferError(ErrorKind.HANDSHAKE, f"malformed control message {preview!r}: {e}")

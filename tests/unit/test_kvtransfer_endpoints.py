@@ -1,0 +1,180 @@
+"""PrefillSender / DecodeReceiver over the in-process fake backend: API misuse errors, the
+completion gate (no FINAL before every layer), grants, deadline faults, layer-wise helper."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+
+import pytest
+
+from tandem.kvtransfer import (AuxRegion, BackendOptions, CompatInfo, DecodeReceiver,
+                               EndpointConfig, ErrorKind, FailureInjection, FaultKind, KVLayout,
+                               KVRegion, PrefillSender, Received, ReceiveFailed, TransferError,
+                               TransferState, compare_push_modes)
+from tandem.kvtransfer.backends.fake import FakeFabric
+
+COMPAT = CompatInfo(model="m", dtype="bf16", page_size=16, kv_layout="NHD", tp_size=1, tp_rank=0,
+                    draft_model="d", draft_hidden_size=64, topk=1, feature_layers=(3,))
+CFG = EndpointConfig(handshake_timeout_s=5, timeout_s=1.0, drain_timeout_s=0.3,
+                     lease_margin_s=0.5, poll_sleep_s=0.0002)
+
+
+class Mem:
+    def __init__(self, groups=(("target", 4, 128), ("draft", 1, 64)), num_pages=32, seed=None):
+        self.bufs, regions = [], []
+        for name, layers, pb in groups:
+            buf = ctypes.create_string_buffer(layers * num_pages * pb)
+            if seed is not None:
+                ctypes.memmove(buf, random.Random(f"{seed}{name}").randbytes(len(buf)), len(buf))
+            self.bufs.append(buf)
+            regions.append(KVRegion(name=name, base_ptr=ctypes.addressof(buf), num_layers=layers,
+                                    num_pages=num_pages, page_bytes=pb))
+        self.aux = ctypes.create_string_buffer(4 * 128)
+        self.layout = KVLayout(regions=tuple(regions), aux=AuxRegion(
+            base_ptr=ctypes.addressof(self.aux), num_slots=4, slot_bytes=128))
+
+
+@pytest.fixture
+def ends():
+    """(sender, receiver, released list, pump); connected over a private fabric."""
+    opts = BackendOptions(fabric=FakeFabric())
+    released = []
+    smem, rmem = Mem(seed=1), Mem()
+    rx = DecodeReceiver("fake", rmem.layout, COMPAT, release=released.append, config=CFG,
+                        options=opts)
+    tx = PrefillSender("fake", smem.layout, COMPAT, config=CFG, options=opts)
+    events = []
+
+    def pump(until, timeout=5.0):
+        end = time.monotonic() + timeout
+        while not until():
+            events.extend(rx.poll())
+            tx.poll()
+            assert time.monotonic() < end, "condition not reached"
+            time.sleep(0.0005)
+
+    _connect(tx, rx)
+    yield tx, rx, released, pump, events, (smem, rmem)
+    tx.close()
+    rx.close()
+
+
+def _connect(tx, rx):
+    t = threading.Thread(target=tx.connect, args=(rx.info(),))
+    t.start()
+    while t.is_alive():
+        rx.poll()
+        time.sleep(0.0005)
+
+
+def test_round_trip_and_metrics(ends):
+    tx, rx, released, pump, events, (smem, rmem) = ends
+    dest = rx.expect(1, [3, 4, 5], 2)
+    tx.send(dest, [10, 11, 12], b"seed")
+    pump(lambda: events)
+    assert events == [Received(room=1, page_ids=(3, 4, 5), aux_payload=b"seed")]
+    assert tx.state(1) is TransferState.DONE
+    tx.wait(1)
+    assert [r.outcome for r in released] == [TransferState.DONE]
+    for src_buf, dst_buf, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
+                                         (smem.bufs[1], rmem.bufs[1], 64, 1)):
+        for layer in range(layers):
+            for s, d in zip((10, 11, 12), (3, 4, 5)):
+                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
+                assert src_buf.raw[so : so + pb] == dst_buf.raw[do : do + pb]
+    assert rx.metrics().num_done == 1 and tx.metrics().bytes_moved == rx.metrics().bytes_moved
+
+
+def test_completion_waits_for_every_layer(ends):
+    tx, rx, released, pump, events, _ = ends
+    dest = rx.expect(2, [1, 2], 0)
+    tx.start(dest, [1, 2])
+    tx.push_layers(2, "target", range(0, 2))
+    tx.finish(2, b"s")  # seed staged early: FINAL must still wait for the missing layers
+    pump(lambda: rx.state(2) is TransferState.TRANSFERRING)
+    for _ in range(50):
+        events.extend(rx.poll())
+        tx.poll()
+    assert events == [] and tx.state(2) is TransferState.TRANSFERRING
+    tx.push_layers(2, "target", range(2, 4))
+    tx.push_layers(2, "draft", range(1))
+    pump(lambda: events)
+    assert isinstance(events[0], Received)
+
+
+def test_api_misuse_is_invalid(ends):
+    tx, rx, _, pump, _, _ = ends
+    dest = rx.expect(3, [1, 2], 1)
+    tx.start(dest, [5])
+    tx.push_layers(3, "target", range(2))
+    for call, needle in [(lambda: tx.push_layers(3, "target", range(1, 3)), "pushed twice"),
+                         (lambda: tx.push_layers(3, "lm_head", range(1)), "unknown layer group"),
+                         (lambda: tx.push_layers(3, "target", range(3, 9)), "outside"),
+                         (lambda: tx.finish(3, b"x" * 200), "does not fit"),
+                         (lambda: tx.start(dest, [5]), "already being sent"),
+                         (lambda: tx.push_layers(99, "target", range(1)), "unknown room")]:
+        with pytest.raises(TransferError, match=needle) as e:
+            call()
+        assert e.value.kind is ErrorKind.INVALID
+    with pytest.raises(TransferError, match="still held") as e:
+        rx.expect(4, [2, 9], 3)  # page 2 belongs to room 3 until released
+    with pytest.raises(TransferError, match="out of range"):
+        rx.expect(5, [1000], 0)
+
+
+def test_start_needs_a_connected_session():
+    opts = BackendOptions(fabric=FakeFabric())
+    tx = PrefillSender("fake", Mem().layout, COMPAT, config=CFG, options=opts)
+    from tandem.kvtransfer import Destination
+
+    dest = Destination(receiver_session=123, room=1, page_ids=(1,), aux_slot=0, timeout_s=1)
+    with pytest.raises(TransferError, match="connect\\(\\) first") as e:
+        tx.start(dest, [1])
+    assert e.value.kind is ErrorKind.HANDSHAKE
+
+
+def test_more_pages_than_reserved_is_refused(ends):
+    tx, rx, _, _, _, _ = ends
+    dest = rx.expect(6, [1, 2], 0)
+    with pytest.raises(TransferError, match="reserved only 2"):
+        tx.start(dest, [1, 2, 3])
+
+
+def test_delay_fault_ends_in_timeout_on_both_sides():
+    opts = BackendOptions(fabric=FakeFabric())
+    released, events = [], []
+    rx = DecodeReceiver("fake", Mem().layout, COMPAT, release=released.append, config=CFG,
+                        options=opts)
+    tx = PrefillSender("fake", Mem(seed=2).layout, COMPAT, config=CFG, options=opts,
+                       faults=FailureInjection(probability=1.0, kind=FaultKind.DELAY, delay_s=5.0))
+    _connect(tx, rx)
+    t0 = time.monotonic()
+    tx.send(rx.expect(7, [1], 0), [1], b"s")
+    with pytest.raises(TransferError) as e:
+        while True:
+            events.extend(rx.poll())
+            tx.wait(7, timeout_s=0.01) if tx.state(7).terminal else tx.poll()
+    assert e.value.kind in (ErrorKind.TIMEOUT, ErrorKind.ABORTED)
+    assert time.monotonic() - t0 < CFG.timeout_s + 0.5
+    end = time.monotonic() + 3
+    while not released and time.monotonic() < end:
+        events.extend(rx.poll())
+        tx.poll()
+    assert [type(e) for e in events] == [ReceiveFailed] and len(released) == 1
+    assert released[0].reason == "writer_final"  # delayed writer never wrote: it said so
+
+
+def test_layerwise_helper_reports_both_modes(ends):
+    tx, rx, _, pump, events, (smem, _) = ends
+    rooms = iter(range(2))
+    after, layered = compare_push_modes(  # distinct pages/slot per room: decode may lag behind
+        tx, smem.layout, lambda: (lambda i: rx.expect(100 + i, range(8 * i, 8 * i + 8), i))(
+            next(rooms)), list(range(8)),
+        b"seed", compute_s_per_layer=0.01, pump=lambda: events.extend(rx.poll()))
+    assert (after.mode, layered.mode) == ("after_compute", "layerwise")
+    for t in (after, layered):
+        assert t.compute_s == pytest.approx(0.05) and t.total_s >= t.compute_s
+    pump(lambda: sum(isinstance(e, Received) for e in events) == 2)
