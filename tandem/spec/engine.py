@@ -105,6 +105,7 @@ class SpecEngine(LLMEngine):
 
     def abort(self, req_id: str) -> bool:
         self.seeds.pop(req_id, None)
+        self.handoff_only.discard(req_id)
         return super().abort(req_id)
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -174,7 +175,7 @@ class SpecEngine(LLMEngine):
             seed = DraftSeed(num_cached=req.num_computed, last_token=sampled[c.req_id],
                              topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[end - 1])
             if c.req_id in self.handoff_only:
-                self._hand_off(req, seed, result.finished)
+                self._hand_off(req, seed, result)
             elif not result.finished:
                 self.seeds[c.req_id] = seed
         return outputs
@@ -189,7 +190,8 @@ class SpecEngine(LLMEngine):
         self.handoff_only.add(req_id)
         return req_id
 
-    def _hand_off(self, req, seed: DraftSeed, finished: bool) -> None:
+    def _hand_off(self, req, seed: DraftSeed, first: RequestOutput) -> None:
+        finished = first.finished
         self.handoff_only.discard(req.req_id)
         gen_state = b""
         if req.generator is not None:
@@ -200,7 +202,9 @@ class SpecEngine(LLMEngine):
             self._detok.pop(req.req_id, None)
         self.handoffs[req.req_id] = PrefillHandoff(
             req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), first_token=req.output_ids[0],
-            seed=seed, page_ids=pages, generator_state=gen_state, finished=finished)
+            seed=seed, page_ids=pages, generator_state=gen_state, finished=finished,
+            first_text=first.text_delta,
+            finish_reason=first.finish_reason.value if first.finish_reason else None)
 
     def take_handoffs(self) -> list[PrefillHandoff]:
         out = list(self.handoffs.values())

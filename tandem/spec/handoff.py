@@ -82,6 +82,8 @@ class PrefillHandoff:
     page_ids: tuple[int, ...]  # prefill-side pages holding the prompt's target and draft KV
     generator_state: bytes  # empty when greedy
     finished: bool  # the first token already ended the request (nothing to transfer)
+    first_text: str = ""  # the first token's text (what the client sees when finished here)
+    finish_reason: str | None = None  # "stop" | "length" when finished here
 
     def seed_bytes(self) -> bytes:
         return encode_seed(self.seed, self.generator_state)

@@ -1,0 +1,77 @@
+"""What a prefill or decode worker is built from, and the pieces both kinds build the same way:
+the speculative engine, the KV layout the transfer layer registers, and the CompatInfo the
+handshake compares. Validated at the edge (YAML / CLI)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.kvtransfer import AuxRegion, CompatInfo, EndpointConfig, FailureInjection, KVLayout, KVRegion
+from tandem.kvtransfer.aux_slot import HEADER_BYTES
+from tandem.spec.config import SpecConfig
+from tandem.spec.engine import SpecEngine
+from tandem.spec.handoff import seed_nbytes
+
+TRANSFER_BACKENDS = ("mooncake", "nixl", "fake")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    name: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    transfer_backend: str = "mooncake"
+    aux_slots: int = 64  # seeds in flight at once (decode: receptions; prefill: staging)
+    transfer_timeout_s: float = 30.0  # a request's KV must land within this after reserve
+    endpoint: EndpointConfig | None = None  # deadlines; None = production defaults
+    faults: FailureInjection | None = None  # test knob: break transfers on purpose
+    torch_threads: int = 0  # 0 = torch's default; Ray CPU workers sharing cores want 1
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name: a worker needs a name")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer_backend: '{self.transfer_backend}' is not one of "
+                             f"{', '.join(TRANSFER_BACKENDS)}")
+        if self.aux_slots <= 0:
+            raise ValueError(f"aux_slots: must be positive, got {self.aux_slots}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s: must be positive, got {self.transfer_timeout_s}")
+
+
+def build_engine(cfg: WorkerConfig) -> SpecEngine:
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    return SpecEngine.from_config(cfg.engine, cfg.spec)
+
+
+def aux_buffer(engine: SpecEngine, num_slots: int) -> torch.Tensor:
+    """[num_slots, slot_bytes] uint8 host buffer for seeds (header + the largest seed)."""
+    slot_bytes = HEADER_BYTES + seed_nbytes(engine.spec.topk, engine.head.cfg.hidden_size)
+    slot_bytes = -(-slot_bytes // 64) * 64
+    return torch.zeros(num_slots, slot_bytes, dtype=torch.uint8)
+
+
+def kv_layout(engine: SpecEngine, aux: torch.Tensor) -> KVLayout:
+    regions = tuple(KVRegion.from_tensor(name, engine.kv_pool.group_tensor(name))
+                    for name in engine.kv_pool.specs)
+    return KVLayout(regions=regions, aux=AuxRegion.from_tensor(aux))
+
+
+def compat_info(engine: SpecEngine, cfg: WorkerConfig) -> CompatInfo:
+    """What both sides must agree on. The model is named by a digest of its config, so two
+    copies of the same checkpoint in different directories still match."""
+    mc = engine.model_cfg
+    model_id = hashlib.sha256(repr(mc).encode()).hexdigest()[:16]
+    head = engine.head.cfg
+    draft_id = hashlib.sha256(repr(head).encode()).hexdigest()[:16]
+    return CompatInfo(
+        model=f"{mc.architecture}:{model_id}", dtype=cfg.engine.dtype,
+        page_size=cfg.engine.page_size, kv_layout="NHD", tp_size=1, tp_rank=0,
+        draft_model=f"{head.kind}:{draft_id}", draft_hidden_size=head.hidden_size,
+        topk=engine.spec.topk, feature_layers=head.feature_layers,
+    )
