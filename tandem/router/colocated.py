@@ -126,7 +126,7 @@ class ColocatedDispatcher:
                 num_outputs += 1
                 spec = None
                 if out.finish_reason is not None and speculative:
-                    spec = _acceptance(rounds, worker.loop.engine.spec.num_steps)
+                    spec = acceptance_from_rounds(rounds, worker.loop.engine.spec.num_steps)
                 yield TokenChunk(request_id=request.request_id, token_ids=out.token_ids,
                                  text_delta=out.text_delta, finish_reason=out.finish_reason,
                                  spec=spec)
@@ -159,7 +159,7 @@ class ColocatedDispatcher:
         await asyncio.gather(*(asyncio.to_thread(w.loop.stop) for w in self._workers.values()))
 
 
-def _acceptance(rounds: Sequence[int], num_steps: int) -> SpecAcceptance:
+def acceptance_from_rounds(rounds: Sequence[int], num_steps: int) -> SpecAcceptance:
     n = len(rounds)
     return SpecAcceptance(
         mean_acceptance_length=sum(rounds) / n if n else 0.0,

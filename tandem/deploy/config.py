@@ -1,0 +1,94 @@
+"""The deployment config (`tandem serve --config FILE.yaml`): which model, how many prefill and
+decode workers, where they may run, how KV moves. Parsed and validated here; every error
+names the offending key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tandem.deploy.worker_config import TRANSFER_BACKENDS
+from tandem.engine.config import ConfigError, EngineConfig
+from tandem.spec.config import SpecConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupConfig:
+    """A set of identical workers of one role."""
+
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (pinning)
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ConfigError("num_cpus/num_gpus: must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeployConfig:
+    model_name: str = "default"  # what clients put in `model`
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    transfer_backend: str = "mooncake"
+    transfer_timeout_s: float = 30.0
+    prefill: GroupConfig = field(default_factory=GroupConfig)
+    decode: GroupConfig = field(default_factory=GroupConfig)
+
+    def __post_init__(self) -> None:
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ConfigError(f"transfer_backend: '{self.transfer_backend}' is not one of "
+                              f"{', '.join(TRANSFER_BACKENDS)}")
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+    try:
+        return cls(**raw)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"{where}.{exc}") from exc
+
+
+def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("config: expected a mapping at the top level")
+    top = {f.name for f in fields(DeployConfig)}
+    unknown = sorted(set(raw) - top)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key (known: {', '.join(sorted(top))})")
+    return DeployConfig(
+        model_name=str(raw.get("model_name", "default")),
+        engine=_build(EngineConfig, raw.get("engine"), "engine"),
+        spec=_build(SpecConfig, raw.get("spec"), "spec"),
+        transfer_backend=str(raw.get("transfer_backend", "mooncake")),
+        transfer_timeout_s=float(raw.get("transfer_timeout_s", 30.0)),
+        prefill=_build(GroupConfig, raw.get("prefill"), "prefill"),
+        decode=_build(GroupConfig, raw.get("decode"), "decode"),
+    )
+
+
+def load_deploy(path: str | Path) -> DeployConfig:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config: no such file {p}")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {p} is not valid YAML ({exc})") from exc
+    return parse_deploy(raw or {})

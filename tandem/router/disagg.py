@@ -1,0 +1,245 @@
+"""`DisaggregatedDispatcher`: prefill and decode on separate Ray actors, KV over Mooncake/NIXL.
+
+Per request (the orchestration of DESIGN §2 lives here, in one place):
+  1. the decode worker reserves pages + a seed slot and answers with the KV destination;
+  2. its output stream is opened, then the prefill worker gets the request + destination and
+     pushes target KV, draft KV and the seed; its call returns when the transfer is terminal;
+  3. tokens stream from the decode worker; a prefill/transfer failure, a dead actor or the
+     deadline ends the request with the right error, and both workers are told to abort.
+
+Worker health comes from a background poll of every actor (`health()`), so `workers()` is a
+cheap snapshot; a dead actor shows up unhealthy within one poll period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Sequence
+
+from tandem.engine.request import FinishReason
+from tandem.router.colocated import acceptance_from_rounds
+from tandem.router.dispatch import (
+    CapacityExceeded,
+    DeadlineExceeded,
+    DispatcherStats,
+    ModelInfo,
+    RequestRejected,
+    RoutedRequest,
+    SpecAcceptance,
+    TokenChunk,
+    WorkerInfo,
+    WorkerRole,
+    WorkerUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+class DisaggregatedDispatcher:
+    def __init__(self, prefill: dict[str, object], decode: dict[str, object],
+                 decode_endpoints: dict[str, bytes], model: ModelInfo,
+                 num_steps: int, health_period_s: float = 0.5) -> None:
+        self._prefill, self._decode = dict(prefill), dict(decode)
+        self._endpoints = dict(decode_endpoints)
+        self._model, self._num_steps = model, num_steps
+        self._health: dict[str, WorkerInfo] = {
+            n: WorkerInfo(name=n, role=WorkerRole.PREFILL, model=model.name)
+            for n in self._prefill} | {
+            n: WorkerInfo(name=n, role=WorkerRole.DECODE, model=model.name, speculative=True)
+            for n in self._decode}
+        self._spec: dict[str, SpecAcceptance] = {}
+        self._in_flight: dict[str, tuple[str, str, int]] = {}  # request -> prefill, decode, room
+        self._aborted: set[str] = set()  # in flight and aborted by abort()
+        self._period = health_period_s
+        self._poller: asyncio.Task | None = None
+
+    # ---- snapshots --------------------------------------------------------------------------
+
+    def models(self) -> Sequence[ModelInfo]:
+        return (self._model,)
+
+    def workers(self) -> Sequence[WorkerInfo]:
+        if self._poller is None:
+            try:
+                self._poller = asyncio.get_running_loop().create_task(self._poll_health())
+            except RuntimeError:
+                pass
+        return list(self._health.values())
+
+    async def _poll_health(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(n, h) for n, h in
+                                   [*self._prefill.items(), *self._decode.items()]))
+            await asyncio.sleep(self._period)
+
+    async def _check(self, name: str, handle) -> None:
+        role = WorkerRole.PREFILL if name in self._prefill else WorkerRole.DECODE
+        try:
+            h = await asyncio.wait_for(_await_ref(handle.health.remote()), timeout=5.0)
+        except Exception as exc:
+            self._health[name] = WorkerInfo(name=name, role=role, model=self._model.name,
+                                            healthy=False, error=f"unreachable: {exc!r}"[:300])
+            return
+        self._health[name] = WorkerInfo(
+            name=name, role=role, model=self._model.name, healthy=h.healthy, error=h.error,
+            address=h.node, num_running=h.num_running, num_waiting=h.num_waiting,
+            num_free_pages=h.num_free_pages, num_pages=h.num_pages,
+            speculative=role is WorkerRole.DECODE)
+        if role is WorkerRole.DECODE and h.num_rounds:
+            self._spec[name] = SpecAcceptance(mean_acceptance_length=h.mean_acceptance_length,
+                                              per_position=h.per_position,
+                                              num_rounds=h.num_rounds)
+
+    def stats(self) -> DispatcherStats:
+        snaps = list(self._spec.values())
+        if not snaps:
+            return DispatcherStats(spec=None)
+        total = sum(s.num_rounds for s in snaps)
+        width = max(len(s.per_position) for s in snaps)
+        return DispatcherStats(spec=SpecAcceptance(
+            mean_acceptance_length=sum(s.mean_acceptance_length * s.num_rounds for s in snaps)
+            / total,
+            per_position=tuple(sum((s.per_position[j] if j < len(s.per_position) else 0.0)
+                                   * s.num_rounds for s in snaps) / total for j in range(width)),
+            num_rounds=total))
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def submit(self, request: RoutedRequest) -> AsyncGenerator[TokenChunk, None]:
+        pname, dname = request.placement.prefill_worker, request.placement.decode_worker
+        prefill, decode = self._prefill.get(pname), self._decode.get(dname)
+        if prefill is None:
+            raise RequestRejected(f"prefill_worker: no prefill worker named '{pname}'")
+        if decode is None:
+            raise RequestRejected(f"decode_worker: no decode worker named '{dname}'")
+        rid, room = request.request_id, request.room
+        prompt = list(request.prompt_ids)
+        self._in_flight[rid] = (pname, dname, room)
+        prefill_task: asyncio.Task | None = None
+        finished = False
+        try:
+            dest = await self._call(dname, decode.reserve.remote(room, prompt, request.params),
+                                    request)
+            gen = decode.stream.options(num_returns="streaming").remote(room)
+            prefill_task = asyncio.ensure_future(_await_ref(prefill.prefill.remote(
+                room, prompt, request.params, dest, self._endpoints[dname])))
+            rounds: list[int] = []
+            outputs = 0
+            stream = gen.__aiter__()
+            next_chunk = asyncio.ensure_future(stream.__anext__())
+            while True:
+                waits = {next_chunk} | ({prefill_task} if prefill_task is not None else set())
+                done, _ = await asyncio.wait(waits, timeout=_remaining(request),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    next_chunk.cancel()
+                    raise DeadlineExceeded(f"request '{rid}' passed its deadline")
+                if prefill_task is not None and prefill_task in done:
+                    # Once decode has produced output the KV has landed: a late prefill-side
+                    # outcome (e.g. an abort racing the sender's DONE) no longer matters.
+                    if rid in self._aborted:  # abort() raced the prefill: end as aborted
+                        finished = True
+                        yield TokenChunk(request_id=rid, token_ids=(), text_delta="",
+                                         finish_reason=FinishReason.ABORT)
+                        return
+                    res = self._prefill_result(pname, prefill_task) if outputs == 0 else None
+                    prefill_task = None
+                    if res is not None:  # the first token ended the request on prefill
+                        next_chunk.cancel()
+                        finished = True
+                        yield TokenChunk(request_id=rid, token_ids=(res.first_token,),
+                                         text_delta=res.first_text,
+                                         finish_reason=_FINISH.get(res.finish_reason or "stop"))
+                        return
+                if next_chunk in done:
+                    try:
+                        o = await _await_ref(next_chunk.result())
+                    except StopAsyncIteration:
+                        raise WorkerUnavailable(dname, f"decode worker '{dname}' closed the "
+                                                       "stream early") from None
+                    except Exception as exc:
+                        raise WorkerUnavailable(dname, f"decode worker '{dname}' failed: "
+                                                       f"{exc!r}"[:300]) from exc
+                    if o.finish_reason == "error":
+                        raise WorkerUnavailable(dname, f"KV transfer failed: {o.error}")
+                    spec = None
+                    if outputs > 0 and o.token_ids:
+                        rounds.append(len(o.token_ids))
+                    outputs += 1
+                    reason = _FINISH.get(o.finish_reason) if o.finished else None
+                    if reason is not None:
+                        spec = acceptance_from_rounds(rounds, self._num_steps)
+                        finished = True
+                    yield TokenChunk(request_id=rid, token_ids=tuple(o.token_ids),
+                                     text_delta=o.text_delta, finish_reason=reason, spec=spec)
+                    if reason is not None:
+                        return
+                    next_chunk = asyncio.ensure_future(stream.__anext__())
+        finally:
+            self._in_flight.pop(rid, None)
+            self._aborted.discard(rid)
+            if prefill_task is not None:
+                prefill_task.cancel()
+            if not finished:  # cancelled, deadline, error: stop it everywhere
+                await self._abort_both(pname, dname, room)
+
+    def _prefill_result(self, pname: str, task: asyncio.Task):
+        """None while the request goes on on decode; the result when prefill finished it;
+        raises when prefill or the transfer failed."""
+        try:
+            res = task.result()
+        except Exception as exc:
+            raise WorkerUnavailable(pname, f"prefill worker '{pname}' failed: {exc!r}"[:300]
+                                    ) from exc
+        if not res.ok:
+            raise WorkerUnavailable(pname, f"prefill/transfer failed on '{pname}': {res.error}")
+        return res if res.finished else None
+
+    async def _call(self, worker: str, ref, request: RoutedRequest):
+        try:
+            return await asyncio.wait_for(_await_ref(ref), timeout=_remaining(request))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"request '{request.request_id}' passed its deadline") from None
+        except Exception as exc:
+            cause = getattr(exc, "cause", None) or exc
+            text = str(cause)
+            if type(cause).__name__ == "OutOfCapacity":
+                raise CapacityExceeded(f"decode worker '{worker}' is full: {text}") from exc
+            if isinstance(cause, ValueError):
+                raise RequestRejected(text) from exc
+            raise WorkerUnavailable(worker, f"worker '{worker}' failed: {exc!r}"[:300]) from exc
+
+    async def _abort_both(self, pname: str, dname: str, room: int) -> None:
+        for name, handle in ((pname, self._prefill.get(pname)), (dname, self._decode.get(dname))):
+            if handle is None:
+                continue
+            try:
+                await asyncio.wait_for(_await_ref(handle.abort.remote(room)), timeout=5.0)
+            except Exception as exc:  # a dead worker has nothing left to abort
+                log.warning("abort of room %d on %s failed: %r", room, name, exc)
+
+    async def abort(self, request_id: str) -> bool:
+        entry = self._in_flight.get(request_id)
+        if entry is None:
+            return False
+        self._aborted.add(request_id)
+        await self._abort_both(*entry)
+        return True
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+
+async def _await_ref(ref):
+    return await ref
+
+
+def _remaining(request: RoutedRequest) -> float | None:
+    if request.deadline is None:
+        return None
+    return max(0.0, request.deadline - time.time())
