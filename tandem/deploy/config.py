@@ -83,10 +83,16 @@ def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
     )
 
 
+BUNDLED = ("local", "gpu-2x")  # configs shipped in this package (tandem/deploy/NAME.yaml)
+
+
 def load_deploy(path: str | Path) -> DeployConfig:
+    """A YAML file, or the name of a bundled config."""
     p = Path(path)
+    if not p.is_file() and str(path) in BUNDLED:
+        p = Path(__file__).resolve().parent / f"{path}.yaml"
     if not p.is_file():
-        raise ConfigError(f"config: no such file {p}")
+        raise ConfigError(f"config: no such file {p} (bundled configs: {', '.join(BUNDLED)})")
     try:
         raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:

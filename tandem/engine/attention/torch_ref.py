@@ -99,14 +99,16 @@ class TorchReferenceBackend:
             if group > 1:
                 keys = keys.repeat_interleave(group, dim=1)
                 values = values.repeat_interleave(group, dim=1)
+            # float32 math whatever the storage dtype: the same arithmetic as the batched
+            # decode path, so verify (many queries) and decode (one) agree as far as possible.
             o = F.scaled_dot_product_attention(
-                q[s.q_start : s.q_end].transpose(0, 1),  # [Hq, q_len, D]
-                keys.transpose(0, 1),  # [Hq, kv_len, D]
-                values.transpose(0, 1),
+                q[s.q_start : s.q_end].transpose(0, 1).float(),  # [Hq, q_len, D]
+                keys.transpose(0, 1).float(),  # [Hq, kv_len, D]
+                values.transpose(0, 1).float(),
                 attn_mask=s.mask,
                 scale=scale,
             )
-            out[s.q_start : s.q_end] = o.transpose(0, 1)
+            out[s.q_start : s.q_end] = o.transpose(0, 1).to(out.dtype)
         return out
 
 
