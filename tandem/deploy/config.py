@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from tandem.deploy.worker_config import TRANSFER_BACKENDS
+from tandem.kvtransfer import EndpointConfig, FailureInjection
 from tandem.engine.config import ConfigError, EngineConfig
 from tandem.spec.config import SpecConfig
 
@@ -24,6 +25,8 @@ class GroupConfig:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (pinning)
     torch_threads: int = 1
+    # Test knobs (not read from YAML): break this group's transfers on purpose.
+    faults: FailureInjection | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -41,6 +44,7 @@ class DeployConfig:
     transfer_timeout_s: float = 30.0
     prefill: GroupConfig = field(default_factory=GroupConfig)
     decode: GroupConfig = field(default_factory=GroupConfig)
+    endpoint: EndpointConfig | None = None  # transfer deadlines/leases; None = defaults
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -53,7 +57,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         return cls()
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    known = {f.name for f in fields(cls)}
+    known = {f.name for f in fields(cls)} - {"faults"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
@@ -68,7 +72,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
 def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
     if not isinstance(raw, dict):
         raise ConfigError("config: expected a mapping at the top level")
-    top = {f.name for f in fields(DeployConfig)}
+    top = {f.name for f in fields(DeployConfig)} - {"endpoint"}
     unknown = sorted(set(raw) - top)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key (known: {', '.join(sorted(top))})")

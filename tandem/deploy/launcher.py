@@ -85,7 +85,8 @@ def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
         return WorkerConfig(name=name, engine=cfg.engine, spec=cfg.spec,
                             transfer_backend=cfg.transfer_backend,
                             transfer_timeout_s=cfg.transfer_timeout_s,
-                            torch_threads=group.torch_threads)
+                            torch_threads=group.torch_threads, endpoint=cfg.endpoint,
+                            faults=group.faults)
 
     for i in range(cfg.prefill.replicas):
         name = f"prefill-{i}"

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from tandem.deploy.config import DeployConfig
 from tandem.deploy.launcher import Deployment, launch
 from tandem.router.disagg import DisaggregatedDispatcher
 from tandem.router.dispatch import ModelInfo
 from tandem.router.router import Router, RouterConfig
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(cfg: DeployConfig):
@@ -16,7 +20,9 @@ def load_tokenizer(cfg: DeployConfig):
 
     _, path = resolve_model(cfg.engine)
     if path is None or not (path / "tokenizer.json").is_file():
-        raise ValueError(f"engine.model: '{cfg.engine.model}' has no tokenizer.json to serve with")
+        log.warning("model '%s' has no tokenizer.json: only prompt_token_ids requests can be "
+                    "served", cfg.engine.model)
+        return None
     return Tokenizer.from_dir(path)
 
 
