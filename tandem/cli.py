@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16",
                    help="Weights and KV cache dtype. Default: %(default)s")
     g.add_argument("--device", default="cpu", help="torch device. Default: %(default)s")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="auto: FlashInfer on CUDA, the torch reference elsewhere. "
+                        "Default: %(default)s")
     g.add_argument("--page-size", type=int, default=16, help="Tokens per KV page. Default: %(default)s")
     g.add_argument("--num-pages", type=int, default=None,
                    help="KV pages (default: as many as --kv-cache-mib holds)")
@@ -45,6 +48,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        attention_backend=args.attention_backend,
         page_size=args.page_size, num_pages=args.num_pages, kv_cache_bytes=args.kv_cache_mib << 20,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )

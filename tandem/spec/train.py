@@ -75,23 +75,24 @@ def init_head(engine: LLMEngine, cfg: TrainConfig, vocab_ids: torch.Tensor | Non
     dcfg = DraftHeadConfig.like_target(
         target.cfg, cfg.kind, draft_vocab_size=len(vocab_ids) if vocab_ids is not None else None)
     max_len = engine.max_model_len
-    head = EagleHead(dcfg, target, torch.float32, max_len)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    with torch.device(engine.device):
+        head = EagleHead(dcfg, target, torch.float32, max_len)
+    gen = torch.Generator().manual_seed(cfg.seed)  # CPU draws: the same init on any device
     for name, p in head.named_parameters():
         if name.startswith("target_"):
             continue
-        p.data = p.data.float()
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         elif name.endswith("bias"):
             p.data.zero_()
         else:
-            p.data.normal_(0.0, 0.02, generator=gen)
+            p.data.copy_(torch.empty(p.shape).normal_(0.0, 0.02, generator=gen))
     if cfg.kind == "eagle3":
         assert vocab_ids is not None
-        head.lm_head.weight.data = target.lm_head.head_weight()[vocab_ids].float().clone()
+        ids = vocab_ids.to(engine.device)
+        head.lm_head.weight.data = target.lm_head.head_weight()[ids].float().clone()
         head.norm.weight.data = target.norm.weight.float().clone()
-        head.d2t.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+        head.d2t.copy_(ids - torch.arange(len(ids), device=engine.device))
     return head
 
 
@@ -115,12 +116,13 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
     plens = [len(s.prompt_ids) for s in samples]
     pages = [engine.allocator.alloc(engine.scheduler.pages_needed(len(x))) for x in seqs]
     try:
+        dev = engine.device
         layout = build_metadata([SeqSlice(page_ids=p, num_cached=0, num_new=len(x))
-                                 for p, x in zip(pages, seqs)], engine.cfg.page_size)
-        flat = torch.tensor([t for x in seqs for t in x], dtype=torch.int64)
+                                 for p, x in zip(pages, seqs)], engine.cfg.page_size, dev)
+        flat = torch.tensor([t for x in seqs for t in x], dtype=torch.int64, device=dev)
         out = engine.runner.forward(ForwardBatch(
             input_ids=flat, positions=layout.positions, attn=layout.attn,
-            logits_indices=torch.zeros(1, dtype=torch.int64),
+            logits_indices=torch.zeros(1, dtype=torch.int64, device=dev),
             capture_layers=head.cfg.feature_layers))
     finally:
         for p in pages:
@@ -132,6 +134,7 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
     labels = torch.zeros(b, t_len, dtype=torch.int64)
     mask = torch.zeros(b, t_len, dtype=torch.bool)
     features = torch.zeros(b, t_len, feats.shape[-1])
+    feats = feats.float().cpu()
     offset = 0
     for i, x in enumerate(seqs):
         n = len(x)
@@ -141,7 +144,8 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
         # Draft position t predicts x_{t+2}; train where that token is part of the answer.
         mask[i, max(0, plens[i] - 2) : n - 2] = True
         offset += n
-    return tokens, features, labels, mask
+    dev = engine.device
+    return tokens.to(dev), features.to(dev), labels.to(dev), mask.to(dev)
 
 
 def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
@@ -184,6 +188,7 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     if vocab_ids is not None:
         t2d = torch.full((engine.model_cfg.vocab_size,), -1, dtype=torch.int64)
         t2d[vocab_ids] = torch.arange(len(vocab_ids))
+        t2d = t2d.to(engine.device)
     bar = None
     if progress:
         from tqdm import tqdm
