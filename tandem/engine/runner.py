@@ -57,8 +57,10 @@ class ModelRunner:
         """The forward after planning (what `DecodeGraphRunner` captures). input_ids,
         positions [T] int64; logits_indices [n] int64, or None for logits of every row."""
         group = self.kv_group
+        kv_slots = getattr(self.backend, "kv_slots", None)  # optional capability
         ctx = ForwardContext(
-            backend=self.backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i)
+            backend=self.backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i),
+            kv_slots=kv_slots(plan) if kv_slots is not None else None,
         )
         out = self.model(input_ids, positions, ctx, capture_layers)
         rows = out.hidden if logits_indices is None else out.hidden[logits_indices]

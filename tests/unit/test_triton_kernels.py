@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+if torch.cuda.is_available():  # the interpreter flag is process-wide: tests/gpu covers CUDA
+    pytest.skip("CUDA machine: tests/gpu runs the compiled kernels", allow_module_level=True)
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
@@ -17,7 +19,7 @@ pytest.importorskip("numpy")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
 
-from tandem.engine.kernels import torch_ops, triton_ops  # noqa: E402
+from tandem.engine.kernels import torch_ops, triton_gemv, triton_ops  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -89,10 +91,47 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("shape", [(64, 512), (40, 700)])  # even blocks, ragged edges
-def test_gemv(shape):
+@pytest.mark.parametrize("variant", ["plain", "norm", "silu_mul", "norm_residual",
+                                     "silu_mul_residual"])
+@pytest.mark.parametrize("config", [None, (8, 256, 4, 1)])  # one block per program; persistent
+def test_gemv_and_fused_prologues(shape, variant, config):
     g = torch.Generator().manual_seed(4)
     n, k = shape
     w = torch.randn(n, k, generator=g)
-    x = torch.randn(1, k, generator=g)
-    torch.testing.assert_close(triton_ops.gemv(x, w), torch_ops.linear(x, w), atol=1e-4,
-                               rtol=1e-4)
+    silu = variant.startswith("silu_mul")
+    x = torch.randn(1, 2 * k if silu else k, generator=g)
+    norm = (1 + 0.1 * torch.randn(k, generator=g)) if variant.startswith("norm") else None
+    res = torch.randn(1, n, generator=g) if variant.endswith("residual") else None
+    got = triton_gemv.gemv(x, w, norm_weight=norm, eps=1e-5, silu_mul=silu, residual=res,
+                           config=config)
+    want = torch_ops.fused_linear(x, w, norm, 1e-5, silu, res)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_float32_logits_from_bf16():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 256, generator=g).bfloat16()
+    x = torch.randn(1, 256, generator=g).bfloat16()
+    got = triton_gemv.gemv(x, w, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, x.float() @ w.float().t(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_rotary_store_equals_rotary_then_store(page_size):
+    g = torch.Generator().manual_seed(6)
+    num_tokens, hq, hk, d = 3, 6, 2, 16
+    qkv = torch.randn(num_tokens, (hq + 2 * hk) * d, generator=g)
+    q = qkv[:, : hq * d].view(num_tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(num_tokens, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(num_tokens, hk, d)
+    emb = torch.outer(torch.arange(32).float(), 1.0 / (10000 ** (torch.arange(0, d, 2) / d)))
+    cos, sin = torch.cat([emb, emb], -1).cos(), torch.cat([emb, emb], -1).sin()
+    pos = torch.tensor([3, 31, 0])
+    slots = torch.tensor([page_size * 4 + page_size - 1, page_size, page_size * 2])
+    cache = torch.randn(5, 2, page_size, hk, d, generator=g)
+    ref = cache.clone()
+    q_got = triton_ops.rotary_store(pos, q, k, v, cos, sin, cache, slots)
+    q_want = torch_ops.rotary_store(pos, q, k, v, cos, sin, ref, slots)
+    torch.testing.assert_close(q_got, q_want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache, ref, atol=1e-5, rtol=1e-5)

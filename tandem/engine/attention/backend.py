@@ -46,6 +46,10 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
+    # Optional: `kv_slots(plan) -> Tensor [T] int64` offers layers to write the new K/V
+    # themselves (fused with rope) at those slots; they then pass k = v = None to `forward`.
+    # Backends without it (the reference) always receive k and v.
+
 
 # name -> "module:Class"; modules load on first use.
 _REGISTRY: dict[str, str] = {

@@ -79,9 +79,10 @@ class DecodeWrappers:
     def __init__(
         self, fi: Any, float_workspace: torch.Tensor, shape: AttentionShape,
         device: torch.device, max_batch_size: int, max_num_pages: int, growable: bool,
+        use_tensor_cores: bool = True,
     ) -> None:
         self._fi, self._float_ws, self.shape, self.device = fi, float_workspace, shape, device
-        self.growable = growable
+        self.growable, self.use_tensor_cores = growable, use_tensor_cores
         self._int_ws = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._int_ws_host = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
                                         pin_memory=True)
@@ -91,17 +92,22 @@ class DecodeWrappers:
     def _allocate(self, max_batch_size: int, max_num_pages: int) -> None:
         dev = self.device
         self.max_batch_size, self.max_num_pages = max_batch_size, max_num_pages
-        self._indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev)  # [B+1]
-        self._last_len = torch.ones(max_batch_size, dtype=torch.int32, device=dev)  # [B]
-        self._page_ids = torch.zeros(max_num_pages, dtype=torch.int32, device=dev)  # [cap]
-        self._slot_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)  # [B]
+        # Plain (not inference-mode) tensors even when growing inside a forward, so a later
+        # plan() outside inference mode may still write them.
+        with torch.inference_mode(False):
+            self._indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev)
+            self._last_len = torch.ones(max_batch_size, dtype=torch.int32, device=dev)  # [B]
+            self._page_ids = torch.zeros(max_num_pages, dtype=torch.int32, device=dev)
+            self._slot_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=dev)
+        # _indptr [B+1] int32, _page_ids [capacity] int32, _slot_ids [B] int64
         self._wrappers: dict[int, Any] = {}
 
     def _wrapper(self, batch_size: int) -> Any:
         w = self._wrappers.get(batch_size)
         if w is None:
             w = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._float_ws, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self._float_ws, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=self._indptr[: batch_size + 1],
                 paged_kv_indices_buffer=self._page_ids,
                 paged_kv_last_page_len_buffer=self._last_len[:batch_size],
@@ -109,7 +115,9 @@ class DecodeWrappers:
             )
             # Share one int workspace (and its pinned mirror) across batch sizes instead of
             # 8+8 MiB each; safe because only the latest plan is ever run (see the guard).
-            if hasattr(w, "_int_workspace_buffer") and hasattr(w, "_pin_memory_int_workspace_buffer"):
+            # (Private attributes of FlashInfer 0.7; without them each wrapper keeps its own.)
+            if all(hasattr(w, a) for a in ("_int_workspace_buffer",
+                                           "_pin_memory_int_workspace_buffer")):
                 w._int_workspace_buffer = self._int_ws
                 w._pin_memory_int_workspace_buffer = self._int_ws_host
             self._wrappers[batch_size] = w
@@ -188,15 +196,21 @@ class FlashInferBackend:
                               epoch=self._prefill_epoch, planned_at=self._prefill_epoch.value)
 
     def forward(
-        self, plan: FlashInferPlan, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-        v: torch.Tensor, scale: float,
+        self, plan: FlashInferPlan, kv_cache: torch.Tensor, q: torch.Tensor,
+        k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
     ) -> torch.Tensor:
         """kv_cache [num_pages, 2, page_size, Hkv, D] (this layer's; written); q [T, Hq, D];
-        k, v [T, Hkv, D] -> [T, Hq, D]."""
+        k, v [T, Hkv, D], or None when already written at `kv_slots(plan)` -> [T, Hq, D]."""
         if plan.epoch.value != plan.planned_at:
             raise RuntimeError("FlashInferBackend: a newer plan replaced this one "
                                "(plans are valid for one forward)")
         if scale != self.shape.scale:
             raise ValueError(f"scale: {scale} differs from the planned {self.shape.scale}")
-        kernels.store_kv(kv_cache, k, v, plan.slot_ids)
+        if k is not None and v is not None:  # else the layer wrote them (`kv_slots`)
+            kernels.store_kv(kv_cache, k, v, plan.slot_ids)
         return plan.wrapper.run(q.contiguous(), kv_cache)
+
+    def kv_slots(self, plan: FlashInferPlan) -> torch.Tensor:
+        """[T] int64: where layers may write this forward's K/V themselves (fused with rope);
+        they then pass k = v = None to `forward`."""
+        return plan.slot_ids

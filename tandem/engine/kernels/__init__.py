@@ -4,15 +4,19 @@ from tandem.engine.kernels.ops import (
     KernelPolicy,
     add_rms_norm,
     current_policy,
+    decode_fusion_ok,
+    fused_linear,
     kernel_policy,
     linear,
     rms_norm,
     rotary,
+    rotary_store,
     silu_and_mul,
     store_kv,
 )
 
 __all__ = [
-    "KernelPolicy", "add_rms_norm", "current_policy", "kernel_policy", "linear", "rms_norm",
-    "rotary", "silu_and_mul", "store_kv",
+    "KernelPolicy", "add_rms_norm", "current_policy", "decode_fusion_ok", "fused_linear",
+    "kernel_policy", "linear", "rms_norm", "rotary", "rotary_store", "silu_and_mul",
+    "store_kv",
 ]

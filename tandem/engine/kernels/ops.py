@@ -3,8 +3,11 @@
 The policy is process-wide and read-only during a forward (like `torch.backends` flags):
 `KernelPolicy.triton` turns the Triton kernels on for CUDA tensors (`TANDEM_TRITON=0` turns
 them off at start-up), `KernelPolicy.gemv` additionally routes batch-1 projections to the
-Triton matrix-vector kernel. `kernel_policy(...)` swaps it inside a `with` block (tests and
-benchmarks compare both paths in one process). Triton is imported on first CUDA use only.
+Triton matrix-vector kernel (`TANDEM_GEMV=0`), and `KernelPolicy.fused_decode` lets batch-1
+layers fold their norms, activation and residual adds into those GEMVs
+(`TANDEM_FUSED_DECODE=0`). `kernel_policy(...)` swaps the policy inside a `with` block
+(tests and benchmarks compare paths in one process). A policy change after a CUDA graph was
+captured does not affect the graph. Triton is imported on first CUDA use only.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ log = logging.getLogger(__name__)
 class KernelPolicy:
     triton: bool = True  # Triton kernels for CUDA tensors
     gemv: bool = True  # Triton matrix-vector kernel for [1, K] x [N, K] on CUDA
+    fused_decode: bool = True  # batch-1 layers fold norm/act/residual into the GEMVs
 
 
 _policy = KernelPolicy(triton=os.environ.get("TANDEM_TRITON", "1") != "0",
-                       gemv=os.environ.get("TANDEM_GEMV", "1") != "0")
+                       gemv=os.environ.get("TANDEM_GEMV", "1") != "0",
+                       fused_decode=os.environ.get("TANDEM_FUSED_DECODE", "1") != "0")
 _triton_module: ModuleType | None = None
+_gemv_module: ModuleType | None = None
 _triton_failed = False
 
 
@@ -54,18 +60,30 @@ def kernel_policy(**changes: bool) -> Iterator[KernelPolicy]:
 
 def _triton_for(x: torch.Tensor) -> ModuleType | None:
     """The Triton kernel module when `x` should use it, else None (torch twin)."""
-    global _triton_module, _triton_failed
+    global _triton_module, _gemv_module, _triton_failed
     if not (x.is_cuda and _policy.triton) or _triton_failed:
         return None
     if _triton_module is None:
         try:
-            from tandem.engine.kernels import triton_ops
+            from tandem.engine.kernels import triton_gemv, triton_ops
         except ImportError as exc:  # a CUDA machine without triton: slower, still correct
             log.warning("triton unavailable (%s); using torch kernels", exc)
             _triton_failed = True
             return None
-        _triton_module = triton_ops
+        _triton_module, _gemv_module = triton_ops, triton_gemv
     return _triton_module
+
+
+def _gemv_for(x: torch.Tensor) -> ModuleType | None:
+    """The Triton GEMV module when x is one CUDA row and the policy allows it, else None."""
+    if x.dim() != 2 or x.shape[0] != 1 or not _policy.gemv or _triton_for(x) is None:
+        return None
+    return _gemv_module
+
+
+def decode_fusion_ok(x: torch.Tensor) -> bool:
+    """Whether a layer given x [T, H] should take the fused batch-1 path (`fused_linear`)."""
+    return _policy.fused_decode and x.is_contiguous() and _gemv_for(x) is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,11 +131,40 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch_ops.silu_and_mul(gate_up)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """[M, K] x [N, K] (+ [N]) -> [M, N]. Batch-1 decode on CUDA may take the Triton GEMV."""
-    if bias is None and x.dim() == 2 and x.shape[0] == 1 and _policy.gemv:
-        tri = _triton_for(x)
-        if tri is not None and weight.stride(1) == 1:
-            return tri.gemv(x.contiguous(), weight)
-    return F.linear(x, weight, bias)
+def rotary_store(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Rope on q and k, k and v into the pages at slot_ids; returns the rotated q [T, Hq, D]."""
+    tri = _triton_for(q)
+    d = v.shape[-1]
+    if (tri is not None and tri.rotary_supported(q.shape[-1]) and kv_cache.is_contiguous()
+            and v.stride(2) == 1 and v.stride(1) == d):
+        return tri.rotary_store(positions, q, k, v, cos, sin, kv_cache, slot_ids)
+    return torch_ops.rotary_store(positions, q, k, v, cos, sin, kv_cache, slot_ids)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """[M, K] x [N, K] (+ [N]) -> [M, N] (in out_dtype, default x.dtype). Batch-1 decode on
+    CUDA may take the Triton GEMV (which writes out_dtype directly)."""
+    gemv = _gemv_for(x) if bias is None and weight.stride(1) == 1 else None
+    if gemv is not None:
+        return gemv.gemv(x.contiguous(), weight, out_dtype=out_dtype)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def fused_linear(
+    x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """weight @ prologue(x) (+ residual) in one launch at batch 1 on CUDA (see triton_gemv);
+    the unfused torch sequence elsewhere. Prologue: rms_norm (norm_weight) or silu_and_mul."""
+    gemv = _gemv_for(x) if weight.stride(1) == 1 else None
+    if gemv is not None and (residual is None or residual.is_contiguous()):
+        return gemv.gemv(x.contiguous(), weight, norm_weight=norm_weight, eps=eps,
+                         silu_mul=silu_mul, residual=residual)
+    return torch_ops.fused_linear(x, weight, norm_weight, eps, silu_mul, residual)

@@ -60,3 +60,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [N, K] -> [M, N]
     return F.linear(x, weight)
+
+
+def fused_linear(
+    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) with silu_mul
+    weight: torch.Tensor,  # [N, K]
+    norm_weight: torch.Tensor | None = None,  # [K]: rms_norm(x) first
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,  # [M, N]: added after the product
+) -> torch.Tensor:  # [M, N]
+    """The twin of the fused Triton GEMV: the unfused sequence of ops it replaces."""
+    if silu_mul:
+        x = silu_and_mul(x)
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    y = F.linear(x, weight)
+    return y if residual is None else y + residual
+
+
+def rotary_store(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Rope, then K/V into the pages; returns the rotated q."""
+    q, k = rotary(positions, q, k, cos, sin)
+    store_kv(kv_cache, k, v, slot_ids)
+    return q

@@ -75,39 +75,55 @@ def _launch_norm(x, res, w, out, summed, eps: float) -> None:
 
 @triton.jit
 def _rope_heads(
-    x_ptr, out_ptr, t, cos, sin, stride_xt, stride_xh, n_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, out_ptr, cos, sin, stride_xh, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """Rotate one token's n_heads heads from x_ptr (head stride stride_xh) into out_ptr
+    (heads contiguous)."""
     d = tl.arange(0, HALF)[None, :]
     h = tl.arange(0, BLOCK_H)[:, None]
     mask = h < n_heads
-    src = x_ptr + t * stride_xt + h * stride_xh + d
+    src = x_ptr + h * stride_xh + d
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    dst = out_ptr + (t * n_heads + h) * (2 * HALF) + d
+    dst = out_ptr + h * (2 * HALF) + d
     tl.store(dst, (a * cos - b * sin).to(x1.dtype), mask=mask)
     tl.store(dst + HALF, (b * cos + a * sin).to(x1.dtype), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, n_q_heads, n_k_heads, stride_cos,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, n_q_heads, n_k_heads, stride_cos,
+    page_size, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
+    STORE: tl.constexpr,
 ):
-    """Program (t, 0) rotates token t's query heads, (t, 1) its key heads."""
+    """Program (t, 0) rotates token t's query heads, (t, 1) its key heads. With STORE the
+    rotated keys and the values go straight into the KV pages (k_out_ptr = the layer's
+    [num_pages, 2, page_size, Hk, D] cache, slot_ptr = each token's slot)."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
     cos = tl.load(cos_ptr + pos * stride_cos + d)[None, :]  # [1, HALF] float32
     sin = tl.load(sin_ptr + pos * stride_cos + d)[None, :]
     if tl.program_id(1) == 0:
-        _rope_heads(q_ptr, q_out_ptr, t, cos, sin, stride_qt, stride_qh, n_q_heads,
-                    HALF, BLOCK_H)
+        _rope_heads(q_ptr + t * stride_qt, q_out_ptr + t * n_q_heads * 2 * HALF, cos, sin,
+                    stride_qh, n_q_heads, HALF, BLOCK_H)
     else:
-        _rope_heads(k_ptr, k_out_ptr, t, cos, sin, stride_kt, stride_kh, n_k_heads,
-                    HALF, BLOCK_H)
+        row = n_k_heads * 2 * HALF  # elements of one token's K (or V) in a page
+        if STORE:
+            slot = tl.load(slot_ptr + t)
+            page, offset = slot // page_size, slot % page_size
+            k_dst = k_out_ptr + (page * 2 * page_size + offset) * row
+        else:
+            k_dst = k_out_ptr + t * row
+        _rope_heads(k_ptr + t * stride_kt, k_dst, cos, sin, stride_kh, n_k_heads, HALF,
+                    BLOCK_H)
+        if STORE:
+            cols = tl.arange(0, BLOCK_V)
+            vmask = cols < row
+            vals = tl.load(v_ptr + t * stride_vt + cols, mask=vmask)
+            tl.store(k_dst + page_size * row + cols, vals, mask=vmask)
 
 
 def rotary(
@@ -116,19 +132,39 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int64; q [T, Hq, D], k [T, Hk, D] (views of the qkv output are fine: only
     the last dim must be contiguous); cos/sin [max_position, D] float32 -> new q, k."""
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # [T, Hk, D]
+    return _rope(positions, q, k, None, cos, sin, k_out, None), k_out
+
+
+def rotary_store(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Like `rotary`, but the rotated k and v are written into kv_cache
+    [num_pages, 2, page_size, Hk, D] at slot_ids [T] int64; returns the new q only."""
+    assert kv_cache.is_contiguous() and slot_ids.dtype == torch.int64
+    assert v.stride(2) == 1 and v.stride(1) == v.shape[2], "each token's V must be contiguous"
+    return _rope(positions, q, k, v, cos, sin, kv_cache, slot_ids)
+
+
+def _rope(positions, q, k, v, cos, sin, k_dst, slot_ids) -> torch.Tensor:
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
     num_tokens, _, d = q.shape
     if num_tokens == 0:
-        return q_out, k_out
+        return q_out
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.is_contiguous()
     assert rotary_supported(d), f"head_dim {d}: the Triton rope needs a power of two"
+    store = slot_ids is not None
     _rope_kernel[(num_tokens, 2)](
-        q, k, q_out, k_out, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), q.shape[1], k.shape[1], cos.stride(0),
-        HALF=d // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), num_warps=4,
+        q, k, v if store else k, q_out, k_dst, positions, cos, sin,
+        slot_ids if store else positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0) if store else 0, q.shape[1], k.shape[1], cos.stride(0),
+        k_dst.shape[2] if store else 1,
+        HALF=d // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+        BLOCK_V=triton.next_power_of_2(k.shape[1] * d), STORE=store,
+        num_warps=4,
     )
-    return q_out, k_out
+    return q_out
 
 
 def rotary_supported(head_dim: int) -> bool:
@@ -198,72 +234,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> new [T, I
         gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
     )
     return out
-
-
-# ---- matrix-vector product (decode at batch 1) -------------------------------------------------
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, n_rows, n_cols, stride_w,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, EVEN: tl.constexpr,
-):
-    """out[n] = sum_k w[n, k] * x[k]; each program streams BLOCK_N whole rows of w."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for i in range(NUM_K):  # NUM_K = cdiv(n_cols, BLOCK_K), a constant per weight shape
-        cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
-        if EVEN:
-            w = tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
-            x = tl.load(x_ptr + cols)
-        else:
-            m = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-            w = tl.load(row_ptr + cols[None, :], mask=m, other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + cols, mask=cols < n_cols, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < n_rows)
-
-
-# (BLOCK_N, BLOCK_K, num_warps) candidates; `gemv_config` picks per shape on first use.
-GEMV_CONFIGS = ((8, 512, 4), (16, 256, 4), (4, 1024, 4), (8, 1024, 8), (16, 512, 8),
-                (2, 2048, 4), (32, 256, 8))
-_gemv_best: dict[tuple[int, int, str], tuple[int, int, int]] = {}
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None
-         ) -> torch.Tensor:
-    """x [1, K] (contiguous), weight [N, K] (rows contiguous) -> new [1, N]."""
-    n_rows, n_cols = weight.shape
-    assert x.shape == (1, n_cols) and x.is_contiguous() and weight.stride(1) == 1
-    out = torch.empty(1, n_rows, dtype=x.dtype, device=x.device)
-    if config is None:
-        config = gemv_config(n_rows, n_cols, weight)
-    block_n, block_k, warps = config
-    _gemv_kernel[(triton.cdiv(n_rows, block_n),)](
-        x, weight, out, n_rows, n_cols, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        NUM_K=triton.cdiv(n_cols, block_k), EVEN=(n_rows % block_n == 0 and n_cols % block_k == 0), num_warps=warps,
-    )
-    return out
-
-
-def gemv_config(n_rows: int, n_cols: int, weight: torch.Tensor) -> tuple[int, int, int]:
-    """The fastest config for this shape, timed once per process (interpreter: the first).
-    Timing syncs the device: it happens in warm-up, never inside a captured graph."""
-    key = (n_rows, n_cols, str(weight.dtype))
-    best = _gemv_best.get(key)
-    if best is not None:
-        return best
-    if INTERPRET or weight.device.type != "cuda":
-        best = GEMV_CONFIGS[0]
-    else:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"gemv {key}: not tuned before CUDA graph capture")
-        x = torch.randn(1, n_cols, dtype=weight.dtype, device=weight.device)
-        times = {}
-        for cfg in GEMV_CONFIGS:
-            times[cfg] = triton.testing.do_bench(lambda c=cfg: gemv(x, weight, c), warmup=5,
-                                                 rep=20)
-        best = min(times, key=times.__getitem__)
-    _gemv_best[key] = best
-    return best

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.engine import kernels
 from tandem.engine.attention.backend import AttentionBackend
 from tandem.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
 from tandem.engine.layers.norm import RMSNorm
@@ -24,6 +25,9 @@ class ForwardContext:
     backend: AttentionBackend
     plan: Any
     kv_layer: Callable[[int], torch.Tensor]  # layer index -> [num_pages, 2, ps, Hkv, D]
+    # [T] int64 slots where layers write the new K/V themselves (fused rope + store), or None
+    # when the backend writes them (the reference backend).
+    kv_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,13 +85,36 @@ class SelfAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:  # positions [T]; x [T, H] -> [T, H]
-        num_tokens, d = x.shape[0], self.heads.head_dim
-        q, k, v = self.qkv(x).split(self.qkv.local_sizes(), dim=-1)
+        return self.o_proj(self._attend(positions, self.qkv(x), ctx))
+
+    def can_fuse(self) -> bool:
+        return self.qkv.bias is None and self.o_proj.bias is None and self.o_proj.tp.size == 1
+
+    def forward_fused(
+        self, positions: torch.Tensor, stream: torch.Tensor, norm: RMSNorm, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Batch-1 decode: stream [1, H] (the residual stream) -> stream + attn(norm(stream)),
+        with the norm folded into the qkv GEMV and the add into o_proj's."""
+        qkv = kernels.fused_linear(stream, self.qkv.weight, norm_weight=norm.weight,
+                                   eps=norm.eps)
+        return kernels.fused_linear(self._attend(positions, qkv, ctx), self.o_proj.weight,
+                                    residual=stream)
+
+    def _attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:  # qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D]
+        num_tokens, d = qkv.shape[0], self.heads.head_dim
+        q, k, v = qkv.split(self.qkv.local_sizes(), dim=-1)
         q = q.view(num_tokens, -1, d)  # [T, Hq_local, D]
         k = k.view(num_tokens, -1, d)  # [T, Hkv_local, D]
         v = v.view(num_tokens, -1, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = ctx.backend.forward(ctx.plan, ctx.kv_layer(self.layer_idx), q, k, v, self.scale)
-        return self.o_proj(o.reshape(num_tokens, -1))
+        kv_cache = ctx.kv_layer(self.layer_idx)
+        if ctx.kv_slots is not None:  # one kernel: rope, and K/V into the pages
+            q = self.rotary.apply_and_store(positions, q, k, v, kv_cache, ctx.kv_slots)
+            o = ctx.backend.forward(ctx.plan, kv_cache, q, None, None, self.scale)
+        else:
+            q, k = self.rotary(positions, q, k)
+            o = ctx.backend.forward(ctx.plan, kv_cache, q, k, v, self.scale)
+        return o.reshape(num_tokens, -1)

@@ -59,5 +59,5 @@ class ParallelLMHead(nn.Module):
         self.weight.data.copy_(full[self.start : self.end])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, dim] -> [n, vocab] float32
-        logits = kernels.linear(hidden, self.head_weight()).float()
+        logits = kernels.linear(hidden, self.head_weight(), out_dtype=torch.float32)
         return self.tp.all_gather_last_dim(logits)

@@ -21,6 +21,7 @@ from tandem.engine.layers.linear import (
     RowParallelLinear,
     check_shape,
 )
+from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.parallel import ParallelGroup
 
 
@@ -39,6 +40,16 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down(silu_and_mul(self.gate_up(x)))
+
+    def can_fuse(self) -> bool:
+        return self.down.tp.size == 1 and self.down.bias is None
+
+    def forward_fused(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """Batch-1 decode: stream [1, H] -> stream + mlp(norm(stream)) in two GEMV launches
+        (norm folded into gate_up's, silu-and-mul and the residual add into down's)."""
+        gate_up = kernels.fused_linear(stream, self.gate_up.weight, norm_weight=norm.weight,
+                                       eps=norm.eps)
+        return kernels.fused_linear(gate_up, self.down.weight, silu_mul=True, residual=stream)
 
 
 class SparseMoE(nn.Module):

@@ -51,3 +51,11 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; q [T, Hq, D]; k [T, Hk, D] -> rotated (new tensors)."""
         return kernels.rotary(positions, q, k, self.cos, self.sin)
+
+    def apply_and_store(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        kv_cache: torch.Tensor, slot_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate q and k; write k and v into kv_cache [num_pages, 2, ps, Hk, D] at slot_ids
+        [T] int64 (one Triton kernel on CUDA). Returns the rotated q [T, Hq, D]."""
+        return kernels.rotary_store(positions, q, k, v, self.cos, self.sin, kv_cache, slot_ids)

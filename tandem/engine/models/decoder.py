@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.engine import kernels
 from tandem.engine.config import ModelConfig
 from tandem.engine.layers.attention import ForwardContext, HeadLayout, SelfAttention
 from tandem.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -58,7 +59,10 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta [T, H]; residual: the residual stream before it (None at
-        layer 0). Returns (mlp output, residual stream after attention)."""
+        layer 0, or when x already is the stream). Returns (mlp output, residual stream after
+        attention), or (stream after the layer, None) from the fused batch-1 path."""
+        if self.attn.can_fuse() and kernels.decode_fusion_ok(x):
+            return self._forward_fused(positions, x if residual is None else x + residual, ctx)
         if residual is None:
             residual, h = x, self.input_norm(x)
         else:
@@ -66,6 +70,16 @@ class DecoderLayer(nn.Module):
         h = self.attn(positions, h, ctx)
         h, residual = self.post_attn_norm.add_and_norm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_fused(
+        self, positions: torch.Tensor, stream: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Batch-1 decode on CUDA: every norm, activation and residual add rides in a GEMV
+        launch (4 GEMVs + rope/store + attention per dense layer instead of ~11 kernels)."""
+        stream = self.attn.forward_fused(positions, stream, self.input_norm, ctx)
+        if isinstance(self.mlp, DenseMLP) and self.mlp.can_fuse():
+            return self.mlp.forward_fused(stream, self.post_attn_norm), None
+        return self.mlp(self.post_attn_norm(stream)), stream
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -1,0 +1,114 @@
+"""Compiled Triton kernels equal their torch twins on the GPU (bf16, model-sized rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from tandem.engine.kernels import torch_ops  # noqa: E402
+
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def tri():
+    from tandem.engine.kernels import triton_ops
+
+    return triton_ops
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("hidden", [576, 4096])
+def test_norms(tri, hidden):
+    g = torch.Generator(DEV).manual_seed(0)
+    x = torch.randn(33, hidden, device=DEV, generator=g).bfloat16()
+    res = torch.randn(33, hidden, device=DEV, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV, generator=g)).bfloat16()
+    out, summed = tri.add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_sum = torch_ops.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(summed, ref_sum)  # one bf16 rounding of the sum, like torch
+    assert _rel(out, ref_out) < 4e-3
+    assert _rel(tri.rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5)) < 4e-3
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])
+def test_rotary(tri, heads):
+    hq, hk, d = heads
+    g = torch.Generator(DEV).manual_seed(1)
+    qkv = torch.randn(17, (hq + 2 * hk) * d, device=DEV, generator=g).bfloat16()
+    q = qkv[:, : hq * d].view(17, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(17, hk, d)
+    from tandem.engine.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(d, 4096, 500000.0, None).to(DEV)
+    pos = torch.randint(0, 4096, (17,), device=DEV, generator=g)
+    q1, k1 = tri.rotary(pos, q, k, rope.cos, rope.sin)
+    q2, k2 = torch_ops.rotary(pos, q, k, rope.cos, rope.sin)
+    assert _rel(q1, q2) < 8e-3 and _rel(k1, k2) < 8e-3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_store_kv_exact(tri, page_size):
+    g = torch.Generator(DEV).manual_seed(2)
+    cache = torch.randn(40, 2, page_size, 8, 128, device=DEV, generator=g).bfloat16()
+    ref = cache.clone()
+    kv = torch.randn(9, 24 * 128, device=DEV, generator=g).bfloat16()
+    k, v = kv[:, 8 * 128 : 16 * 128].view(9, 8, 128), kv[:, 16 * 128 :].view(9, 8, 128)
+    slots = torch.randperm(39 * page_size, device=DEV, generator=g)[:9] + page_size
+    tri.store_kv(cache, k, v, slots)
+    torch_ops.store_kv(ref, k, v, slots)
+    assert torch.equal(cache, ref)
+
+
+def test_silu_and_mul(tri):
+    g = torch.Generator(DEV).manual_seed(3)
+    x = (2 * torch.randn(5, 2 * 14336, device=DEV, generator=g)).bfloat16()
+    assert _rel(tri.silu_and_mul(x), torch_ops.silu_and_mul(x)) < 4e-3
+
+
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (1000, 576)])
+@pytest.mark.parametrize("variant", ["plain", "norm", "silu_mul_residual", "norm_residual"])
+def test_gemv(shape, variant):
+    from tandem.engine.kernels import triton_gemv
+
+    g = torch.Generator(DEV).manual_seed(4)
+    n, k = shape
+    w = (0.02 * torch.randn(n, k, device=DEV, generator=g)).bfloat16()
+    silu = variant.startswith("silu_mul")
+    x = torch.randn(1, 2 * k if silu else k, device=DEV, generator=g).bfloat16()
+    norm = ((1 + 0.1 * torch.randn(k, device=DEV, generator=g)).bfloat16()
+            if variant.startswith("norm") else None)
+    res = (torch.randn(1, n, device=DEV, generator=g).bfloat16()
+           if variant.endswith("residual") else None)
+    got = triton_gemv.gemv(x, w, norm_weight=norm, eps=1e-5, silu_mul=silu, residual=res)
+    want = torch_ops.fused_linear(x.double(), w.double(), None if norm is None else
+                                  norm.double(), 1e-5, silu, None if res is None else
+                                  res.double())
+    assert got.dtype == torch.bfloat16 and _rel(got, want) < 6e-3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_rotary_store(tri, page_size):
+    from tandem.engine.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator(DEV).manual_seed(5)
+    hq, hk, d = 32, 8, 128
+    qkv = torch.randn(7, (hq + 2 * hk) * d, device=DEV, generator=g).bfloat16()
+    q = qkv[:, : hq * d].view(7, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(7, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(7, hk, d)
+    rope = RotaryEmbedding(d, 4096, 500000.0, None).to(DEV)
+    pos = torch.randint(0, 4096, (7,), device=DEV, generator=g)
+    slots = torch.randperm(20 * page_size, device=DEV, generator=g)[:7] + page_size
+    cache = torch.randn(21, 2, page_size, hk, d, device=DEV, generator=g).bfloat16()
+    ref = cache.clone()
+    q1 = tri.rotary_store(pos, q, k, v, rope.cos, rope.sin, cache, slots)
+    q2, k2 = tri.rotary(pos, q, k, rope.cos, rope.sin)
+    tri.store_kv(ref, k2, v, slots)
+    assert torch.equal(q1, q2) and torch.equal(cache, ref)  # same kernel code, same bits
