@@ -300,6 +300,21 @@ def cmd_gen_proto(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_eagle(args: argparse.Namespace) -> int:
+    from tandem.spec import SpecConfig
+    from tandem.spec.evaluate import evaluate_head
+
+    spec = SpecConfig(draft_model=args.draft_model, num_steps=args.num_draft_steps,
+                      topk=args.draft_topk)
+    r = evaluate_head(engine_config_from_args(args), spec, args.max_new_tokens)
+    per_pos = " ".join(f"{p:.2f}" for p in r.per_position)
+    print(f"tau {r.tau:.2f} over {r.num_rounds} rounds of {r.num_prompts} held-out prompts "
+          f"(chain k={args.num_draft_steps} topk={args.draft_topk}, greedy, {args.dtype}); "
+          f"P(draft j accepted) j=1..{len(r.per_position)}: {per_pos}; "
+          f"identical to the target alone: {r.num_identical}/{r.num_prompts}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -366,6 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     add_engine_args(p)
     p.set_defaults(func=cmd_train_eagle)
+
+    p = sub.add_parser("eval-eagle", help="Measure an EAGLE head's acceptance length.",
+                       description="Greedy speculative decoding of held-out chat prompts: prints "
+                                   "the mean acceptance length tau, acceptance per draft "
+                                   "position, and how many answers equal the target alone.")
+    p.add_argument("--draft-model", default=None,
+                   help="Head directory (default: the head shipped for the default model)")
+    p.add_argument("--num-draft-steps", type=int, default=4, help="Default: %(default)s")
+    p.add_argument("--draft-topk", type=int, default=1, help="Default: %(default)s")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="Default: %(default)s")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_eval_eagle)
 
     p = sub.add_parser("import-model", help="Import a GGUF into a HF checkpoint directory.",
                        description="Without flags: import the bundled SmolLM2-135M-Instruct into "

@@ -210,13 +210,20 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
         loss, accs = ttt_loss(head, outs, labels, mask, t2d)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        # Per-tensor clipping: fc's gradient is orders of magnitude larger than the rest (it
+        # reads raw residual streams); one global norm would shrink every other update to ~0.
+        for p in params:
+            torch.nn.utils.clip_grad_norm_([p], 1.0)
         opt.step()
         step += 1
         num_tokens += int(mask.sum())
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=",".join(f"{a:.2f}" for a in accs))
+        if step % 25 == 0 or step == total_steps:
+            with (out / "train_log.jsonl").open("a") as f:  # loss and per-step top-1 accuracy
+                f.write(json.dumps({"step": step, "loss": round(loss.item(), 4),
+                                    "acc": [round(a, 4) for a in accs]}) + "\n")
         if step % cfg.save_every == 0 or step == total_steps:
             torch.save({"head": {k: v for k, v in head.state_dict().items()
                                  if not k.startswith("target_")},
