@@ -7,7 +7,7 @@ after it reads typed fields. Errors name the offending field so a user can fix t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -262,6 +262,3 @@ class EngineConfig:
             raise ConfigError(f"cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len: must be positive, got {self.max_model_len}")
-
-    def with_(self, **changes: Any) -> EngineConfig:
-        return replace(self, **changes)
