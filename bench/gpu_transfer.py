@@ -1,0 +1,781 @@
+"""KV transfer between two GPUs of one host, through the real contract: a `PrefillSender` in one
+process (cuda:0) writes into a `DecodeReceiver` in another (cuda:1), over NIXL (UCX picks the
+transports: NVLink via cuda_ipc) and Mooncake (protocol tcp). For each backend, in a fresh pair of
+spawned processes, every case is first checked bit-exact (the first transfer of each case lands
+in sentinel-filled memory and is compared on the GPU), then timed.
+
+Cases: "bulk" = contiguous 1 MiB pages (the planner makes one entry per transfer), timed per size;
+"prompt" = a 4k-token prompt of a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128,
+bf16, page_size 16: 256 pages of 64 KiB per layer = 512 MiB), laid out as the engine's KVPool
+([L, num_pages, 2, page_size, Hkv, D]), page ids scattered over a 4x larger pool on both sides
+(plus the same bytes with contiguous page ids, for contrast).
+
+Modes: "send" = wall time from `send()` to the sender seeing DONE (grant round trip included);
+"pregrant" = `start()` first, the clock starts once GO arrived (as when the grant overlaps
+prefill compute), then push every layer + finish, until DONE.
+
+    source .devbundle/activate.sh; PYTHONPATH=. python3 bench/gpu_transfer.py --out $OUT
+    PYTHONPATH=. .venv/bin/python bench/gpu_transfer.py --device cpu --sizes-mib 8 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVSITE = "/tmp/devsite"  # where .devbundle/activate.sh unpacks nixl, mooncake, ...
+SENTINEL = 0xEE  # decode memory is filled with this byte before a checked transfer
+PAYLOAD_BYTES = 8200  # EAGLE seed of the 8B shape: hidden 4096 bf16 + a token id
+AUX_SLOTS = 8
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# What the two processes agree on (plain values: they cross the pipe)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayoutSpec:
+    """One layer group [num_layers, num_pages, *page_shape] of `dtype`, plus the aux slots."""
+
+    name: str  # "bulk" | "prompt"
+    num_layers: int
+    num_pages: int
+    page_shape: tuple[int, ...]  # one (layer, page) block, in elements of `dtype`
+    dtype: str  # "uint8" | "bfloat16"
+    seed: int  # source pattern: word i of the region holds i + (seed << 40)
+
+    @property
+    def page_bytes(self) -> int:
+        n = 1 if self.dtype == "uint8" else 2
+        for d in self.page_shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    label: str
+    layout: LayoutSpec
+    src_pages: tuple[int, ...]  # prefill page ids
+    dst_pages: tuple[int, ...]  # decode page ids (same length)
+    modes: tuple[str, ...]  # "send" | "pregrant"
+    warmup: int  # untimed transfers first (the first one is checked bit-exact)
+    repeats: int
+
+    @property
+    def nbytes(self) -> int:  # KV bytes moved (the aux seed is not counted)
+        return len(self.src_pages) * self.layout.num_layers * self.layout.page_bytes
+
+
+def compat_wire() -> dict:
+    return {"model": "llama-3.1-8b-shape", "dtype": "bfloat16", "page_size": 16,
+            "kv_layout": "NHD", "tp_size": 1, "tp_rank": 0, "draft_model": "", "draft_hidden_size": 0,
+            "topk": 1, "feature_layers": []}
+
+
+def payload_for(room: int) -> bytes:
+    return random.Random(room).randbytes(PAYLOAD_BYTES)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side: one endpoint + the memory behind it, in a spawned process
+
+
+def _words(t):
+    """[L, P, page_bytes / 8] int64 view of a contiguous [L, P, ...] tensor."""
+    import torch
+
+    return t.view(t.shape[0], t.shape[1], -1).view(torch.int64)
+
+
+def _pattern(layer: int, pages, num_pages: int, num_words: int, seed: int):
+    """[n, num_words] int64: the source words of `pages` [n] int64 in `layer` (unique per word,
+    so a misplaced, partial or stale page cannot compare equal)."""
+    import torch
+
+    base = (layer * num_pages + pages) * num_words + (seed << 40)
+    return base[:, None] + torch.arange(num_words, device=pages.device)[None, :]
+
+
+class BenchWorker:
+    """Owns one endpoint (sender or receiver) and its tensors. Tensors of earlier layouts stay
+    alive until the process ends, so no registration can ever point at reused memory."""
+
+    def __init__(self, role: str, device: str, poll_s: float):
+        self.role, self.device, self.poll_s = role, device, poll_s
+        self.backend = ""  # set by init()
+        self.ep = None
+        self.spec: LayoutSpec | None = None
+        self.kv = None  # [L, P, *page_shape] this endpoint's KV region
+        self.keep: list = []  # every tensor ever registered
+        self.events: list = []  # receiver: events not yet claimed by wait_received
+        self.step_errors = 0
+        self.tag = f"[{'A' if role == 'prefill' else 'B'} {device}]"
+
+    def log(self, msg: str) -> None:
+        print(f"{self.tag} {msg}", flush=True)
+
+    def init(self, backend: str) -> dict:
+        t0 = time.perf_counter()
+        import torch
+
+        info = {"pid": os.getpid(), "torch": torch.__version__}
+        if self.device.startswith("cuda"):
+            n = torch.cuda.device_count()
+            if torch.device(self.device).index >= n:  # a 1-GPU machine: both sides share it
+                self.log(f"only {n} GPU(s) visible: using cuda:0 instead of {self.device}")
+                self.device = "cuda:0"
+            torch.cuda.set_device(self.device)  # before any CUDA op: the context lives there
+            torch.empty(1, device=self.device)
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(n)]
+            info["peer_access"] = {f"{i}->{j}": torch.cuda.can_device_access_peer(i, j)
+                                   for i in range(n) for j in range(n) if i != j}
+        info["device"] = self.device
+        info["torch_init_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        import importlib
+
+        importlib.import_module(f"tandem.kvtransfer.backends.{backend}")
+        info["backend_import_s"] = time.perf_counter() - t1
+        self.backend = backend
+        self.log(f"init (pid {os.getpid()}): torch+device {info['torch_init_s']:.1f}s, "
+                 f"import {backend} {info['backend_import_s']:.1f}s")
+        return info
+
+    def setup(self, spec: LayoutSpec, cfg: dict) -> bytes:
+        """Allocate + fill the region, build the endpoint; returns its EndpointInfo bytes."""
+        import torch
+
+        from tandem.kvtransfer import (
+            AuxRegion,
+            BackendOptions,
+            CompatInfo,
+            DecodeReceiver,
+            EndpointConfig,
+            KVLayout,
+            KVRegion,
+            PrefillSender,
+        )
+        from tandem.kvtransfer.aux_slot import HEADER_BYTES
+
+        self.close_endpoint()
+        t0 = time.perf_counter()
+        dtype = torch.uint8 if spec.dtype == "uint8" else torch.bfloat16
+        self.kv = torch.empty((spec.num_layers, spec.num_pages, *spec.page_shape), dtype=dtype,
+                              device=self.device)
+        slot_bytes = -(-(HEADER_BYTES + PAYLOAD_BYTES) // 64) * 64
+        aux = torch.zeros(AUX_SLOTS, slot_bytes, dtype=torch.uint8)  # host memory, as the engine
+        self.keep += [self.kv, aux]
+        self.spec = spec
+        if self.role == "prefill":
+            self._fill_pattern()
+        else:
+            self.fill_sentinel()
+        layout = KVLayout(regions=(KVRegion.from_tensor("target", self.kv),),
+                          aux=AuxRegion.from_tensor(aux))
+        compat = CompatInfo.from_wire(compat_wire())
+        opts = BackendOptions(host="127.0.0.1", protocol="tcp", name_hint=f"bench-{self.role}")
+        config = EndpointConfig(**cfg)
+        if self.role == "prefill":
+            self.ep = PrefillSender(self.backend, layout, compat, config=config, options=opts)
+        else:
+            self.ep = DecodeReceiver(self.backend, layout, compat, release=lambda r: None,
+                                     config=config, options=opts)
+        region = layout.regions[0]
+        self.log(f"setup {spec.name}: {region.nbytes / MIB:.0f} MiB on {region.device} "
+                 f"(page {region.page_bytes} B x {spec.num_pages} pages x {spec.num_layers} "
+                 f"layers) in {time.perf_counter() - t0:.2f}s")
+        return self.ep.info().encode()
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)  # fills must land before a peer reads/writes
+
+    def _fill_pattern(self) -> None:
+        import torch
+
+        w, s = _words(self.kv), self.spec
+        chunk = max(1, (64 * MIB // 8) // w.shape[2])  # pages per step: ~64 MiB of int64
+        for layer in range(s.num_layers):
+            for p0 in range(0, s.num_pages, chunk):
+                pages = torch.arange(p0, min(p0 + chunk, s.num_pages), device=self.kv.device)
+                w[layer, p0 : p0 + len(pages)] = _pattern(layer, pages, s.num_pages, w.shape[2],
+                                                          s.seed)
+        self._sync()
+
+    def fill_sentinel(self) -> None:
+        import torch
+
+        self.kv.view(-1).view(torch.uint8).fill_(SENTINEL)
+        self._sync()
+
+    def step(self) -> None:
+        if self.ep is None:
+            return
+        out = self.ep.poll()
+        if self.role == "decode":
+            self.events.extend(out)
+
+    # -- sender ---------------------------------------------------------------------------------
+    def connect(self, info: bytes, timeout_s: float) -> float:
+        from tandem.kvtransfer import EndpointInfo
+
+        t0 = time.perf_counter()
+        self.ep.connect(EndpointInfo.decode(info), timeout_s=timeout_s)
+        return time.perf_counter() - t0
+
+    def plan(self, src_pages: tuple, dst_pages: tuple) -> dict:
+        """Entries/batches the planner makes for a case, and its Python cost (in `send`)."""
+        from tandem.kvtransfer import page_runs, plan_layers
+
+        region = self.ep.layout.regions[0]
+        t0 = time.perf_counter()
+        batches = plan_layers(region, region, page_runs(src_pages, dst_pages),
+                              range(region.num_layers))
+        return {"plan_ms": (time.perf_counter() - t0) * 1e3, "batches": len(batches),
+                "entries": sum(len(b.lengths) for b in batches)}
+
+    def transfer(self, dest: bytes, src_pages: tuple, mode: str, timeout_s: float) -> dict:
+        from tandem.kvtransfer import (
+            Destination,
+            ErrorKind,
+            TransferError,
+            TransferState,
+        )
+
+        d = Destination.decode(dest)
+        payload = payload_for(d.room)
+        t_go = None
+        try:
+            t0 = time.perf_counter()
+            end = t0 + timeout_s  # one deadline for the whole transfer
+            if mode == "send":
+                self.ep.send(d, src_pages, payload)
+            else:  # pregrant: the clock that counts starts at GO
+                self.ep.start(d, src_pages)
+                while self.ep.state(d.room) is TransferState.RESERVED:
+                    if time.perf_counter() > end:
+                        raise TransferError(ErrorKind.TIMEOUT, "no GO within the deadline",
+                                            room=d.room)
+                    self.ep.poll()
+                    time.sleep(self.poll_s)
+                t_go = time.perf_counter()
+                for region in self.ep.layout.regions:
+                    self.ep.push_layers(d.room, region.name, range(region.num_layers))
+                self.ep.finish(d.room, payload)
+            self.ep.wait(d.room, timeout_s=max(0.1, end - time.perf_counter()))
+            t1 = time.perf_counter()
+        except TransferError as e:
+            return {"ok": False, "kind": e.kind.value, "error": str(e)}
+        return {"ok": True, "total_s": t1 - t0, "data_s": (t1 - t_go) if t_go else None}
+
+    def p2p_reference(self, other: str, nbytes: int, repeats: int) -> dict:
+        """torch copy from this GPU to `other` in this process: what a plain memcpy gets."""
+        import torch
+
+        here, there = torch.device(self.device), torch.device(other)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=here)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=there)
+        times = []
+        for i in range(repeats + 1):
+            torch.cuda.synchronize(here)
+            torch.cuda.synchronize(there)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(here)
+            torch.cuda.synchronize(there)
+            if i:  # the first copy sets up peer access
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        del src, dst
+        torch.cuda.empty_cache()
+        return {"nbytes": nbytes, "median_s": med, "gbps": nbytes / med / 1e9,
+                "best_gbps": nbytes / min(times) / 1e9, "direction": f"{here} -> {there}"}
+
+    # -- receiver -------------------------------------------------------------------------------
+    def expect(self, room: int, dst_pages: tuple, timeout_s: float) -> bytes:
+        return self.ep.expect(room, dst_pages, room % AUX_SLOTS, timeout_s=timeout_s).encode()
+
+    def wait_received(self, room: int, timeout_s: float) -> dict:
+        from tandem.kvtransfer import Received
+
+        end = time.perf_counter() + timeout_s
+        while True:
+            self.step()
+            for ev in self.events:
+                if ev.room == room:
+                    self.events.remove(ev)
+                    if isinstance(ev, Received):
+                        return {"ok": True, "payload_ok": ev.aux_payload == payload_for(room)}
+                    return {"ok": False, "kind": ev.error.kind.value, "error": str(ev.error)}
+            if time.perf_counter() > end:
+                return {"ok": False, "kind": "timeout", "error": f"no event in {timeout_s}s"}
+            time.sleep(self.poll_s)
+
+    def verify(self, src_pages: tuple, dst_pages: tuple) -> dict:
+        """Compare the written pages with the source pattern, and the others with SENTINEL."""
+        import torch
+
+        s, w = self.spec, _words(self.kv)
+        dev = self.kv.device
+        src = torch.tensor(src_pages, dtype=torch.int64, device=dev)
+        dst = torch.tensor(dst_pages, dtype=torch.int64, device=dev)
+        untouched = torch.ones(s.num_pages, dtype=torch.bool, device=dev)
+        untouched[dst] = False
+        raw = self.kv.view(s.num_layers, s.num_pages, -1).view(torch.uint8)
+        chunk = max(1, (64 * MIB // 8) // w.shape[2])
+        bad = stray = 0
+        for layer in range(s.num_layers):
+            for i in range(0, len(src_pages), chunk):
+                want = _pattern(layer, src[i : i + chunk], s.num_pages, w.shape[2], s.seed)
+                got = w[layer].index_select(0, dst[i : i + chunk])
+                bad += int((got != want).any(dim=1).sum())  # SYNC: a check, not a hot path
+            stray += int((raw[layer][untouched] != SENTINEL).any(dim=1).sum())
+        return {"bad_blocks": bad, "stray_blocks": stray,
+                "blocks": len(src_pages) * s.num_layers, "exact": bad == 0 and stray == 0}
+
+    def close_endpoint(self) -> None:
+        if self.ep is not None:
+            ep, self.ep = self.ep, None
+            ep.close()
+        self.events.clear()
+
+
+def worker_main(conn, role: str, device: str, poll_s: float) -> None:
+    """Serve (method, args) calls from the parent; step the endpoint whenever idle."""
+    w = BenchWorker(role, device, poll_s)
+    conn.send(("ready", os.getpid()))
+    while True:
+        if conn.poll(poll_s):
+            method, args = conn.recv()
+            if method == "exit":
+                try:
+                    w.close_endpoint()
+                finally:
+                    conn.send(("ok", None))
+                return
+            try:
+                reply = ("ok", getattr(w, method)(*args))
+            except BaseException:  # noqa: BLE001 - shipped to the parent as text
+                reply = ("err", traceback.format_exc())
+            conn.send(reply)
+        try:
+            w.step()
+        except Exception:  # noqa: BLE001 - a kvtransfer bug: report it, keep serving
+            w.step_errors += 1
+            if w.step_errors <= 3:
+                w.log(f"poll() raised:\n{traceback.format_exc()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent side: orchestration, deadlines, results
+
+
+class WorkerDead(Exception):
+    """The worker did not answer in time or died: the backend's run stops here."""
+
+
+class Worker:
+    def __init__(self, role: str, device: str, poll_s: float, start_timeout: float):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child, role, device, poll_s),
+                                daemon=True)
+        self.proc.start()
+        self.role = role
+        self._wait(start_timeout, "start")
+
+    def _wait(self, timeout: float, what: str):
+        try:
+            if not self.conn.poll(timeout):
+                raise WorkerDead(f"{self.role}: {what} gave no answer in {timeout:g}s")
+            status, value = self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise WorkerDead(f"{self.role}: died during {what} "
+                             f"(exit code {self.proc.exitcode})") from e
+        if status == "err":
+            raise RuntimeError(f"{self.role}.{what} failed:\n{value}")
+        return value
+
+    def submit(self, method: str, *args) -> None:
+        try:
+            self.conn.send((method, args))
+        except (BrokenPipeError, OSError) as e:
+            raise WorkerDead(f"{self.role}: gone before {method}") from e
+
+    def result(self, method: str, timeout: float):
+        return self._wait(timeout, method)
+
+    def call(self, method: str, *args, timeout: float = 60.0):
+        self.submit(method, *args)
+        return self.result(method, timeout)
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful and self.proc.is_alive():
+            try:
+                self.call("exit", timeout=15)
+            except Exception as e:  # noqa: BLE001 - best effort; killed below
+                print(f"[{self.role}] no clean exit: {e}", flush=True)
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.t_start = time.perf_counter()
+        self.room = 0
+        self.cfg = {"handshake_timeout_s": 30.0, "timeout_s": args.timeout_s,
+                    "drain_timeout_s": 35.0, "lease_margin_s": 45.0,
+                    "poll_sleep_s": args.poll_us * 1e-6}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def say(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+    def one(self, a: Worker, b: Worker, case: Case, mode: str, check: bool) -> dict:
+        """One transfer; with `check`, decode memory is reset first and compared after."""
+        self.room += 1
+        t = self.args.timeout_s
+        if check:
+            b.call("fill_sentinel", timeout=60)
+        dest = b.call("expect", self.room, case.dst_pages, t, timeout=30)
+        r = a.call("transfer", dest, case.src_pages, mode, t, timeout=t + 20)
+        got = b.call("wait_received", self.room, 30.0 if r["ok"] else 2.0,
+                     timeout=60 if r["ok"] else 10)
+        r["received"] = got
+        if r["ok"] and not got["ok"]:  # sender DONE but decode refused it: a failure
+            r.update(ok=False, kind=got["kind"], error=f"decode: {got['error']}")
+        if r["ok"] and not got["payload_ok"]:
+            r.update(ok=False, kind="corrupt", error="aux payload differs")
+        if check and r["ok"]:
+            r["verify"] = b.call("verify", case.src_pages, case.dst_pages, timeout=120)
+        return r
+
+    def run_case(self, a: Worker, b: Worker, case: Case, plan: dict, rows: list[dict]) -> None:
+        """Check, warm up and time `case` in each mode; rows go into `rows` as they are made (a
+        hung backend raises WorkerDead midway and keeps what was measured)."""
+        checked = False
+        for mode in case.modes:
+            row = {"case": case.label, "layout": case.layout.name, "mode": mode,
+                   "nbytes": case.nbytes, "mib": case.nbytes / MIB, **plan, "times_s": []}
+            rows.append(row)
+            if self.elapsed() > self.args.budget_s:
+                row["skipped"] = f"time budget {self.args.budget_s:g}s spent"
+                self.say(f"  {case.label} {mode}: skipped (budget)")
+                continue
+            try:
+                for i in range(case.warmup + case.repeats):
+                    r = self.one(a, b, case, mode, check=not checked)
+                    if "verify" in r:
+                        checked = True
+                        row["verify"] = v = r["verify"]
+                        self.say(f"  {case.label}: bit-exact={v['exact']} (bad "
+                                 f"{v['bad_blocks']}, stray {v['stray_blocks']} of "
+                                 f"{v['blocks']} blocks)")
+                    if not r["ok"]:
+                        row["error"] = f"{r['kind']}: {r['error']}"
+                        self.say(f"  {case.label} {mode}: transfer FAILED: {row['error']}")
+                        if r["kind"] == "timeout":
+                            raise WorkerDead(row["error"])  # hung link: stop this backend
+                        break
+                    if i >= case.warmup:
+                        row["times_s"].append(r["total_s"] if mode == "send" else r["data_s"])
+                        if mode == "pregrant":  # start() -> GO: the BEGIN/GO round trip
+                            row.setdefault("grant_s", []).append(r["total_s"] - r["data_s"])
+            finally:
+                self._stats(row, case)
+
+    def _stats(self, row: dict, case: Case) -> None:
+        ts = row["times_s"]
+        if not ts:
+            return
+        row["median_ms"] = statistics.median(ts) * 1e3
+        row["best_ms"] = min(ts) * 1e3
+        row["gbps"] = case.nbytes / statistics.median(ts) / 1e9
+        row["best_gbps"] = case.nbytes / min(ts) / 1e9
+        grant = ""
+        if "grant_s" in row:
+            row["grant_median_ms"] = statistics.median(row["grant_s"]) * 1e3
+            grant = f", grant {row['grant_median_ms']:.2f} ms"
+        self.say(f"  {case.label} {row['mode']}: median {row['median_ms']:.2f} ms = "
+                 f"{row['gbps']:.1f} GB/s (best {row['best_gbps']:.1f}, {len(ts)} runs, "
+                 f"{row['entries']} entries{grant})")
+
+    def run_backend(self, backend: str, groups: list[tuple[LayoutSpec, list[Case]]]) -> dict:
+        args = self.args
+        out: dict = {"rows": [], "errors": []}
+        workers: list[Worker] = []
+        graceful = True  # False once a worker hung or died: kill, don't wait for it
+        self.say(f"== {backend}: starting prefill on {args.dev_a}, decode on {args.dev_b}")
+        try:
+            a = Worker("prefill", args.dev_a, args.poll_us * 1e-6, start_timeout=120)
+            workers.append(a)
+            b = Worker("decode", args.dev_b, args.poll_us * 1e-6, start_timeout=120)
+            workers.append(b)
+            a.submit("init", backend)
+            b.submit("init", backend)
+            out["init"] = {"prefill": a.result("init", 180), "decode": b.result("init", 180)}
+            for spec, cases in groups:
+                try:
+                    info = b.call("setup", spec, self.cfg, timeout=120)
+                    a.call("setup", spec, self.cfg, timeout=120)
+                    out[f"connect_{spec.name}_s"] = a.call("connect", info, 30.0, timeout=60)
+                    self.say(f"{backend} {spec.name}: connected")
+                    for case in cases:
+                        plan = a.call("plan", case.src_pages, case.dst_pages, timeout=60)
+                        self.run_case(a, b, case, plan, out["rows"])
+                except RuntimeError as e:  # a call raised in the worker: go on with the next
+                    out["errors"].append(str(e))
+                    self.say(f"{backend} {spec.name}: ERROR\n{e}")
+                for w in (a, b):  # sender first: its BYE reaches a still-listening receiver
+                    try:
+                        w.call("close_endpoint", timeout=30)
+                    except RuntimeError as e:
+                        out["errors"].append(str(e))
+            dev_a, dev_b = (out["init"][r].get("device") for r in ("prefill", "decode"))
+            if backend == "nixl" and dev_a != dev_b and dev_a.startswith("cuda"):
+                out["p2p_reference"] = a.call("p2p_reference", dev_b, 1 << 30, 5, timeout=60)
+        except Exception as e:  # noqa: BLE001 - WorkerDead, start/init failure: report, go on
+            graceful = not isinstance(e, WorkerDead)
+            out["errors"].append(f"{type(e).__name__}: {e}")
+            self.say(f"{backend}: ABORTED: {type(e).__name__}: {e}")
+        finally:
+            for w in workers:
+                w.close(graceful)
+        self.say(f"== {backend}: done")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases, environment, report
+
+
+def build_groups(args, backend: str) -> list[tuple[LayoutSpec, list[Case]]]:
+    quick, nixl = args.quick, backend == "nixl"
+    sizes = args.sizes_mib if nixl else args.mooncake_sizes_mib
+    modes = ("send", "pregrant") if nixl else ("send",)
+    warmup, repeats = (1, 3) if quick else ((2, 10) if nixl else (1, 3))
+    warmup, repeats = args.warmup or warmup, args.repeats or repeats
+    bulk = LayoutSpec(name="bulk", num_layers=1, num_pages=max(sizes), page_shape=(MIB,),
+                      dtype="uint8", seed=1)
+    bulk_cases = [Case(label=f"bulk {n} MiB", layout=bulk, src_pages=tuple(range(n)),
+                       dst_pages=tuple(range(n)), modes=modes, warmup=warmup, repeats=repeats)
+                  for n in sizes]
+    # 4k-token prompt of the 8B shape: 256 pages of [2, 16, 8, 128] bf16 per layer.
+    layers, tokens = (4, 1024) if quick else (32, args.prompt_tokens)
+    pages = -(-tokens // 16)
+    prompt = LayoutSpec(name="prompt", num_layers=layers, num_pages=4 * pages,
+                        page_shape=(2, 16, 8, 128), dtype="bfloat16", seed=2)
+    rng = random.Random(0)  # scattered: a random draw from each side's pool
+    scattered = Case(label=f"prompt {tokens} tok scattered", layout=prompt,
+                     src_pages=tuple(rng.sample(range(prompt.num_pages), pages)),
+                     dst_pages=tuple(rng.sample(range(prompt.num_pages), pages)),
+                     modes=modes, warmup=warmup, repeats=repeats if nixl else max(2, repeats - 1))
+    prompt_cases = [scattered]
+    if nixl:
+        prompt_cases.append(Case(label=f"prompt {tokens} tok contiguous", layout=prompt,
+                                 src_pages=tuple(range(pages)), dst_pages=tuple(range(pages)),
+                                 modes=modes, warmup=warmup, repeats=repeats))
+    return [(bulk, bulk_cases), (prompt, prompt_cases)]
+
+
+def ensure_paths() -> list[str]:
+    """The repo root and the unpacked bundle on sys.path and PYTHONPATH (spawned workers inherit
+    both): `PYTHONPATH=. python3 ...` after `source .devbundle/activate.sh` replaces the bundle's
+    PYTHONPATH entry instead of extending it."""
+    paths = [str(ROOT)] + ([DEVSITE] if Path(DEVSITE).is_dir() else [])
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in old if p not in paths])
+    return paths
+
+
+def set_env(device: str) -> dict:
+    """Quiet logs; on GPU let UCX choose its transports (cuda_ipc over NVLink)."""
+    os.environ["MC_LOG_LEVEL"] = "WARNING"
+    os.environ["NIXL_LOG_LEVEL"] = "WARN"
+    removed = {}
+    if device != "cpu":
+        for k in ("UCX_TLS", "UCX_NET_DEVICES"):  # a forced tcp/lo list would bypass NVLink
+            if k in os.environ:
+                removed[k] = os.environ.pop(k)
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if "expandable_segments" in conf:  # VMM memory: legacy CUDA IPC (cuda_ipc) can't map it
+            removed["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF")
+    keys = ("MC_LOG_LEVEL", "NIXL_LOG_LEVEL", "UCX_TLS", "UCX_NET_DEVICES", "MC_TRANSFER_TIMEOUT",
+            "NCCL_NVLS_ENABLE", "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "LD_LIBRARY_PATH")
+    return {"set": {k: os.environ[k] for k in keys if k in os.environ}, "removed": removed}
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for dist in ("torch", "nixl", "nixl-cu13", "nixl-cu12", "mooncake-transfer-engine-cuda13",
+                 "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def summarize(results: dict) -> dict:
+    """Headline numbers: NIXL's best contiguous rate, the 300 GB/s goal per size and mode, the
+    prompt's time per backend, and its link floor (prompt bytes at the best contiguous rate)."""
+    s: dict = {}
+    nixl = results["backends"].get("nixl", {})
+    bulk = [r for r in nixl.get("rows", []) if r["layout"] == "bulk" and "gbps" in r]
+    best = max(bulk, key=lambda r: r["gbps"]) if bulk else None
+    if best:
+        s["nixl_best_bulk"] = {k: best[k] for k in ("case", "mode", "gbps", "median_ms")}
+        for mode in ("send", "pregrant"):
+            ge64 = [r for r in bulk if r["mib"] >= 64 and r["mode"] == mode]
+            s[f"nixl_{mode}_gbps_by_mib"] = {int(r["mib"]): round(r["gbps"], 1) for r in ge64}
+            s[f"nixl_{mode}_300_gbps_at_mib"] = [int(r["mib"]) for r in ge64 if r["gbps"] >= 300]
+    for backend, res in results["backends"].items():
+        for r in res.get("rows", []):
+            if r["layout"] != "prompt" or "gbps" not in r:
+                continue
+            kind = "scattered" if "scattered" in r["case"] else "contiguous"
+            s[f"{backend}_prompt_{kind}_{r['mode']}"] = {
+                "ms": r["median_ms"], "gbps": r["gbps"], "entries": r["entries"],
+                "plan_ms": r.get("plan_ms")}
+            if best:
+                s["prompt_nbytes"] = r["nbytes"]
+                s["link_floor_ms"] = r["nbytes"] / (best["gbps"] * 1e9) * 1e3
+    return s
+
+
+def print_table(results: dict) -> None:
+    print("\n=== KV transfer results ===", flush=True)
+    meta = results["meta"]
+    print(f"GPUs: {meta.get('gpus')}  peer access: {meta.get('peer_access')}")
+    hdr = (f"{'backend':9} {'case':32} {'mode':9} {'MiB':>7} {'entries':>7} {'median ms':>10} "
+           f"{'GB/s':>8} {'best GB/s':>9} {'grant ms':>8}  exact")
+    print(hdr)
+    print("-" * len(hdr))
+    for backend, res in results["backends"].items():
+        for r in res.get("rows", []):
+            exact = r.get("verify", {}).get("exact", "-")
+            if "gbps" in r:
+                grant = f"{r['grant_median_ms']:8.3f}" if "grant_median_ms" in r else f"{'-':>8}"
+                nums = f"{r['median_ms']:10.3f} {r['gbps']:8.1f} {r['best_gbps']:9.1f} {grant}"
+            else:
+                nums = f"{(r.get('error') or r.get('skipped') or 'no data')[:38]:>38}"
+            print(f"{backend:9} {r['case']:32} {r['mode']:9} {r['mib']:7.0f} "
+                  f"{r.get('entries', 0):7d} {nums}  {exact}")
+        for e in res.get("errors", []):
+            print(f"{backend:9} ERROR: {e.strip().splitlines()[-1][:150]}")
+    ref = results["backends"].get("nixl", {}).get("p2p_reference")
+    if ref:
+        print(f"torch copy {ref['direction']} 1 GiB: {ref['gbps']:.1f} GB/s (best "
+              f"{ref['best_gbps']:.1f})")
+    s = results["summary"]
+    if "nixl_best_bulk" in s:
+        b = s["nixl_best_bulk"]
+        print(f"NIXL best contiguous: {b['gbps']:.1f} GB/s ({b['case']}, {b['mode']}); "
+              f">= 300 GB/s at MiB: send {s['nixl_send_300_gbps_at_mib']}, "
+              f"pregrant {s['nixl_pregrant_300_gbps_at_mib']}")
+    for key, v in s.items():
+        if "_prompt_" in key:
+            print(f"{key}: {v['ms']:.2f} ms = {v['gbps']:.1f} GB/s ({v['entries']} entries, "
+                  f"plan {v['plan_ms']:.1f} ms)")
+    if "link_floor_ms" in s:
+        print(f"prompt link floor ({s['prompt_nbytes'] / MIB:.0f} MiB at the best contiguous "
+              f"rate): {s['link_floor_ms']:.2f} ms")
+    print(f"total {results['meta']['total_s']:.1f}s", flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu_transfer"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--devices", default="0,1", help="prefill,decode CUDA device indices")
+    ap.add_argument("--backends", default="nixl,mooncake")
+    ap.add_argument("--sizes-mib", default="64,256,1024,2048",
+                    help="bulk sizes for NIXL (contiguous 1 MiB pages)")
+    ap.add_argument("--mooncake-sizes-mib", default=None,
+                    help="bulk sizes for Mooncake (default 64; --quick: the smallest NIXL size)")
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--quick", action="store_true", help="few repeats, a small prompt shape")
+    ap.add_argument("--warmup", type=int, default=0, help="override: untimed runs per case")
+    ap.add_argument("--repeats", type=int, default=0, help="override: timed runs per case")
+    ap.add_argument("--timeout-s", type=float, default=60.0, help="per-transfer deadline")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="start no new case after this many seconds")
+    ap.add_argument("--poll-us", type=float, default=None,
+                    help="poll sleep of both endpoints (default 20 on GPU, 500 on CPU)")
+    args = ap.parse_args(argv)
+    args.sizes_mib = [int(x) for x in args.sizes_mib.split(",")]
+    mc = args.mooncake_sizes_mib or (str(min(args.sizes_mib)) if args.quick else "64")
+    args.mooncake_sizes_mib = [int(x) for x in mc.split(",")]
+    args.backends = [b for b in args.backends.split(",") if b]
+    if args.poll_us is None:
+        args.poll_us = 500.0 if args.device == "cpu" else 20.0
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ensure_paths()
+    env = set_env(args.device)
+    if args.device == "cpu":
+        args.dev_a = args.dev_b = "cpu"
+    else:
+        i, j = (int(x) for x in args.devices.split(","))
+        args.dev_a, args.dev_b = f"cuda:{i}", f"cuda:{j}"
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args)
+    bench.say(f"gpu_transfer: {args.dev_a} -> {args.dev_b}, backends {args.backends}, "
+              f"env {env}")
+    results: dict = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "host": socket.gethostname(), "argv": sys.argv[1:],
+                              "prefill_device": args.dev_a, "decode_device": args.dev_b,
+                              "env": env, "versions": versions(),
+                              "endpoint_config": bench.cfg},
+                     "backends": {}}
+    for backend in args.backends:
+        groups = build_groups(args, backend)
+        res = bench.run_backend(backend, groups)
+        res["cases"] = [{"label": c.label, "layout": asdict(c.layout), "nbytes": c.nbytes,
+                         "num_pages": len(c.src_pages), "modes": c.modes}
+                        for _, cases in groups for c in cases]
+        results["backends"][backend] = res
+        init = res.get("init", {}).get("prefill", {})
+        for k in ("gpus", "peer_access"):
+            if k in init:
+                results["meta"][k] = init[k]
+        (out_dir / "transfer.json").write_text(json.dumps(results, indent=1, default=str))
+    results["meta"]["total_s"] = bench.elapsed()
+    results["summary"] = summarize(results)
+    (out_dir / "transfer.json").write_text(json.dumps(results, indent=1, default=str))
+    print_table(results)
+    print(f"wrote {out_dir / 'transfer.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
