@@ -300,6 +300,8 @@ class SpecEngine(LLMEngine):
             logits_indices=torch.arange(n, device=self.device), capture_layers=self.capture))
 
     def _commit(self, reqs, result: VerifyResult, nxt: DraftInput) -> list[RequestOutput]:
+        """Append each request's accepted tokens + bonus (through the usual stop checks, one by
+        one) and report them as ONE output per request: a round is one streaming chunk."""
         outputs = []
         next_seeds = nxt.seeds()
         for req, toks, seed in zip(reqs, result.new_tokens, next_seeds):
@@ -308,14 +310,17 @@ class SpecEngine(LLMEngine):
             self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
             # The target KV now holds the root and the accepted drafts.
             req.num_computed = seed.num_cached
-            finished = False
+            parts = []
             for tok in toks:
-                o = self._append(req, tok)
-                outputs.append(o)
-                if o.finished:
-                    finished = True
+                parts.append(self._append(req, tok))
+                if parts[-1].finished:
                     break
-            if finished:
+            last = parts[-1]
+            outputs.append(RequestOutput(
+                req_id=req.req_id, new_token_ids=tuple(t for o in parts for t in o.new_token_ids),
+                text_delta="".join(o.text_delta for o in parts), finished=last.finished,
+                finish_reason=last.finish_reason))
+            if last.finished:
                 self.seeds.pop(req.req_id, None)
             else:
                 self.seeds[req.req_id] = seed
