@@ -9,6 +9,7 @@ their own cursor/RNG state. `make_policy(name)` is the registry the CLI uses.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -86,21 +87,58 @@ class PowerOfTwo:
 
 
 class PrefixCacheAware:
-    """Prefill placement by cached prefix.
+    """Prefill placement by shared prompt prefix (SGLang's cache-aware idea, approximated with
+    block hashes instead of a radix tree).
 
-    TODO: keep a radix tree of the prompt prefixes recently sent to each prefill worker and pick
-    the worker with the longest match, unless its load exceeds the least-loaded one's by more
-    than a threshold (SGLang's cache-aware policy). Needs the prefill workers' prefix cache,
-    which does not exist yet; until then this is least-load.
+    The prompt is cut into blocks of `block` tokens; block i's key hashes blocks 0..i, so two
+    prompts share key i exactly when they share their first (i+1)*block tokens. For every
+    worker the policy remembers (LRU, bounded) the keys of prompts it sent there. A request goes
+    to the worker holding its longest prefix -- where a prefix cache would already have those
+    pages -- unless that worker has `max_imbalance` more requests in flight than the least
+    loaded one; with no match it goes to the least loaded worker.
     """
 
     name = "prefix-cache"
 
-    def __init__(self) -> None:
+    def __init__(self, block: int = 16, max_imbalance: int = 4,
+                 max_keys_per_worker: int = 200_000) -> None:
+        self.block, self.max_imbalance, self.max_keys = block, max_imbalance, max_keys_per_worker
         self._fallback = LeastLoad()
+        self._keys: dict[str, OrderedDict[int, None]] = {}
+
+    def block_keys(self, prompt_ids: Sequence[int]) -> list[int]:
+        keys, h = [], 0
+        for i in range(len(prompt_ids) // self.block):
+            h = hash((h, tuple(prompt_ids[i * self.block : (i + 1) * self.block])))
+            keys.append(h)
+        return keys
+
+    def matched_blocks(self, worker: str, keys: Sequence[int]) -> int:
+        held = self._keys.get(worker)
+        if not held:
+            return 0
+        n = 0
+        for k in keys:  # a chain: block i can only match if block i-1 did
+            if k not in held:
+                break
+            n += 1
+        return n
 
     def pick(self, candidates: Sequence[WorkerState], query: PlacementQuery) -> WorkerState:
-        return self._fallback.pick(candidates, query)
+        keys = self.block_keys(query.prompt_ids)
+        least = self._fallback.pick(candidates, query)
+        best = max(candidates, key=lambda w: (self.matched_blocks(w.name, keys),
+                                              -w.num_assigned, w.name == least.name))
+        if (self.matched_blocks(best.name, keys) == 0
+                or best.num_assigned - least.num_assigned > self.max_imbalance):
+            best = least
+        held = self._keys.setdefault(best.name, OrderedDict())
+        for k in keys:
+            held[k] = None
+            held.move_to_end(k)
+        while len(held) > self.max_keys:
+            held.popitem(last=False)
+        return best
 
 
 def _load_key(w: WorkerState) -> tuple[int, int, float, str]:

@@ -59,7 +59,7 @@ def test_power_of_two_picks_lower_kv_load_of_two():
     assert PowerOfTwo().pick([ws[0]], Q).name == "full"  # single candidate
 
 
-def test_prefix_cache_policy_falls_back_to_least_load():
+def test_prefix_cache_policy_without_history_is_least_load():
     assert PrefixCacheAware().pick([_s(_w("a"), 3), _s(_w("b"), 0)], Q).name == "b"
 
 
@@ -159,3 +159,26 @@ def test_place_no_decode_worker_is_unavailable():
     with pytest.raises(RouterError) as e:
         place(reg, Q, LeastLoad(), LeastLoad())
     assert e.value.code is Code.UNAVAILABLE and "no healthy decode worker" in e.value.message
+
+
+def test_prefix_cache_policy_follows_shared_prefixes():
+    from tandem.router.policy import PlacementQuery
+
+    policy = PrefixCacheAware(block=4, max_imbalance=2)
+    a, b = _w("a"), _w("b")
+    system = tuple(range(100, 112))  # a 12-token shared system prompt
+    q1 = PlacementQuery(model="m", prompt_ids=system + (1, 2, 3, 4), num_tokens=40)
+    q2 = PlacementQuery(model="m", prompt_ids=system + (9, 9, 9, 9), num_tokens=40)
+    other = PlacementQuery(model="m", prompt_ids=tuple(range(500, 516)), num_tokens=40)
+    first = policy.pick([_s(a, 0), _s(b, 0)], q1).name
+    # Same 12-token prefix: same worker, even though it is now slightly busier.
+    assert policy.pick([_s(a, 1 if first == "a" else 0), _s(b, 1 if first == "b" else 0)],
+                       q2).name == first
+    # An unrelated prompt goes to the least loaded worker.
+    busy = {"a": 1 if first == "a" else 0, "b": 1 if first == "b" else 0}
+    assert policy.pick([_s(a, busy["a"]), _s(b, busy["b"])], other).name != first
+    # Too much imbalance overrides affinity.
+    loads = {first: 5, ("b" if first == "a" else "a"): 0}
+    assert policy.pick([_s(a, loads["a"]), _s(b, loads["b"])], q1).name != first
+    fresh = policy.block_keys(system + (7, 7, 7, 7))
+    assert policy.matched_blocks(first, fresh) == 3  # the shared 12 tokens, not the suffix
