@@ -37,15 +37,24 @@ def proto_files() -> list[Path]:
 
 def generate(out_root: Path) -> list[Path]:
     """Write the generated modules under `out_root/tandem/v1/`; return their paths."""
-    from grpc_tools import protoc
+    import importlib.util
+    import subprocess
+    import sys
 
+    spec = importlib.util.find_spec("grpc_tools")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("grpc_tools is not installed (pip install grpcio-tools)")
     with tempfile.TemporaryDirectory() as tmp:
-        well_known = Path(protoc.__file__).parent / "_proto"
-        args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={tmp}",
+        well_known = Path(spec.submodule_search_locations[0]) / "_proto"
+        args = [f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={tmp}",
                 f"--pyi_out={tmp}", f"--grpc_python_out={tmp}",
                 *[str(PROTO_ROOT / p) for p in proto_files()]]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed on {PROTO_ROOT} (see its message above)")
+        # protoc runs in its own process: its C++ code loaded into a process that already
+        # holds UCX/NIXL, Mooncake and Ray (the test suite) crashed it with SIGSEGV.
+        result = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"protoc failed on {PROTO_ROOT}: {result.stderr.strip()}")
         written = []
         for src in sorted((Path(tmp) / PROTO_PACKAGE_DIR).iterdir()):
             dst = out_root / PROTO_PACKAGE_DIR / src.name
