@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# On a machine without a GPU, Triton kernels can only run in its interpreter; the mode is fixed
+# when triton is first imported, which may happen while any test module is being collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import pytest
