@@ -263,9 +263,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
+    from tandem.router.validate import SamplingInput
     from tandem.router.client import (
         ClientConfig,
-        SamplingFlags,
         build_request,
         stream_generate,
     )
@@ -273,7 +273,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     token = args.auth_token if args.auth_token is not None else os.environ.get("TANDEM_AUTH_TOKEN")
     cfg = ClientConfig(target=args.target, auth_token=token or None, tls=args.tls,
                        tls_ca=Path(args.tls_ca) if args.tls_ca else None, timeout_s=args.timeout)
-    sampling = SamplingFlags(
+    sampling = SamplingInput(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
         stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)

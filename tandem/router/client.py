@@ -17,6 +17,7 @@ import grpc
 
 from tandem.proto import router_pb2 as pb
 from tandem.proto import router_pb2_grpc as pb_grpc
+from tandem.router.validate import SamplingInput
 
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_ABORT: "abort"}
@@ -31,21 +32,8 @@ class ClientConfig:
     timeout_s: float | None = None  # the call's deadline
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingFlags:
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
 def build_request(prompt: str, *, chat: bool = False, system: str | None = None,
-                  sampling: SamplingFlags = SamplingFlags(), model: str = "",
+                  sampling: SamplingInput = SamplingInput(), model: str = "",
                   prefill_worker: str = "", decode_worker: str = "",
                   request_id: str = "") -> pb.GenerateRequest:
     """A text prompt, or (chat) a user turn after an optional system turn."""

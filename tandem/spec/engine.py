@@ -118,8 +118,9 @@ class SpecEngine(LLMEngine):
         if plan.chunks:
             outputs += self._prefill_step(plan)
         self._drop_stale_seeds()
+        prefilled_now = {c.req_id for c in plan.chunks}  # they decode from the next step on
         decoding = [r for r in self.scheduler.running if r.req_id in self.seeds
-                    and r.req_id not in {c.req_id for c in plan.chunks}]
+                    and r.req_id not in prefilled_now]
         if decoding:
             outputs += self._spec_round([r.req_id for r in decoding])
         return outputs
