@@ -50,6 +50,9 @@ class TrainConfig:
     ttt_steps: int = 3
     save_every: int = 100
     seed: int = 0
+    # Sample files answered earlier (e.g. by another prompt set), trained on next to this
+    # run's own answers; never regenerated.
+    extra_samples: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "epochs", "ttt_steps",
@@ -160,7 +163,8 @@ def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
+def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
+    """Step 1 alone: the target answers `num_prompts` prompts (resumable). Returns the file."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data_path = out / "samples.jsonl"
@@ -168,7 +172,20 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     for _ in generate_samples(engine, prompts, data_path, cfg.max_new_tokens,
                               cfg.gen_batch_size, progress):
         pass
-    samples = [s for s in read_samples(data_path) if len(s.answer_ids) >= 2]
+    return data_path
+
+
+def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
+    out = Path(cfg.out_dir)
+    data_path = answer_prompts(engine, cfg, progress)
+    samples = read_samples(data_path)
+    for extra in cfg.extra_samples:
+        if not Path(extra).is_file():
+            raise FileNotFoundError(f"extra_samples: {extra} does not exist")
+        samples += read_samples(Path(extra))
+    samples = [s for s in samples if len(s.answer_ids) >= 2]
+    log.info("training on %d samples (%d answer tokens)", len(samples),
+             sum(len(s.answer_ids) for s in samples))
     vocab_ids = (draft_vocab(samples, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
                  if cfg.kind == "eagle3" else None)
     head = init_head(engine, cfg, vocab_ids)

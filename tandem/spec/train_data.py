@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.spec.chat_prompts import chat_prompts
+
 TOPICS = (
     "photosynthesis", "the water cycle", "black holes", "machine learning", "the French "
     "Revolution", "healthy sleep", "learning a new language", "time management", "recursion",
@@ -99,18 +101,31 @@ def _text_files() -> list[str]:
     return out
 
 
-def build_prompts(num: int, seed: int = 0) -> list[str]:
-    """`num` distinct user prompts, deterministic for a seed."""
+def build_prompts(num: int, seed: int = 0, chat_fraction: float = 0.75) -> list[str]:
+    """`num` distinct user prompts, deterministic for a seed: `chat_fraction` of them general
+    chat (chat_prompts.py), the rest about code and documentation text found on the machine.
+    No prompt touches the subject of a held-out evaluation question (`is_held_out`)."""
     rng = random.Random(seed)
     funcs, docs = _stdlib_snippets(rng, limit=num)
     texts = docs + _text_files()
-    prompts = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
-    prompts += [rng.choice(CODE_TEMPLATES).format(code=c) for c in funcs]
-    prompts += [rng.choice(DOC_TEMPLATES).format(text=t) for t in texts]
-    rng.shuffle(prompts)
+    chat = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS] + chat_prompts(rng)
+    other = [rng.choice(CODE_TEMPLATES).format(code=c) for c in funcs]
+    other += [rng.choice(DOC_TEMPLATES).format(text=t) for t in texts]
+    rng.shuffle(chat)
+    rng.shuffle(other)
+    # Interleave so any prefix of the list (a smaller --num-prompts) has the same mix.
+    mixed, ci, oi = [], 0, 0
+    while ci < len(chat) or oi < len(other):
+        take_chat = oi >= len(other) or (ci < len(chat) and ci < chat_fraction * (ci + oi + 1))
+        if take_chat:
+            mixed.append(chat[ci])
+            ci += 1
+        else:
+            mixed.append(other[oi])
+            oi += 1
     seen, out = set(), []
-    for p in prompts:
-        if p not in seen:
+    for p in mixed:
+        if p not in seen and not is_held_out(p):
             seen.add(p)
             out.append(p)
     return out[:num]
@@ -130,6 +145,17 @@ HELD_OUT_QUESTIONS = (
 )
 
 
+# Subjects of the held-out questions: a training prompt that mentions one is dropped, so the
+# evaluation measures prompts the head has not seen, not paraphrases of its training set.
+HELD_OUT_SUBJECTS = ("capital of", "cpu", "cook", "list and a tuple", "tuple", "leaves",
+                     "autumn", "night sky", "bicycle", "exercise", "rainbow", "hiking", "pack")
+
+
+def is_held_out(prompt: str) -> bool:
+    low = prompt.lower()
+    return any(s in low for s in HELD_OUT_SUBJECTS)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sample:
     prompt_ids: tuple[int, ...]
@@ -137,10 +163,17 @@ class Sample:
 
 
 def read_samples(path: Path) -> list[Sample]:
+    """Samples stored by `generate_samples` (JSONL, or gzipped JSONL when the name ends .gz)."""
     if not path.is_file():
         return []
+    if path.suffix == ".gz":
+        import gzip
+
+        text = gzip.decompress(path.read_bytes()).decode()
+    else:
+        text = path.read_text()
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         if line.strip():
             d = json.loads(line)
             out.append(Sample(prompt_ids=tuple(d["p"]), answer_ids=tuple(d["a"])))
