@@ -1,0 +1,23 @@
+"""`tandem bench`: serving benchmarks over the public gRPC API.
+
+workload.py (what is sent) -> load.py (when: concurrency or Poisson rate) -> driver.py (sends
+it, records client-side timelines) -> metrics.py (TTFT, TPOT, ITL, throughput, goodput, tau)
+-> floors.py (hardware floors) -> results.py (the JSON file and its schema) -> plot.py / report.py.
+config.py reads bench configs, deployments.py starts them on Ray, runner.py is the loop.
+"""
+
+from tandem.bench.config import BenchSettings, DeploymentSpec, RunSpec, load_bench_file
+from tandem.bench.load import LoadLevel, parse_levels, poisson_arrivals
+from tandem.bench.metrics import (SLO, Acceptance, Distribution, LevelMetrics, RequestRecord,
+                                  SpecRecord, itls, latency, percentile, summarize, tpot, ttft)
+from tandem.bench.results import SCHEMA, SchemaError, validate
+from tandem.bench.runner import RunnerOptions, run_bench
+from tandem.bench.workload import BenchRequest, LengthRange, WorkloadConfig, build_requests
+
+__all__ = [
+    "SCHEMA", "SLO", "Acceptance", "BenchRequest", "BenchSettings", "DeploymentSpec",
+    "Distribution", "LengthRange", "LevelMetrics", "LoadLevel", "RequestRecord", "RunSpec",
+    "RunnerOptions", "SchemaError", "SpecRecord", "WorkloadConfig", "build_requests", "itls",
+    "latency", "load_bench_file", "parse_levels", "percentile", "poisson_arrivals", "run_bench",
+    "summarize", "tpot", "ttft", "validate",
+]

@@ -1,0 +1,151 @@
+"""Starting and stopping what a bench config describes, on Ray (local, `--ray-address`, or the
+cluster of a Ray job), and measuring the hardware floors of its model before it starts (while
+its GPUs are still free).
+
+- colocated: one `ColocatedServer` actor (tandem/deploy/colocated.py; resources of the
+  config's `decode` group) that serves the gRPC API itself.
+- disaggregated: the prefill and decode actors of `tandem.deploy.launcher`, with the router in
+  this process behind a `BackgroundServer` on 127.0.0.1 (what `tandem serve --config` runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from tandem.bench.config import DeploymentSpec
+from tandem.bench.dummy_head import DUMMY, write_dummy_head
+from tandem.bench.floors import (DTYPE_BYTES, Bandwidth, ModelFloors, measure_link_bandwidth,
+                                 measure_memory_bandwidth)
+from tandem.engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
+MEASURE_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True, slots=True)
+class StartedTarget:
+    address: str  # host:port of the router
+    close: Callable[[], None]
+
+
+def model_config(spec: DeploymentSpec) -> ModelConfig | None:
+    """The model's shape, read here (None when this node cannot read it, e.g. a checkpoint
+    that exists only on the workers' nodes)."""
+    from tandem.engine.loader import resolve_model
+
+    try:
+        return resolve_model(spec.deploy.engine)[0]
+    except (ValueError, OSError) as exc:
+        log.warning("%s: cannot read the model config here (%s): floors n/a", spec.source, exc)
+        return None
+
+
+def prepare(spec: DeploymentSpec, model: ModelConfig | None) -> DeploymentSpec:
+    """Resolve `draft_model: dummy` into a random head directory of the model's shape."""
+    if spec.deploy.spec.draft_model != DUMMY or not spec.speculative:
+        return spec
+    if model is None:
+        raise ValueError(f"{spec.source}: spec.draft_model: dummy needs the model config")
+    path = write_dummy_head(model, spec.deploy.engine.dtype)
+    log.info("random EAGLE head for %s: %s", spec.deploy.engine.model, path)
+    dep = spec.deploy
+    return replace(spec, deploy=replace(dep, spec=replace(dep.spec, draft_model=str(path))))
+
+
+def _ray_task(fn: Callable[[], Bandwidth], num_gpus: int, what: str) -> Bandwidth:
+    import ray
+
+    ref = ray.remote(num_gpus=num_gpus, num_cpus=0)(fn).remote()
+    try:
+        return ray.get(ref, timeout=MEASURE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        return Bandwidth(bytes_per_s=None, method=f"{what}: no node with {num_gpus} free GPU(s)")
+    except Exception as exc:  # noqa: BLE001 -- a failed measurement leaves the floor n/a
+        return Bandwidth(bytes_per_s=None, method=f"{what} failed: {exc}")
+
+
+def measure_floors(spec: DeploymentSpec, model: ModelConfig | None) -> ModelFloors:
+    """HBM (or host memory) bandwidth where the workers run; the GPU link for disaggregated
+    CUDA deployments. On CUDA both run as Ray tasks, so they land on a GPU node."""
+    eng = spec.deploy.engine
+    dtype_bytes = DTYPE_BYTES[eng.dtype]
+    if eng.device.startswith("cuda"):
+        memory = _ray_task(lambda: measure_memory_bandwidth("cuda"), 1, "HBM bandwidth")
+        link = (_ray_task(measure_link_bandwidth, 2, "GPU link bandwidth")
+                if spec.mode == "disaggregated"
+                else Bandwidth(bytes_per_s=None, method="colocated: no transfer"))
+    else:
+        memory = measure_memory_bandwidth("cpu")
+        link = Bandwidth(bytes_per_s=None, method=(
+            "CPU deployment: loopback transfer, not measured" if spec.mode == "disaggregated"
+            else "colocated: no transfer"))
+    log.info("floors: memory %s; link %s", memory, link)
+    return ModelFloors(model=model, dtype_bytes=dtype_bytes, memory=memory, link=link)
+
+
+def init(ray_address: str | None) -> None:
+    from tandem.deploy.launcher import init_ray
+
+    local = not (ray_address or os.environ.get("RAY_ADDRESS"))
+    # A local Ray instance gets at least 4 CPU slots, as `tandem demo`: the workers' CPU
+    # requests are placement, not a measure of what this machine can run.
+    init_ray(ray_address, num_cpus=max(4, os.cpu_count() or 1) if local else None)
+
+
+def start(spec: DeploymentSpec, startup_timeout_s: float = 900.0) -> StartedTarget:
+    if spec.mode == "colocated":
+        return _start_colocated(spec, startup_timeout_s)
+    return _start_disaggregated(spec)
+
+
+def _start_colocated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedTarget:
+    import ray
+
+    from tandem.deploy.colocated import ColocatedServer, ColocatedServerConfig
+
+    dep, group = spec.deploy, spec.deploy.decode
+    cfg = ColocatedServerConfig(model_name=dep.model_name, engine=dep.engine,
+                                spec=dep.spec if spec.speculative else None,
+                                torch_threads=group.torch_threads)
+    actor = ray.remote(ColocatedServer).options(
+        name=None, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
+        resources=group.resources or None, max_restarts=0).remote(cfg)
+    try:
+        address = ray.get(actor.address.remote(), timeout=startup_timeout_s)
+    except Exception:
+        ray.kill(actor, no_restart=True)
+        raise
+
+    def close() -> None:
+        try:
+            ray.get(actor.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 -- already dead: nothing to stop
+            pass
+        ray.kill(actor, no_restart=True)
+
+    return StartedTarget(address=address, close=close)
+
+
+def _start_disaggregated(spec: DeploymentSpec) -> StartedTarget:
+    from tandem.deploy.serve import launch_and_build
+    from tandem.router.app import BackgroundServer
+    from tandem.router.server import ServerConfig
+
+    dep, router = launch_and_build(spec.deploy)
+    try:
+        server = BackgroundServer(router, ServerConfig(host="127.0.0.1", port=0)).start()
+    except Exception:
+        dep.shutdown()
+        raise
+
+    def close() -> None:
+        try:
+            server.stop()
+        finally:
+            dep.shutdown()
+
+    return StartedTarget(address=f"127.0.0.1:{server.port}", close=close)

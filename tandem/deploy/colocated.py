@@ -1,0 +1,76 @@
+"""A colocated deployment on Ray: one actor that holds one engine (prefill and decode in the same
+process, no KV transfer) and serves the gRPC router API itself. `tandem bench --config` starts it
+to compare against the disaggregated layout of the same model on the same cluster.
+
+The actor class is plain Python (the caller wraps it with `ray.remote`); it converts and
+delegates to `build_colocated_router` and `BackgroundServer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from tandem.engine.config import EngineConfig
+from tandem.spec.config import SpecConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ColocatedServerConfig:
+    model_name: str  # what clients put in `model`
+    engine: EngineConfig
+    spec: SpecConfig | None  # None: target only (no speculation)
+    torch_threads: int = 0  # 0: torch's default
+    host: str = "0.0.0.0"  # bind address; the actor reports its node's IP
+
+
+class ColocatedServer:
+    """Owns one engine, its router and the gRPC server in front of them."""
+
+    def __init__(self, cfg: ColocatedServerConfig) -> None:
+        from tandem.deploy.actors import QUIET_ENV
+        from tandem.router.app import BackgroundServer, build_colocated_router
+        from tandem.router.server import ServerConfig
+
+        for k, v in QUIET_ENV.items():
+            os.environ.setdefault(k, v)
+        if cfg.torch_threads:
+            import torch
+
+            torch.set_num_threads(cfg.torch_threads)
+        t0 = time.perf_counter()
+        if cfg.spec is not None:
+            from tandem.spec import SpecEngine
+
+            engine = SpecEngine.from_config(cfg.engine, cfg.spec)
+        else:
+            from tandem.engine import LLMEngine
+
+            engine = LLMEngine.from_config(cfg.engine)
+        router = build_colocated_router(engine, model=cfg.model_name)
+        self._server = BackgroundServer(router, ServerConfig(host=cfg.host, port=0)).start()
+        self._host = _node_ip() if cfg.host in ("0.0.0.0", "::") else cfg.host
+        log.info("colocated server for '%s' up in %.1f s on %s", cfg.model_name,
+                 time.perf_counter() - t0, self.address())
+
+    def address(self) -> str:
+        return f"{self._host}:{self._server.port}"
+
+    def shutdown(self) -> None:
+        self._server.stop()
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
