@@ -84,7 +84,8 @@ def default_out() -> Path:
     return Path("bench-results") / f"bench-{stamp}.json"
 
 
-def execute(cmd: BenchCommand, out: TextIO = sys.stdout) -> int:
+def execute(cmd: BenchCommand, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     runs: list[RunSpec] = [RunSpec(name=t, target=t) for t in cmd.targets]
     sections = []
     for path in cmd.configs:
@@ -106,8 +107,9 @@ def execute(cmd: BenchCommand, out: TextIO = sys.stdout) -> int:
     out_png = out_json.with_suffix(".png") if cmd.plot else None
     levels = ", ".join(lv.label for lv in settings.levels)
     w = settings.workload
-    out.write(f"tandem bench: {len(runs)} run(s) ({', '.join(names)}); {w.kind} workload, input "
-              f"{w.input_len} tokens, output {w.output_len} tokens; levels: {levels}; "
+    inputs = "chat questions" if w.kind == "chat" else f"input {w.input_len} tokens"
+    out.write(f"tandem bench: {len(runs)} run(s) ({', '.join(names)}); {w.kind} workload, "
+              f"{inputs}, output {w.output_len} tokens; levels: {levels}; "
               f"{settings.num_warmup} warm-up requests per level\n")
     opts = RunnerOptions(out_json=out_json, out_png=out_png, ray_address=cmd.ray_address,
                          auth_token=cmd.auth_token, model=cmd.model,

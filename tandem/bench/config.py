@@ -155,11 +155,12 @@ def merge_settings(cli: dict[str, Any], sections: list[tuple[str, dict[str, Any]
     """Flag values: the command line's (non-None), else the files' (which must agree), else the
     defaults."""
     out = dict(DEFAULTS)
+    given = {k for k, v in cli.items() if v is not None}
     seen: dict[str, tuple[str, Any]] = {}
     for source, section in sections:
         for key, value in section.items():
             value = _canonical(value)
-            if key in seen and seen[key][1] != value:
+            if key in seen and seen[key][1] != value and key not in given:
                 raise ConfigError(f"bench.{key}: {seen[key][0]} sets {seen[key][1]!r} but "
                                   f"{source} sets {value!r}; a comparison runs one workload "
                                   f"(override with the command-line flag)")

@@ -40,8 +40,11 @@ class LoadLevel:
         cap = f", max {self.max_concurrency} in flight" if self.max_concurrency else ""
         return f"rate {self.request_rate:g}/s{cap}"
 
-    def to_json(self) -> dict[str, float | int | None]:
-        return {"concurrency": self.concurrency, "request_rate": self.request_rate,
+    def to_json(self) -> dict[str, float | int | str | None]:
+        """An infinite rate is written "inf" (JSON has no infinity)."""
+        rate = self.request_rate
+        return {"concurrency": self.concurrency,
+                "request_rate": "inf" if rate is not None and math.isinf(rate) else rate,
                 "max_concurrency": self.max_concurrency}
 
     def default_num_requests(self) -> int:

@@ -7,11 +7,13 @@ acceptance length tau (runs that speculate).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 
 def _x(level: dict[str, Any]) -> float:
+    """Concurrency or request rate; an "inf" rate is not drawn (no place on the axis)."""
     load = level["load"]
     return float(load["concurrency"] if load["concurrency"] is not None else load["request_rate"])
 
@@ -31,7 +33,7 @@ def _series(run: dict[str, Any], path: tuple[str, ...]) -> tuple[list[float], li
         v: Any = lv
         for key in path:
             v = None if v is None else v.get(key)
-        if v is not None:
+        if v is not None and math.isfinite(_x(lv)):
             xs.append(_x(lv))
             ys.append(float(v))
     return xs, ys
@@ -80,7 +82,8 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-        levels = [_x({"load": lv}) for lv in doc["config"]["levels"]]
+        levels = [x for x in (_x({"load": lv}) for lv in doc["config"]["levels"])
+                  if math.isfinite(x)]
         if len(levels) > 1 and max(levels) / max(min(levels), 1e-9) >= 8:
             ax.set_xscale("log", base=2)
     wl = doc["config"]["workload"]

@@ -19,17 +19,18 @@ def _load(lv: dict[str, Any]) -> str:
     load = lv["load"]
     if load["concurrency"] is not None:
         return f"c={load['concurrency']}"
-    return f"{load['request_rate']:g}/s"
+    rate = load["request_rate"]
+    return f"{rate}/s" if isinstance(rate, str) else f"{rate:g}/s"
 
 
-HEADER = ("{:<9} {:>5} {:>7} {:>9} {:>16} {:>16} {:>22} {:>8} {:>8} {:>5}".format(
+HEADER = ("{:<9} {:>5} {:>7} {:>9} {:>16} {:>16} {:>32} {:>8} {:>8} {:>5}".format(
     "load", "done", "req/s", "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms",
     "TPOT p50/p99 (floor) ms", "goodput", "tau", "fail"))
 
 
 def run_table(run: dict[str, Any], out: TextIO) -> None:
     dep = run["deployment"]
-    what = run["target"] if dep is None else (
+    what = "a running router" if dep is None else (
         f"{dep['mode']}, {'speculative' if dep['speculative'] else 'target only'}, "
         f"{dep['model']} ({dep['load_format']}, {dep['dtype']}, {dep['device']})"
         + (f", KV over {dep['transfer_backend']}" if dep["mode"] == "disaggregated" else ""))
@@ -48,7 +49,7 @@ def run_table(run: dict[str, Any], out: TextIO) -> None:
         if f["tpot_floor_spec_s"] is not None:
             floor += f", /tau {_ms(f['tpot_floor_spec_s'])}"
         acc = lv["acceptance"]
-        out.write("{:<9} {:>5} {:>7} {:>9} {:>16} {:>16} {:>22} {:>8} {:>8} {:>5}\n".format(
+        out.write("{:<9} {:>5} {:>7} {:>9} {:>16} {:>16} {:>32} {:>8} {:>8} {:>5}\n".format(
             _load(lv), lv["num_completed"], _num(lv["request_throughput"]),
             _num(lv["output_throughput"], ".1f"),
             f"{_ms(lv['ttft_s']['p50'])}/{_ms(lv['ttft_s']['p99'])}",

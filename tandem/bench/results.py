@@ -13,7 +13,7 @@ Schema (`"schema": "tandem.bench/1"`; times in seconds, throughputs per second):
       "config": {
         "workload": {"kind", "input_len": [lo, hi], "output_len": [lo, hi], "vocab_size",
                      "temperature", "seed"},
-        "levels": [{"concurrency": int | null, "request_rate": float | null,
+        "levels": [{"concurrency": int | null, "request_rate": float | "inf" | null,
                     "max_concurrency": int | null}],
         "num_requests": int | null,                # per level; null: each level's default
         "num_warmup": int,
@@ -185,7 +185,9 @@ def validate(doc: Any) -> None:
 
 def _check_load(lv: Any, where: str) -> None:
     c = _need(lv, "concurrency", (int,), where, nullable=True)
-    r = _need(lv, "request_rate", NUM, where, nullable=True)
+    r = _need(lv, "request_rate", (*NUM, str), where, nullable=True)
+    if isinstance(r, str) and r != "inf":
+        raise SchemaError(f"{where}.request_rate: a number or \"inf\", got '{r}'")
     _need(lv, "max_concurrency", (int,), where, nullable=True)
     if (c is None) == (r is None):
         raise SchemaError(f"{where}: exactly one of concurrency, request_rate")

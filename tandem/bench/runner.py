@@ -75,7 +75,8 @@ def _bench_levels(settings: BenchSettings, driver: DriverConfig, floors: ModelFl
 
 
 def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOptions,
-              argv: Sequence[str], out: TextIO = sys.stdout) -> dict[str, Any]:
+              argv: Sequence[str], out: TextIO | None = None) -> dict[str, Any]:
+    out = out or sys.stdout
     doc: dict[str, Any] = {
         "schema": results.SCHEMA, "date": results.now_iso(), "command": list(argv),
         "machine": results.machine_info(), "config": settings.to_json(), "runs": []}
