@@ -46,10 +46,20 @@ class BackendOptions:
     device_name: str = ""  # Mooncake: RDMA NIC filter ("" = auto)
     nixl_backends: tuple[str, ...] = ("UCX",)
     name_hint: str = "tandem"  # prefix of NIXL agent names (they must be unique)
+    # NIXL: False = no UCX progress thread; the endpoint's own polls progress UCX. The thread
+    # only wakes on its poll() timeout (>= 1 ms, a jiffy on some kernels), so with it every
+    # notification and completion is seen ~1-4 ms late; without it, ~10-40 us. The price: over
+    # TCP (not NVLink/RDMA, where writes are one-sided) data moves only while both sides poll.
+    nixl_progress_thread: bool = False
     fabric: object | None = None  # fake only: the in-process FakeFabric (None = default)
 
 
 class TransferBackend(Protocol):
+    """Optional extras a backend may have (the endpoints look them up with getattr):
+    `max_batch_entries: int | None` (entries one post_write accepts; absent = 1024, None = no
+    limit) and `prepare_regions(peer_id, [(local KVRegion, remote KVRegion), ...])`, called once
+    per connected peer so that page writes between those regions can be prepared ahead."""
+
     name: str  # registry name
     local_id: str  # how peers identify us in PeerEvent.peer_id
 

@@ -1,5 +1,6 @@
 """Memory descriptors (`KVRegion`, `AuxRegion`, `KVLayout`) and the copy planner that turns a
-request's page lists into bounded batches of (src address, dst address, length) entries.
+request's page lists into bounded batches of (src address, dst address, length) entries
+(vectorized in coalesce.py).
 
 Addressing: a region holds one layer group as [num_layers, num_pages, page_bytes] bytes, so the
 bytes of (layer l, page p) start at `base_ptr + (l * num_pages + p) * page_bytes`. All groups share
@@ -15,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from tandem.kvtransfer import coalesce
 from tandem.kvtransfer.contract import ErrorKind, TransferError
 
 MAX_BATCH_ENTRIES = 1024  # Mooncake's per-batch limit (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
@@ -204,14 +208,9 @@ class CopyBatch:
 
 def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
     """Coalesce (src[i], dst[i]) pairs into (src_start, dst_start, count) runs that are
-    consecutive on both sides. `dst_pages` may be longer (decode reserves for generation too)."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_pages, dst_pages):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    consecutive on both sides. `dst_pages` may be longer (decode reserves for generation too).
+    (The sender uses coalesce.page_runs, its numpy twin, directly.)"""
+    return [tuple(int(x) for x in row) for row in coalesce.page_runs(src_pages, dst_pages)]
 
 
 def validate_pages(layout_src: KVLayout, layout_dst: KVLayout, src_pages: Sequence[int],
@@ -230,31 +229,39 @@ def validate_pages(layout_src: KVLayout, layout_dst: KVLayout, src_pages: Sequen
         raise bad("destination page ids repeat: two source pages would land in one page")
 
 
-def plan_layers(src: KVRegion, dst: KVRegion, runs: Sequence[tuple[int, int, int]],
-                layers: range, *, max_entries: int = MAX_BATCH_ENTRIES) -> list[CopyBatch]:
-    """Batches copying `runs` of pages for `layers` of one group, src region → dst region."""
+def plan_layers(src: KVRegion, dst: KVRegion, runs, layers: range, *,
+                max_entries: int | None = MAX_BATCH_ENTRIES) -> list[CopyBatch]:
+    """Batches copying `runs` of pages (page_runs output, list or [R, 3] array) for `layers` of
+    one group, src region -> dst region; at most `max_entries` entries a batch (None: one)."""
+    return split_batches(plan_entries(src, dst, runs, layers), src.device, dst.device,
+                         max_entries=max_entries)
+
+
+def plan_entries(src: KVRegion, dst: KVRegion, runs, layers: range) -> coalesce.Entries:
+    """The coalesced entries of `plan_layers`, as numpy arrays (vectorized: no per-page Python)."""
     if layers.start < 0 or layers.stop > src.num_layers or layers.step != 1:
         raise TransferError(ErrorKind.INVALID, f"{src.name}: layers {layers} outside "
                             f"range(0, {src.num_layers}) or not step 1")
-    entries: list[list[int]] = []  # [src, dst, len], merged while contiguous on both sides
-    for layer in layers:
-        for s, d, n in runs:
-            sa, da, ln = src.page_addr(layer, s), dst.page_addr(layer, d), n * src.page_bytes
-            last = entries[-1] if entries else None
-            if last is not None and last[0] + last[2] == sa and last[1] + last[2] == da:
-                last[2] += ln  # e.g. all pages of layer l followed by layer l+1's
-            else:
-                entries.append([sa, da, ln])
-    return split_batches(entries, src.device, dst.device, max_entries=max_entries)
+    return coalesce.plan_entries(src.base_ptr, src.num_pages, dst.base_ptr, dst.num_pages,
+                                 src.page_bytes, np.asarray(runs, dtype=np.int64).reshape(-1, 3),
+                                 layers)
 
 
-def split_batches(entries: Sequence[Sequence[int]], src_device: str, dst_device: str, *,
-                  max_entries: int = MAX_BATCH_ENTRIES) -> list[CopyBatch]:
+def split_batches(entries, src_device: str, dst_device: str, *,
+                  max_entries: int | None = MAX_BATCH_ENTRIES) -> list[CopyBatch]:
+    """`entries`: coalesce.Entries, or a sequence of (src, dst, len) rows."""
+    if isinstance(entries, coalesce.Entries):
+        src_l, dst_l, len_l = (entries.src_addrs.tolist(), entries.dst_addrs.tolist(),
+                               entries.lengths.tolist())
+    else:
+        src_l = [int(e[0]) for e in entries]
+        dst_l = [int(e[1]) for e in entries]
+        len_l = [int(e[2]) for e in entries]
+    step = max_entries or max(1, len(len_l))
     out = []
-    for i in range(0, len(entries), max_entries):
-        chunk = entries[i : i + max_entries]
+    for i in range(0, len(len_l), step):
         out.append(CopyBatch(src_device=src_device, dst_device=dst_device,
-                             src_addrs=tuple(e[0] for e in chunk),
-                             dst_addrs=tuple(e[1] for e in chunk),
-                             lengths=tuple(e[2] for e in chunk)))
+                             src_addrs=tuple(src_l[i : i + step]),
+                             dst_addrs=tuple(dst_l[i : i + step]),
+                             lengths=tuple(len_l[i : i + step])))
     return out

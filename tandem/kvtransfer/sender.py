@@ -20,6 +20,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from tandem.kvtransfer import coalesce
 from tandem.kvtransfer.aux_slot import HEADER_BYTES, encode_aux
 from tandem.kvtransfer.backend import BackendOptions, PeerEvent, TransferBackend, WriteStatus
 from tandem.kvtransfer.compat import CompatInfo, check_compat
@@ -27,8 +30,8 @@ from tandem.kvtransfer.contract import (Destination, EndpointInfo, ErrorKind, Se
                                         TransferError, TransferState, advance)
 from tandem.kvtransfer.endpoint import EndpointBase, EndpointConfig
 from tandem.kvtransfer.faults import FailureInjection, FaultDice, FaultKind
-from tandem.kvtransfer.layout import (CopyBatch, KVLayout, layout_mismatches, page_runs,
-                                      plan_layers, split_batches, validate_pages)
+from tandem.kvtransfer.layout import (CopyBatch, KVLayout, layout_mismatches, plan_layers,
+                                      split_batches, validate_pages)
 from tandem.kvtransfer.wire import Message, MsgKind, decode_message
 
 
@@ -45,7 +48,7 @@ class _Send:
     room: int
     dest: Destination
     peer: _Peer
-    runs: list[tuple[int, int, int]]  # coalesced (src page, dst page, count)
+    runs: np.ndarray  # [R, 3] int64 coalesced (src page, dst page, count), coalesce.page_runs
     num_pages: int  # source pages; they land in dest.page_ids[:num_pages]
     deadline: float  # monotonic s: terminal by then (Destination.timeout_s after start)
     started_at: float  # monotonic s
@@ -108,6 +111,9 @@ class PrefillSender(EndpointBase):
                                 "incompatible KV layout: " + "; ".join(mismatches))
         self._peers[receiver.session] = _Peer(peer_id=peer_id, session=receiver.session,
                                               layout=remote)
+        prepare = getattr(self.backend, "prepare_regions", None)
+        if prepare is not None:  # optional: NIXL prepares descriptor lists once per peer
+            prepare(peer_id, [(r, remote.region(r.name)) for r in self.layout.regions])
 
     # -- per-room API ---------------------------------------------------------------------------
     def start(self, dest: Destination, src_page_ids: Sequence[int]) -> None:
@@ -123,7 +129,7 @@ class PrefillSender(EndpointBase):
         validate_pages(self.layout, peer.layout, src_page_ids, dest.page_ids, room=dest.room)
         now = self.clock()
         s = _Send(room=dest.room, dest=dest, peer=peer, num_pages=len(src_page_ids),
-                  runs=page_runs(src_page_ids, dest.page_ids), deadline=now + dest.timeout_s,
+                  runs=coalesce.page_runs(src_page_ids, dest.page_ids), deadline=now + dest.timeout_s,
                   started_at=now, fault=self._dice.draw())
         self._sends[dest.room] = s
         self._recent.pop(dest.room, None)
@@ -141,7 +147,7 @@ class PrefillSender(EndpointBase):
                                 room=room)
         src, dst = self.layout.region(group), s.peer.layout.region(group)
         s.queued.extend(plan_layers(src, dst, s.runs, layers,
-                                    max_entries=self.config.max_batch_entries))
+                                    max_entries=self.max_batch_entries))
         done.update(layers)
         self._pump()
 

@@ -93,6 +93,7 @@ class _FakeWrite:
 
 class FakeBackend:
     name = "fake"
+    max_batch_entries = None  # memmoves: no limit
 
     def __init__(self, options: BackendOptions):
         self.fabric: FakeFabric = options.fabric or default_fabric()  # type: ignore[assignment]

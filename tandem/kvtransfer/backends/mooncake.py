@@ -36,7 +36,7 @@ from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
 from tandem.kvtransfer.backend import BackendOptions, PeerEvent, WritePoll, WriteStatus
 from tandem.kvtransfer.contract import ErrorKind, TransferError
-from tandem.kvtransfer.layout import CopyBatch, parse_device
+from tandem.kvtransfer.layout import MAX_BATCH_ENTRIES, CopyBatch, parse_device
 
 _MAILBOX_BYTES = 64
 _MAX_INFLIGHT_PER_PEER = 1000  # < 1024 queued per peer, leaving room for control messages
@@ -78,6 +78,7 @@ class _PeerSender(threading.Thread):
 
 class MooncakeBackend:
     name = "mooncake"
+    max_batch_entries = MAX_BATCH_ENTRIES  # entries per batch over TCP (see the module doc)
 
     def __init__(self, options: BackendOptions):
         self.engine = TransferEngine()

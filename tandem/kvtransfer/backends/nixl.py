@@ -4,8 +4,15 @@ How the library is used, and why:
 - The agent's metadata (which embeds every registration) is this endpoint's address, base64 so
   it stays ASCII. Register all memory before publishing it: later registrations are invisible to
   peers until the metadata is re-sent.
-- Data: `initialize_xfer("WRITE", local, remote, peer, notif)` + `transfer`, polled with
-  `check_xfer_state`. The notif reaches the peer after the data of that transfer.
+- Data: one NIXL transfer per `post_write`, polled with `check_xfer_state`. The notif reaches the
+  peer after the data of that transfer. Page writes between regions announced by
+  `prepare_regions` use descriptor lists prepared once per peer (one descriptor per (layer,
+  page) block, `prep_xfer_dlist`) and `make_prepped_xfer` with block indices, which NIXL merges
+  back into one descriptor per contiguous run; anything else (the aux slot, unprepared memory)
+  goes through `initialize_xfer` with numpy [n, 3] descriptor arrays.
+- No progress thread by default (BackendOptions.nixl_progress_thread): `get_new_notifs` and
+  `check_xfer_state` progress UCX themselves, so a grant or completion is seen within one poll
+  instead of at the thread's next >= 1 ms wakeup.
 - Control messages: `send_notif` (delivered even from an agent the target has not loaded).
 - NIXL has no transfer timeout (a frozen peer over TCP stays "PROC" forever): deadlines live above.
   `release()` of a running handle asks UCX to cancel it; if that fails the handle is kept.
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
+from tandem.kvtransfer import coalesce
 from tandem.kvtransfer.backend import BackendOptions, PeerEvent, WritePoll, WriteStatus
 from tandem.kvtransfer.contract import ErrorKind, TransferError
 from tandem.kvtransfer.layout import CopyBatch, parse_device
@@ -35,6 +43,22 @@ def _error(e: Exception, what: str) -> TransferError:
     return TransferError(kind, f"nixl {what}: {type(e).__name__}: {e}")
 
 
+_MAX_PREPARED_BLOCKS = 1 << 22  # per region: larger pools post unprepared (memory of the lists)
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """Prepared one-descriptor-per-block lists of a (local region, remote region) pair."""
+
+    src_base: int
+    dst_base: int
+    block_bytes: int
+    src_blocks: int  # descriptors in `local` (= num_layers * num_pages of the local region)
+    dst_blocks: int
+    local: object  # nixl_prepped_dlist_handle (shared by every peer: keyed by the region)
+    remote: object  # nixl_prepped_dlist_handle of this peer's region
+
+
 @dataclass(slots=True)
 class _NixlWrite:
     handle: object | None  # nixl_xfer_handle; None once released
@@ -42,12 +66,28 @@ class _NixlWrite:
     finished: bool = False
 
 
+def _descs(addrs: np.ndarray, lengths: np.ndarray, dev: int) -> np.ndarray:
+    """[n, 3] uint64 rows (addr, len, device id): NIXL's numpy descriptor form."""
+    out = np.empty((addrs.shape[0], 3), dtype=np.uint64)
+    out[:, 0], out[:, 1], out[:, 2] = addrs, lengths, dev
+    return out
+
+
+def _block_descs(base: int, block_bytes: int, num_blocks: int, device: str) -> np.ndarray:
+    """[num_blocks, 3]: one descriptor per block of a region, block b at base + b * block_bytes."""
+    addrs = np.uint64(base) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_bytes)
+    return _descs(addrs, np.full(num_blocks, block_bytes, dtype=np.uint64),
+                  parse_device(device)[1])
+
+
 class NixlBackend:
     name = "nixl"
+    max_batch_entries = None  # one transfer per push, however many descriptors
 
     def __init__(self, options: BackendOptions):
         self.local_id = f"{options.name_hint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        config = nixl_agent_config(enable_prog_thread=True, backends=list(options.nixl_backends))
+        config = nixl_agent_config(enable_prog_thread=options.nixl_progress_thread,
+                                   backends=list(options.nixl_backends))
         try:
             self.agent = nixl_agent(self.local_id, config)
         except Exception as e:  # e.g. bad UCX_TLS: the UCX plugin fails to come up
@@ -55,6 +95,9 @@ class NixlBackend:
         self._regs: list[object] = []  # nixlRegDList per registration, for deregister at close
         self._peers: set[str] = set()
         self._lost: list[PeerEvent] = []
+        self._local_lists: dict[tuple[int, int, int], object] = {}  # (base, block, n) -> dlist
+        self._prepared: dict[str, list[_Prepared]] = {}  # peer id -> its prepared region pairs
+        self.num_prepped_writes = 0  # writes posted through prepared lists (tests, bench)
 
     def address(self) -> str:
         return base64.b64encode(self.agent.get_agent_metadata()).decode("ascii")
@@ -75,7 +118,41 @@ class NixlBackend:
         self._peers.add(peer_id)
         return peer_id
 
+    def prepare_regions(self, peer_id: str, pairs) -> None:
+        """Prepare block descriptor lists for writes from each local KVRegion to its remote
+        twin at `peer_id` (after connect; the remote lists die with the connection). Best
+        effort: a pair that cannot be prepared is posted unprepared."""
+        self._release_prepared(peer_id)
+        out = []
+        for src, dst in pairs:
+            n_src, n_dst = src.num_layers * src.num_pages, dst.num_layers * dst.num_pages
+            if src.page_bytes != dst.page_bytes or max(n_src, n_dst) > _MAX_PREPARED_BLOCKS:
+                continue
+            try:
+                key = (src.base_ptr, src.page_bytes, n_src)
+                if key not in self._local_lists:
+                    self._local_lists[key] = self.agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", _block_descs(src.base_ptr, src.page_bytes, n_src,
+                                                        src.device), parse_device(src.device)[0])
+                remote = self.agent.prep_xfer_dlist(
+                    peer_id, _block_descs(dst.base_ptr, dst.page_bytes, n_dst, dst.device),
+                    parse_device(dst.device)[0])
+            except Exception:  # noqa: BLE001 - e.g. an older peer: unprepared writes still work
+                continue
+            out.append(_Prepared(src_base=src.base_ptr, dst_base=dst.base_ptr,
+                                 block_bytes=src.page_bytes, src_blocks=n_src, dst_blocks=n_dst,
+                                 local=self._local_lists[key], remote=remote))
+        self._prepared[peer_id] = out
+
+    def _release_prepared(self, peer_id: str) -> None:
+        for p in self._prepared.pop(peer_id, []):
+            try:
+                p.remote.release()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - the peer is gone already
+                pass
+
     def disconnect(self, peer_id: str) -> None:
+        self._release_prepared(peer_id)
         if peer_id in self._peers:
             self._peers.discard(peer_id)
             try:
@@ -87,24 +164,44 @@ class NixlBackend:
     def post_write(self, peer_id: str, batch: CopyBatch, notify: str | None) -> object:
         if peer_id not in self._peers:
             raise TransferError(ErrorKind.PEER_DEAD, f"nixl peer {peer_id} not connected")
-        src_mem, src_dev = parse_device(batch.src_device)
-        dst_mem, dst_dev = parse_device(batch.dst_device)
-        n = len(batch.lengths)
-        local = np.empty((n, 3), dtype=np.uint64)  # rows: (addr, len, device id)
-        local[:, 0], local[:, 1], local[:, 2] = batch.src_addrs, batch.lengths, src_dev
-        remote = np.empty((n, 3), dtype=np.uint64)
-        remote[:, 0], remote[:, 1], remote[:, 2] = batch.dst_addrs, batch.lengths, dst_dev
+        notif = notify.encode("ascii") if notify is not None else b""
+        src = np.asarray(batch.src_addrs, dtype=np.uint64)  # [n] (tuples -> one numpy copy)
+        dst = np.asarray(batch.dst_addrs, dtype=np.uint64)
+        lengths = np.asarray(batch.lengths, dtype=np.uint64)
         w = _NixlWrite(handle=None)
         try:
-            w.handle = self.agent.initialize_xfer(
-                "WRITE", self.agent.get_xfer_descs(local, src_mem),
-                self.agent.get_xfer_descs(remote, dst_mem), peer_id,
-                notify.encode("ascii") if notify is not None else b"")
+            w.handle = self._prepped_xfer(peer_id, src, dst, lengths, notif)
+            if w.handle is None:
+                src_mem, src_dev = parse_device(batch.src_device)
+                dst_mem, dst_dev = parse_device(batch.dst_device)
+                w.handle = self.agent.initialize_xfer(
+                    "WRITE", self.agent.get_xfer_descs(_descs(src, lengths, src_dev), src_mem),
+                    self.agent.get_xfer_descs(_descs(dst, lengths, dst_dev), dst_mem), peer_id,
+                    notif)
             if self.agent.transfer(w.handle) == "ERR":
                 w.failed = TransferError(ErrorKind.BACKEND, f"nixl transfer to {peer_id}: ERR")
         except Exception as e:
             w.failed = _error(e, f"write to {peer_id}")
         return w
+
+    def _prepped_xfer(self, peer_id: str, src: np.ndarray, dst: np.ndarray,
+                      lengths: np.ndarray, notif: bytes) -> object | None:
+        """A transfer from prepared lists if every entry is whole blocks of one prepared region
+        pair; else None."""
+        for p in self._prepared.get(peer_id, ()):
+            src_idx = coalesce.block_indices(src, lengths, p.src_base, p.block_bytes,
+                                             p.src_blocks)
+            if src_idx is None:
+                continue
+            dst_idx = coalesce.block_indices(dst, lengths, p.dst_base, p.block_bytes,
+                                             p.dst_blocks)
+            if dst_idx is None:
+                continue
+            handle = self.agent.make_prepped_xfer("WRITE", p.local, src_idx, p.remote, dst_idx,
+                                                  notif)
+            self.num_prepped_writes += 1
+            return handle
+        return None
 
     def poll_write(self, handle: object) -> WritePoll:
         w: _NixlWrite = handle  # type: ignore[assignment]
@@ -160,6 +257,12 @@ class NixlBackend:
     def close(self) -> None:
         for peer_id in list(self._peers):
             self.disconnect(peer_id)
+        for dlist in self._local_lists.values():
+            try:
+                dlist.release()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001
+                pass
+        self._local_lists.clear()
         for reg in self._regs:
             try:
                 self.agent.deregister_memory(reg)
