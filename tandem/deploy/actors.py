@@ -2,6 +2,11 @@
 worker (plain Python, see prefill_node/ and decode_node/) driven by a `WorkerLoop` thread, and
 turns its outputs into awaitable results and per-request streams on the actor's event loop.
 
+A worker of `tp` ranks is `tp` actors. Rank 0 (the leader) is the one the router calls; it
+hands every call to its `GroupLoop`, which applies it on every rank (deploy/group_loop.py).
+The others only join the process group and follow. Values that differ per rank (endpoints,
+destinations) cross the router as one blob (`ranks.encode_per_rank`), also when tp is 1.
+
 The launcher wraps these classes with `ray.remote`; nothing here imports Ray, so the classes
 can also be used in-process.
 """
@@ -15,7 +20,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tandem.decode_node.worker import DecodeOutput, DecodeWorker, OutOfCapacity
+from tandem.deploy.group_loop import GroupLoop
 from tandem.deploy.loop import WorkerLoop
+from tandem.deploy.ranks import (PerRank, RankInfo, decode_per_rank, encode_per_rank, join_group,
+                                 leave_group, rendezvous_address)
 from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine.sampling import SamplingParams
 from tandem.prefill_node.worker import PrefillResult, PrefillWorker
@@ -57,11 +65,66 @@ def _node_id() -> str:
 class _ActorBase:
     role = ""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1) -> None:
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
         self.cfg = cfg
+        self.ranks = RankInfo(rank=rank, tp=tp, ep=ep)
         self._aio = None  # the actor's event loop, captured on the first async call
+        self.worker = None
+        self.loop: WorkerLoop | GroupLoop | None = None
+        if tp == 1:  # a single rank starts at once; a TP rank waits for join()
+            self.worker = self._make_worker(None, None)
+            self.loop = WorkerLoop(self.worker, self._on_outputs, name=f"{cfg.name}-loop")
+
+    def _make_worker(self, parallel, sync):
+        raise NotImplementedError
+
+    def _on_outputs(self, outs: list) -> None:
+        raise NotImplementedError
+
+    async def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: where the worker's process group meets."""
+        return rendezvous_address()
+
+    async def join(self, host: str, port: int) -> None:
+        """TP ranks: join the process group (returns when every rank joined), build this
+        rank's worker and start its loop."""
+        self._loop()
+
+        def start() -> None:
+            parallel, sync = join_group(self.ranks, host, port, self.cfg.engine.device)
+            self.worker = self._make_worker(parallel, sync)
+            on_outputs = self._on_outputs if self.ranks.rank == 0 else None
+            self.loop = GroupLoop(self.worker, sync, on_outputs,
+                                  name=f"{self.cfg.name}-rank{self.ranks.rank}-loop")
+
+        await asyncio.to_thread(start)
+
+    async def _call(self, method: str, *args) -> list:
+        """`worker.method(*args)` on every rank between two steps; the per-rank results."""
+        if isinstance(self.loop, GroupLoop):
+            return await asyncio.to_thread(self.loop.call, method, *args)
+        args = tuple(a.values[0] if isinstance(a, PerRank) else a for a in args)
+        fn = getattr(self.worker, method)
+        return [await asyncio.to_thread(self.loop.call, fn, *args)]
+
+    async def endpoint(self) -> bytes:
+        """Every rank's transfer endpoint, as one blob."""
+        self._loop()
+        return encode_per_rank(await self._call("endpoint"))
+
+    async def shutdown(self) -> None:
+        if self.loop is not None:
+            if isinstance(self.loop, GroupLoop) and self.ranks.rank != 0:
+                # rank 0's close() stops every rank's loop
+                await asyncio.to_thread(self.loop.wait_stopped, 10.0)
+            else:
+                self.loop.close()
+        if self.worker is not None:
+            self.worker.close()
+        if self.ranks.tp > 1:
+            leave_group()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         if self._aio is None:
@@ -86,11 +149,12 @@ class _ActorBase:
 class PrefillActor(_ActorBase):
     role = "prefill"
 
-    def __init__(self, cfg: WorkerConfig) -> None:
-        super().__init__(cfg)
-        self.worker = PrefillWorker(cfg)
+    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1) -> None:
         self._waiters: dict[int, asyncio.Future] = {}
-        self.loop = WorkerLoop(self.worker, self._on_outputs, name=f"{cfg.name}-loop")
+        super().__init__(cfg, rank, tp, ep)
+
+    def _make_worker(self, parallel, sync) -> PrefillWorker:
+        return PrefillWorker(self.cfg, parallel, sync) if sync else PrefillWorker(self.cfg)
 
     def _on_outputs(self, results: list[PrefillResult]) -> None:
         for r in results:
@@ -101,10 +165,6 @@ class PrefillActor(_ActorBase):
         if fut is not None and not fut.done():
             fut.set_result(r)
 
-    async def endpoint(self) -> bytes:
-        self._loop()
-        return await asyncio.to_thread(self.loop.call, self.worker.endpoint)
-
     async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams,
                       destination: bytes, decode_endpoint: bytes) -> PrefillResult:
         """Prefill and push one request; returns when its transfer reached a terminal state
@@ -113,9 +173,11 @@ class PrefillActor(_ActorBase):
         fut = loop.create_future()
         self._waiters[room] = fut
         try:
-            await asyncio.to_thread(self.loop.call, self.worker.connect, decode_endpoint)
-            await asyncio.to_thread(self.loop.call, self.worker.submit, room, prompt_ids, params,
-                                    destination)
+            tp = self.ranks.tp
+            endpoints = decode_per_rank(decode_endpoint, tp, "decode endpoint")
+            dests = decode_per_rank(destination, tp, "destination")
+            await self._call("connect", PerRank(tuple(endpoints)))
+            await self._call("submit", room, prompt_ids, params, PerRank(tuple(dests)))
         except Exception as exc:
             self._waiters.pop(room, None)
             return PrefillResult(room=room, ok=False, error=str(exc),
@@ -123,25 +185,22 @@ class PrefillActor(_ActorBase):
         return await fut
 
     async def abort(self, room: int) -> None:
-        await asyncio.to_thread(self.loop.call, self.worker.abort, room)
+        await self._call("abort", room)
 
     async def health(self) -> WorkerHealth:
         self._loop()
         return self._health(self.worker)
 
-    async def shutdown(self) -> None:
-        self.loop.close()
-        self.worker.close()
-
 
 class DecodeActor(_ActorBase):
     role = "decode"
 
-    def __init__(self, cfg: WorkerConfig) -> None:
-        super().__init__(cfg)
-        self.worker = DecodeWorker(cfg)
+    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1) -> None:
         self._streams: dict[int, asyncio.Queue] = {}
-        self.loop = WorkerLoop(self.worker, self._on_outputs, name=f"{cfg.name}-loop")
+        super().__init__(cfg, rank, tp, ep)
+
+    def _make_worker(self, parallel, sync) -> DecodeWorker:
+        return DecodeWorker(self.cfg, parallel, sync) if sync else DecodeWorker(self.cfg)
 
     def _on_outputs(self, outs: list[DecodeOutput]) -> None:
         for o in outs:
@@ -152,17 +211,13 @@ class DecodeActor(_ActorBase):
         if q is not None:
             q.put_nowait(o)
 
-    async def endpoint(self) -> bytes:
-        self._loop()
-        return await asyncio.to_thread(self.loop.call, self.worker.endpoint)
-
     async def reserve(self, room: int, prompt_ids: list[int], params: SamplingParams) -> bytes:
-        """The encoded Destination. Raises ValueError (bad request) or OutOfCapacity."""
+        """Every rank's encoded Destination, as one blob. Raises ValueError (bad request) or
+        OutOfCapacity."""
         self._loop()
         self._streams[room] = asyncio.Queue()
         try:
-            return await asyncio.to_thread(self.loop.call, self.worker.reserve, room, prompt_ids,
-                                           params)
+            return encode_per_rank(await self._call("reserve", room, prompt_ids, params))
         except (ValueError, OutOfCapacity):
             self._streams.pop(room, None)
             raise
@@ -183,7 +238,7 @@ class DecodeActor(_ActorBase):
             self._streams.pop(room, None)
 
     async def abort(self, room: int) -> None:
-        await asyncio.to_thread(self.loop.call, self.worker.abort, room)
+        await self._call("abort", room)
         q = self._streams.get(room)
         if q is not None:  # a reserved request that never started still ends its stream
             q.put_nowait(DecodeOutput(room=room, token_ids=(), text_delta="", finished=True,
@@ -202,7 +257,3 @@ class DecodeActor(_ActorBase):
         return self._health(self.worker, {
             "mean_acceptance_length": st.mean_acceptance_length,
             "per_position": tuple(st.per_position()), "num_rounds": st.num_rounds})
-
-    async def shutdown(self) -> None:
-        self.loop.close()
-        self.worker.close()

@@ -18,9 +18,13 @@ from tandem.spec.config import SpecConfig
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GroupConfig:
-    """A set of identical workers of one role."""
+    """A set of identical workers of one role. A worker has `tp` ranks (one Ray actor and one
+    placement-group bundle each: `num_cpus` / `num_gpus` are per rank); MoE experts split over
+    `ep` of them (1: experts whole on every rank, their columns split over tp; or ep == tp)."""
 
     replicas: int = 1
+    tp: int = 1
+    ep: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (pinning)
@@ -31,6 +35,12 @@ class GroupConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"replicas: must be >= 1, got {self.replicas}")
+        for name in ("tp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.ep not in (1, self.tp):
+            raise ConfigError(f"ep: must be 1 or equal to tp ({self.tp}), got {self.ep}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ConfigError("num_cpus/num_gpus: must be >= 0")
 
@@ -50,6 +60,11 @@ class DeployConfig:
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ConfigError(f"transfer_backend: '{self.transfer_backend}' is not one of "
                               f"{', '.join(TRANSFER_BACKENDS)}")
+        if self.prefill.tp != self.decode.tp:
+            # Prefill rank r pushes exactly the KV heads decode rank r holds.
+            raise ConfigError(
+                f"decode.tp: {self.decode.tp} differs from prefill.tp {self.prefill.tp}; KV "
+                "transfer needs equal TP sizes (KV head re-slicing is not implemented)")
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -87,7 +102,7 @@ def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
     )
 
 
-BUNDLED = ("local", "gpu-2x")  # configs shipped in this package (tandem/deploy/NAME.yaml)
+BUNDLED = ("local", "gpu-2x", "gpu-4x-tp2")  # configs shipped in this package (tandem/deploy/NAME.yaml)
 
 
 def load_deploy(path: str | Path) -> DeployConfig:

@@ -1,6 +1,8 @@
-"""Starts a deployment on a Ray cluster: N prefill and M decode actors, each gang-scheduled in
-its own placement group (one bundle per worker for now; a TP group becomes one bundle per rank,
-STRICT_PACK), waits until every actor is up, and stops them all on `shutdown`.
+"""Starts a deployment on a Ray cluster: N prefill and M decode workers, each gang-scheduled in
+its own placement group with one bundle per TP rank (STRICT_PACK: a worker's ranks share a node,
+as TP needs its fast links), one actor per bundle. A worker of tp > 1 ranks then meets in a
+torch.distributed group at its rank 0's address. Waits until every worker is up and stops them
+all on `shutdown`.
 
 Owns the actor handles and placement groups of one deployment.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.deploy.actors import QUIET_ENV, DecodeActor, PrefillActor
 from tandem.deploy.config import DeployConfig, GroupConfig
@@ -21,15 +23,17 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Deployment:
     cfg: DeployConfig
-    prefill: dict[str, object]  # name -> Ray actor handle
+    prefill: dict[str, object]  # name -> Ray actor handle of the worker's rank 0
     decode: dict[str, object]
     placement_groups: list[object]
-    endpoints: dict[str, bytes]  # decode worker name -> encoded EndpointInfo
+    endpoints: dict[str, bytes]  # decode worker name -> every rank's EndpointInfo (one blob)
+    followers: list[object] = field(default_factory=list)  # ranks 1.. of every TP worker
 
     def shutdown(self) -> None:
         import ray
 
-        for handle in [*self.prefill.values(), *self.decode.values()]:
+        # Leaders first: their shutdown stops their followers' loops.
+        for handle in [*self.prefill.values(), *self.decode.values(), *self.followers]:
             try:
                 ray.get(handle.shutdown.remote(), timeout=15)
             except Exception:  # already dead: nothing to stop
@@ -56,22 +60,42 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConfig,
-           pgs: list[object]):
+           pgs: list[object]) -> list[object]:
+    """The worker's actors, rank order (not yet joined)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     bundle: dict[str, float] = {"CPU": group.num_cpus, **group.resources}
     if group.num_gpus:
         bundle["GPU"] = group.num_gpus
-    pg = ray.util.placement_group([bundle], strategy="STRICT_PACK", name=f"tandem-{name}")
+    pg = ray.util.placement_group([dict(bundle) for _ in range(group.tp)],
+                                  strategy="STRICT_PACK", name=f"tandem-{name}")
     pgs.append(pg)
-    remote = ray.remote(cls).options(
-        name=f"tandem-{name}", num_cpus=group.num_cpus, num_gpus=group.num_gpus,
-        resources=group.resources or None, max_concurrency=64, max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg),
-    )
-    log.info("starting %s worker %s", role, name)
-    return remote.remote(wcfg)
+    log.info("starting %s worker %s (tp=%d, ep=%d)", role, name, group.tp, group.ep)
+    ranks = []
+    for rank in range(group.tp):
+        remote = ray.remote(cls).options(
+            name=f"tandem-{name}" if rank == 0 else f"tandem-{name}-rank{rank}",
+            num_cpus=group.num_cpus, num_gpus=group.num_gpus,
+            resources=group.resources or None, max_concurrency=64, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=rank),
+        )
+        ranks.append(remote.remote(wcfg, rank, group.tp, group.ep))
+    return ranks
+
+
+def _join(workers: list[list[object]], timeout_s: float) -> None:
+    """Every TP worker's ranks meet at their rank 0's address (all workers at once)."""
+    import ray
+
+    multi = [ranks for ranks in workers if len(ranks) > 1]
+    if not multi:
+        return
+    addrs = ray.get([ranks[0].rendezvous.remote() for ranks in multi], timeout=timeout_s)
+    refs = [r.join.remote(host, port) for ranks, (host, port) in zip(multi, addrs)
+            for r in ranks]
+    ray.get(refs, timeout=timeout_s)
 
 
 def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
@@ -88,16 +112,20 @@ def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
                             torch_threads=group.torch_threads, endpoint=cfg.endpoint,
                             faults=group.faults)
 
-    for i in range(cfg.prefill.replicas):
-        name = f"prefill-{i}"
-        prefill[name] = _start(PrefillActor, "prefill", name, cfg.prefill,
-                               worker_cfg(name, cfg.prefill), pgs)
-    for i in range(cfg.decode.replicas):
-        name = f"decode-{i}"
-        decode[name] = _start(DecodeActor, "decode", name, cfg.decode,
-                              worker_cfg(name, cfg.decode), pgs)
-    dep = Deployment(cfg=cfg, prefill=prefill, decode=decode, placement_groups=pgs, endpoints={})
+    followers: list[object] = []
+    started: list[list[object]] = []
+    for role, cls, group in (("prefill", PrefillActor, cfg.prefill),
+                             ("decode", DecodeActor, cfg.decode)):
+        for i in range(group.replicas):
+            name = f"{role}-{i}"
+            ranks = _start(cls, role, name, group, worker_cfg(name, group), pgs)
+            (prefill if role == "prefill" else decode)[name] = ranks[0]
+            followers += ranks[1:]
+            started.append(ranks)
+    dep = Deployment(cfg=cfg, prefill=prefill, decode=decode, placement_groups=pgs, endpoints={},
+                     followers=followers)
     try:
+        _join(started, startup_timeout_s)
         names = [*prefill, *decode]
         refs = [h.endpoint.remote() for h in [*prefill.values(), *decode.values()]]
         values = ray.get(refs, timeout=startup_timeout_s)

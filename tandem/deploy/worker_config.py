@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.parallel import ParallelContext
 from tandem.kvtransfer import AuxRegion, CompatInfo, EndpointConfig, FailureInjection, KVLayout, KVRegion
 from tandem.kvtransfer.aux_slot import HEADER_BYTES
 from tandem.spec.config import SpecConfig
@@ -43,10 +44,12 @@ class WorkerConfig:
             raise ValueError(f"transfer_timeout_s: must be positive, got {self.transfer_timeout_s}")
 
 
-def build_engine(cfg: WorkerConfig) -> SpecEngine:
+def build_engine(cfg: WorkerConfig, parallel: ParallelContext | None = None) -> SpecEngine:
+    """The speculative engine of one rank: the target sharded over `parallel` (TP/EP), the
+    draft head replicated."""
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
-    return SpecEngine.from_config(cfg.engine, cfg.spec)
+    return SpecEngine.from_config(cfg.engine, cfg.spec, parallel)
 
 
 def aux_buffer(engine: SpecEngine, num_slots: int) -> torch.Tensor:
@@ -57,8 +60,14 @@ def aux_buffer(engine: SpecEngine, num_slots: int) -> torch.Tensor:
 
 
 def kv_layout(engine: SpecEngine, aux: torch.Tensor) -> KVLayout:
-    regions = tuple(KVRegion.from_tensor(name, engine.kv_pool.group_tensor(name))
-                    for name in engine.kv_pool.specs)
+    # The target's KV heads are this rank's slice; the draft (replicated) holds all of its own.
+    heads = engine.model.heads
+    target_heads = (heads.kv_part.local_start // heads.head_dim, heads.local_kv_heads)
+    regions = tuple(
+        KVRegion.from_tensor(name, engine.kv_pool.group_tensor(name),
+                             **(dict(head_start=target_heads[0], num_heads=target_heads[1])
+                                if name == "target" else {}))
+        for name in engine.kv_pool.specs)
     return KVLayout(regions=regions, aux=AuxRegion.from_tensor(aux))
 
 
@@ -68,10 +77,11 @@ def compat_info(engine: SpecEngine, cfg: WorkerConfig) -> CompatInfo:
     mc = engine.model_cfg
     model_id = hashlib.sha256(repr(mc).encode()).hexdigest()[:16]
     head = engine.head.cfg
+    tp = engine.model.par.tp
     draft_id = hashlib.sha256(repr(head).encode()).hexdigest()[:16]
     return CompatInfo(
         model=f"{mc.architecture}:{model_id}", dtype=cfg.engine.dtype,
-        page_size=cfg.engine.page_size, kv_layout="NHD", tp_size=1, tp_rank=0,
+        page_size=cfg.engine.page_size, kv_layout="NHD", tp_size=tp.size, tp_rank=tp.rank,
         draft_model=f"{head.kind}:{draft_id}", draft_hidden_size=head.hidden_size,
         topk=engine.spec.topk, feature_layers=head.feature_layers,
     )

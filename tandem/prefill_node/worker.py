@@ -7,14 +7,21 @@ repeatedly and every other method between steps. For each request it:
   2. hands its pages + seed to the KV sender (`send`, bounded batches, completion notification),
   3. frees the pages once the sender reports a terminal state (never earlier: the backend may
      still be reading them), and reports a `PrefillResult`.
+
+With TP, every rank runs this worker (deploy/group_loop.py): rank r pushes the KV heads it holds
+to decode rank r with its own sender. Send outcomes arrive per rank at different times; the ranks
+all-gather them each step, and a request's pages are freed (on every rank, in the same step) and
+its result reported only once every rank's transfer is terminal: DONE on all, else a failure.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem.deploy.ranks import SOLO, RankSync
 from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
+from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
 
@@ -35,16 +42,28 @@ class PrefillResult:
     error_kind: str = ""  # TransferError kind, "aborted", or "invalid"
 
 
+@dataclass(slots=True)
+class _Sending:
+    """A request whose KV is being pushed (the same entry on every rank)."""
+
+    page_ids: tuple[int, ...]
+    first_token: int
+    first_text: str
+    done: set[int] = field(default_factory=set)  # ranks whose transfer reached DONE
+    failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (error, kind)
+
+
 class PrefillWorker:
-    def __init__(self, cfg: WorkerConfig) -> None:
-        self.cfg = cfg
-        self.engine = build_engine(cfg)
+    def __init__(self, cfg: WorkerConfig, parallel: ParallelContext | None = None,
+                 sync: RankSync = SOLO) -> None:
+        self.cfg, self.sync = cfg, sync
+        self.engine = build_engine(cfg, parallel)
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
         self.sender = PrefillSender(
             cfg.transfer_backend, kv_layout(self.engine, self._aux),
             compat_info(self.engine, cfg), config=cfg.endpoint, faults=cfg.faults)
         self._dest: dict[int, Destination] = {}  # room -> where its KV goes (still prefilling)
-        self._sending: dict[int, tuple[tuple[int, ...], int, str]] = {}  # room -> pages, token, text
+        self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
         self._results: list[PrefillResult] = []
         self._sessions: set[int] = set()
 
@@ -81,6 +100,7 @@ class PrefillWorker:
         return self.engine.has_unfinished() or bool(self._sending)
 
     def step(self) -> list[PrefillResult]:
+        local: list[tuple[int, bool, str, str]] = []  # (room, done, error, kind) on this rank
         if self.engine.has_unfinished():
             self.engine.step()
         for h in self.engine.take_handoffs():
@@ -95,30 +115,51 @@ class PrefillWorker:
                     room=room, ok=True, first_token=h.first_token, first_text=h.first_text,
                     finished=True, finish_reason=h.finish_reason))
                 continue
+            self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
+                                           first_text=h.first_text)
             try:
                 self.sender.send(dest, h.page_ids, h.seed_bytes())
-            except TransferError as exc:
-                self.engine.free_pages(h.page_ids)
-                self._results.append(PrefillResult(room=room, ok=False, error=str(exc),
-                                                   error_kind=exc.kind.value))
-                continue
-            self._sending[room] = (h.page_ids, h.first_token, h.first_text)
+            except TransferError as exc:  # terminal on this rank at once
+                local.append((room, False, str(exc), exc.kind.value))
         for outcome in self.sender.poll():
-            entry = self._sending.pop(outcome.room, None)
-            if entry is None:
-                continue
-            pages, token, text = entry
-            self.engine.free_pages(pages)  # terminal as seen by the sender: no read in flight
-            if outcome.state == TransferState.DONE:
-                self._results.append(PrefillResult(room=outcome.room, ok=True, first_token=token,
-                                                   first_text=text))
-            else:
-                err = outcome.error
-                self._results.append(PrefillResult(
-                    room=outcome.room, ok=False, error=str(err) if err else outcome.state.value,
-                    error_kind=err.kind.value if err else outcome.state.value))
+            err = outcome.error
+            ok = outcome.state == TransferState.DONE
+            local.append((outcome.room, ok, "" if ok else str(err) if err else outcome.state.value,
+                          "" if ok else err.kind.value if err else outcome.state.value))
+        self._agree_on_outcomes(local)
         out, self._results = self._results, []
         return out
+
+    def _agree_on_outcomes(self, local: list[tuple[int, bool, str, str]]) -> None:
+        """All-gather every rank's terminal transfers; a room whose transfer is terminal on
+        every rank frees its pages (no rank can still read them) and reports its result."""
+        touched: list[int] = []
+        for rank, outcomes in enumerate(self.sync.all_gather(local)):
+            for room, ok, error, kind in outcomes:
+                entry = self._sending.get(room)
+                if entry is None:
+                    continue
+                if ok:
+                    entry.done.add(rank)
+                else:
+                    entry.failed[rank] = (error, kind)
+                touched.append(room)
+        for room in dict.fromkeys(touched):  # first-touch order: the same on every rank
+            entry = self._sending[room]
+            if len(entry.done) + len(entry.failed) < self.sync.size:
+                if entry.failed:  # one rank failed: the others' pushes are useless, stop them
+                    self.sender.abort(room)
+                continue
+            del self._sending[room]
+            self.engine.free_pages(entry.page_ids)
+            if not entry.failed:
+                self._results.append(PrefillResult(room=room, ok=True,
+                                                   first_token=entry.first_token,
+                                                   first_text=entry.first_text))
+            else:
+                error, kind = entry.failed[min(entry.failed)]
+                self._results.append(PrefillResult(room=room, ok=False, error=error,
+                                                   error_kind=kind))
 
     def num_free_pages(self) -> int:
         return self.engine.allocator.num_free

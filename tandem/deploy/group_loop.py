@@ -1,0 +1,150 @@
+"""`GroupLoop`: drives the ranks of a TP worker in lockstep, the SPMD counterpart of `WorkerLoop`.
+
+Why SPMD with a broadcast front instead of "rank 0 schedules and ships plans": the prefill and
+decode workers interleave scheduling, drafting, verification and commit inside one `step()`;
+splitting that into a plan that followers replay would duplicate the engine's control flow.
+Instead every rank runs the whole worker, and we make sure its inputs are identical:
+
+  each iteration, on every rank:
+    1. rank 0 broadcasts the calls that arrived since the last iteration (reserve, submit,
+       abort, connect, ...) plus whether to step and whether to stop;
+    2. every rank applies those calls, in order, to its own worker; the per-rank results are
+       all-gathered so rank 0 can answer its caller (e.g. one Destination per rank);
+    3. every rank runs `worker.step()` (which agrees on transfer events internally).
+
+Every rank thus issues the same collectives in the same order, and no rank ever waits on a
+collective the others skip: an idle iteration is one broadcast on every rank. Only rank 0's
+outputs go out (the others compute the same ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.deploy.ranks import PerRank, RankSync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Tick:
+    """What rank 0 broadcasts each iteration."""
+
+    calls: tuple[tuple[str, tuple[Any, ...]], ...]  # (worker method, args) in arrival order
+    step: bool  # run worker.step() this iteration
+    stop: bool  # leave the loop (shutdown)
+
+
+class GroupLoop:
+    """Owns the loop thread of one rank. On rank 0, `call()` is the only way in from outside."""
+
+    def __init__(self, worker: Any, sync: RankSync,
+                 on_outputs: Callable[[list[Any]], None] | None,
+                 idle_sleep_s: float = 0.005, name: str = "group-loop") -> None:
+        self.worker, self.sync, self._on_outputs = worker, sync, on_outputs
+        self._idle = idle_sleep_s
+        self._lock = threading.Lock()  # guards _pending and _stopping
+        self._pending: list[tuple[str, tuple[Any, ...], Future]] = []
+        self._stopping = False
+        self.error: BaseException | None = None  # set if an iteration raised: the loop stops
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.sync.rank == 0
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Rank 0: apply `worker.method(*args)` on every rank between two steps; returns the
+        per-rank results, or raises rank 0's exception (else the first rank's)."""
+        if not self.is_leader:
+            raise RuntimeError("GroupLoop.call: only rank 0 takes calls")
+        if self.error is not None:
+            raise RuntimeError(f"worker loop stopped after an error: {self.error!r}")
+        fut: Future = Future()
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("worker loop is shutting down")
+            self._pending.append((method, args, fut))
+        return fut.result()
+
+    def _next_tick(self, busy: bool) -> tuple[_Tick, list[Future]]:
+        if not self.is_leader:
+            return _Tick((), False, False), []
+        with self._lock:
+            pending, self._pending = self._pending, []
+            stop = self._stopping
+        calls = tuple((m, a) for m, a, _ in pending)
+        return _Tick(calls, busy or bool(calls), stop), [f for _, _, f in pending]
+
+    def _apply(self, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
+        args = tuple(a.values[self.sync.rank] if isinstance(a, PerRank) else a for a in args)
+        try:
+            return True, getattr(self.worker, method)(*args)
+        except Exception as exc:  # the caller gets it; the loop goes on
+            return False, exc
+
+    def _run(self) -> None:
+        busy = False
+        futures: list[Future] = []
+        try:
+            while True:
+                tick, futures = self._next_tick(busy)
+                tick = self.sync.broadcast(tick)  # followers block here until rank 0 speaks
+                if tick.stop:
+                    break
+                if tick.calls:
+                    local = [self._apply(m, a) for m, a in tick.calls]
+                    per_rank = self.sync.all_gather(local)
+                    for i, fut in enumerate(futures):
+                        _resolve(fut, [r[i] for r in per_rank])
+                    futures = []
+                outs: list[Any] = []
+                if tick.step:
+                    outs = self.worker.step()
+                busy = self.worker.busy()
+                if outs and self.is_leader and self._on_outputs is not None:
+                    self._on_outputs(outs)
+                if not busy and self.is_leader:
+                    time.sleep(self._idle)
+        except BaseException as exc:  # a crashed iteration (or a dead peer): report, stop
+            log.exception("rank %d: group loop failed", self.sync.rank)
+            self.error = exc
+            for fut in futures:
+                fut.set_exception(RuntimeError(f"worker loop failed: {exc!r}"))
+        finally:
+            self._done.set()
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._stopping = True
+        for _, _, fut in pending:
+            fut.set_exception(RuntimeError("worker loop stopped"))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Rank 0: stop every rank's loop (the stop rides the next broadcast)."""
+        with self._lock:
+            self._stopping = True
+        self._thread.join(timeout=timeout_s)
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        return self._done.wait(timeout_s)
+
+
+def _resolve(fut: Future, results: list[tuple[bool, Any]]) -> None:
+    failed = [v for ok, v in results if not ok]
+    if not results[0][0]:
+        fut.set_exception(results[0][1])
+    elif failed:
+        fut.set_exception(failed[0])
+    else:
+        fut.set_result([v for _, v in results])
