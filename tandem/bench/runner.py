@@ -134,8 +134,11 @@ def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOpti
     if opts.out_png is not None:
         from tandem.bench.plot import plot
 
-        plot(written, opts.out_png)
-        out.write(f"plot:    {opts.out_png}\n")
+        try:
+            plot(written, opts.out_png)
+            out.write(f"plot:    {opts.out_png}\n")
+        except ImportError as exc:  # the results are written; only the figure is missing
+            out.write(f"plot:    skipped ({exc}; pip install matplotlib)\n")
     return written
 
 
