@@ -1,0 +1,475 @@
+"""EAGLE on the GPU: correctness first, then what one speculative round costs, piece by piece,
+next to one plain decode step of the same batch.
+
+On the device machine, from the repository root (1 GPU):
+
+    source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH; python bench/gpu_spec.py --out $OUT
+
+Sections (each one's failure is caught, printed and recorded; later ones still run):
+1. `check_fp32`: SmolLM2-shaped dummy model in float32 (torch reference attention, on the GPU):
+   speculative greedy == plain greedy, token for token, with real drafting (random head:
+   nothing accepted) and with scripted drafts that force every acceptance pattern (none,
+   partial, all; chain, and a tree whose accepted path is not its first siblings).
+2. per model (`smollm2-135m`, `llama-3.1-8b` presets, dummy bf16 weights, FlashInfer), per
+   draft shape (chain k=4; a tree), per batch (1, 16):
+   - bf16 check: scripted forced acceptance, speculative vs plain greedy (informative: bf16
+     verify and decode numerics may part at near-ties; exactness is asserted in float32);
+   - timings (CUDA events, warm-up, median of N): plain decode step (graph replay; and as a
+     step with planning and the host sync), one draft forward, the whole drafting, verify
+     (k+1 or tree tokens), acceptance, draft-extend, their sum, and a whole engine round;
+     the CUDA-graph versions of the draft step and verify when the engine has them;
+   - speedup at tau = 2, 3, 4: tau * t_plain / t_round. Random weights accept (almost)
+     nothing, so tau is an input here and the speedup is COMPUTED from the measured costs.
+Prints a table last; every number goes to $OUT/gpu_spec.json (written after each section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import torch  # noqa: E402
+
+from tandem.engine import EngineConfig, LLMEngine, ParallelContext, SamplingParams  # noqa: E402
+from tandem.engine.attention import SeqSlice, build_metadata  # noqa: E402
+from tandem.engine.cuda_graphs import pad_decode_slices, padded_batch_size  # noqa: E402
+from tandem.engine.loader import DTYPES, build_model, resolve_model  # noqa: E402
+from tandem.engine.runner import ForwardBatch  # noqa: E402
+from tandem.spec import (  # noqa: E402
+    DraftHeadConfig,
+    DraftInput,
+    SpecConfig,
+    SpecEngine,
+    VerifyInput,
+    accept,
+    draft_extend,
+    dummy_head,
+    make_extend_input,
+    propose,
+    target_features,
+)
+
+DEV = torch.device("cuda")
+RESULTS: dict = {"notes": [
+    "Random (dummy) weights accept (almost) no drafts: speedups are computed as "
+    "tau * t_plain / t_round from the measured costs at assumed tau = 2, 3, 4.",
+    "*_ms fields are medians of CUDA-event spans; spans of eager phases include the host work "
+    "between the events (the stream is idle when the first event is recorded); *_graph_ms "
+    "replay-only fields are pure GPU time.",
+]}
+CHAIN = SpecConfig(num_steps=4)
+TREE = SpecConfig(num_steps=4, topk=4, num_draft_tokens=16)
+
+
+def log(*args: object) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+def save(out: Path) -> None:
+    (out / "gpu_spec.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def event_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
+    """Median span (ms) of fn between two CUDA events, the stream drained before each call so
+    the span covers fn's host work and its kernels. (Wall clock on a CPU dry run.)"""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if DEV.type != "cuda":
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    for _ in range(iters):
+        torch.cuda.synchronize()  # the stream drained: the span starts with fn
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def guarded(name: str, fn: Callable[[], object], sink: dict, out: Path) -> object:
+    t0 = time.perf_counter()
+    try:
+        sink[name] = fn()
+    except Exception as exc:  # keep going: later cases still report
+        traceback.print_exc()
+        sink[name] = {"error": repr(exc), "traceback": traceback.format_exc()[-4000:]}
+    log(f"{name}: {time.perf_counter() - t0:.1f} s")
+    save(out)
+    return sink[name]
+
+
+# ---- engines -------------------------------------------------------------------------------------
+
+def engine_cfg(model: str, dtype: str, backend: str, graphs: bool, max_len: int, kv_bytes: int,
+               max_seqs: int = 16) -> EngineConfig:
+    if DEV.type != "cuda":  # CPU dry run of this script's logic
+        backend, graphs = "torch", False
+    return EngineConfig(model=model, load_format="dummy", device=DEV.type, dtype=dtype,
+                        attention_backend=backend, cuda_graphs=graphs, max_num_seqs=max_seqs,
+                        max_model_len=max_len, kv_cache_bytes=kv_bytes,
+                        max_num_batched_tokens=8192)
+
+
+def build_target_and_head(cfg: EngineConfig):
+    model_cfg, path = resolve_model(cfg)
+    max_len = min(cfg.max_model_len or model_cfg.max_context, model_cfg.max_context)
+    model = build_model(model_cfg, path, cfg, ParallelContext(), max_len)
+    head = dummy_head(DraftHeadConfig.like_target(model_cfg, "eagle"), model, DTYPES[cfg.dtype],
+                      DEV, max_len)
+    return model, head
+
+
+class ScriptedSpecEngine(SpecEngine):
+    """Drafts come from the plain greedy reference (`refs`, per request id): request r's round
+    t gets its first m = (r + t) % (depth + 1) drafts right, so every acceptance pattern
+    occurs. Tree configs get a comb: two siblings per level, the continuing one second (so an
+    accepted path is never nodes 1, 2, ... and the KV compaction runs), extra wrong children
+    of the root up to the tree size."""
+
+    def __init__(self, *a, refs: dict[str, list[int]], **kw) -> None:
+        super().__init__(*a, **kw)
+        self.refs, self.round_of = refs, 0
+        self.accepted: list[int] = []
+
+    def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
+        n = self.spec.tree_size
+        depth = self.spec.num_steps if self.spec.topk == 1 else min(self.spec.num_steps,
+                                                                      (n - 1) // 2)
+        last = inp.last_tokens.tolist()
+        vocab = self.model_cfg.vocab_size
+        tokens, parents, depths = [], [], []
+        for r, rid in enumerate(req_ids):
+            done = len(self.scheduler.requests[rid].output_ids)
+            ref = self.refs[rid][done:] + [0] * (depth + 1)
+            m = (r + self.round_of) % (depth + 1)
+            wrong = [(ref[i] + 1 + i) % vocab for i in range(depth)]
+            good = [ref[i] if i < m else wrong[i] for i in range(depth)]
+            if self.spec.topk == 1:
+                toks, par = good, list(range(depth))
+            else:
+                toks, par, cur = [], [], 0
+                for lvl in range(depth):
+                    toks += [(wrong[lvl] + 7) % vocab, good[lvl]]
+                    par += [cur, cur]
+                    cur = len(toks)  # the second sibling continues
+                while len(toks) < n - 1:
+                    toks.append((ref[0] + 3 + len(toks)) % vocab)
+                    par.append(0)
+            dep = [0]
+            for p in par:
+                dep.append(dep[p] + 1)
+            tokens.append([last[r], *toks])
+            parents.append((-1, *par))
+            depths.append(tuple(dep))
+        self.round_of += 1
+        return VerifyInput(page_ids=inp.page_ids, num_cached=inp.num_cached,
+                           tokens=torch.tensor(tokens, dtype=torch.int64, device=self.device),
+                           parents=tuple(parents), depths=tuple(depths))
+
+    def _commit(self, reqs, result, nxt):
+        self.accepted += list(result.num_accepted)
+        return super()._commit(reqs, result, nxt)
+
+
+def _prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def _compare(got: list[tuple[int, ...]], want: list[tuple[int, ...]]) -> dict:
+    first = []
+    for g, w in zip(got, want):
+        d = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        first.append(d if d is not None or len(g) == len(w) else min(len(g), len(w)))
+    return {"equal": sum(f is None for f in first), "of": len(first),
+            "first_divergence": first}
+
+
+def spec_vs_plain(cfg: EngineConfig, model, head, spec: SpecConfig, prompts: list[list[int]],
+                  new_tokens: int, scripted: bool) -> dict:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    plain = LLMEngine(cfg, model)
+    want = [c.output_ids for c in plain.generate(prompts, params)]
+    del plain
+    if scripted:
+        refs = {f"r{i}": list(w) for i, w in enumerate(want)}
+        eng: SpecEngine = ScriptedSpecEngine(cfg, spec, model, head, refs=refs)
+    else:
+        eng = SpecEngine(cfg, spec, model, head)
+    ids = [eng.add_request(p, params, req_id=f"r{i}") for i, p in enumerate(prompts)]
+    reqs = {i: eng.scheduler.requests[i] for i in ids}
+    while eng.has_unfinished():
+        eng.step()
+    got = [tuple(reqs[i].output_ids) for i in ids]
+    res = _compare(got, want)
+    res["tau"] = eng.spec_stats.mean_acceptance_length
+    res["spec_graphs"] = getattr(eng, "spec_graphs", None) is not None
+    if scripted:
+        acc = eng.accepted
+        res["accepted_hist"] = {a: acc.count(a) for a in sorted(set(acc))}
+    res["ok"] = res["equal"] == res["of"]
+    del eng
+    gc.collect()
+    return res
+
+
+def check_fp32() -> dict:
+    """Exact equality in float32 (torch reference attention on the GPU, no graphs)."""
+    cfg = engine_cfg("smollm2-135m", "float32", "torch", False, 1024, 256 << 20, max_seqs=8)
+    model, head = build_target_and_head(cfg)
+    prompts = _prompts(3, model.cfg.vocab_size, 5, 40, seed=1)
+    out = {}
+    for name, spec in (("chain4", CHAIN), ("tree", TREE)):
+        for scripted in (False, True):
+            key = f"{name}_{'scripted' if scripted else 'real_draft'}"
+            try:
+                out[key] = spec_vs_plain(cfg, model, head, spec, prompts, 24, scripted)
+            except Exception as exc:
+                traceback.print_exc()
+                out[key] = {"error": repr(exc), "ok": False}
+            log("fp32", key, out[key])
+    del model, head
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---- timing one configuration --------------------------------------------------------------------
+
+def _fill(eng: SpecEngine, bs: int, ctx: int, seed: int) -> list[str]:
+    """bs requests with ctx-token prompts, prefilled and seeded, a few rounds in."""
+    vocab = eng.model_cfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = [eng.add_request(torch.randint(3, vocab, (ctx,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=100_000, ignore_eos=True))
+           for _ in range(bs)]
+    for _ in range(200):
+        if all(i in eng.seeds for i in ids):
+            break
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    return ids
+
+
+def _plain_decode_batch(eng: SpecEngine, req_ids: list[str], rows: int) -> ForwardBatch:
+    """The decode step plain greedy would run for these requests now (nothing committed):
+    each last token at position num_computed, padded to the graph's size."""
+    reqs = [eng.scheduler.requests[r] for r in req_ids]
+    slices = [SeqSlice(page_ids=r.page_ids, num_cached=r.num_computed, num_new=1) for r in reqs]
+    lay = build_metadata(pad_decode_slices(slices, rows), eng.cfg.page_size, DEV)
+    ids = [r.output_ids[-1] for r in reqs] + [0] * (rows - len(reqs))
+    return ForwardBatch(input_ids=torch.tensor(ids, device=DEV), positions=lay.positions,
+                        attn=lay.attn, logits_indices=torch.arange(len(reqs), device=DEV))
+
+
+def _round_input(eng: SpecEngine, req_ids: list[str]) -> DraftInput:
+    reqs = [eng.scheduler.requests[r] for r in req_ids]
+    for r in reqs:  # pages for everything a round writes (a no-op when already there)
+        ok, _ = eng.scheduler.reserve(r, r.num_computed + eng.spec.slots_per_round, set(req_ids))
+        assert ok
+    return DraftInput.from_seeds([eng.seeds[r] for r in req_ids], [r.page_ids for r in reqs])
+
+
+def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
+    spec = eng.spec
+    req_ids = _fill(eng, bs, ctx, seed=bs)
+    reqs = [eng.scheduler.requests[r] for r in req_ids]
+    row: dict = {"batch": bs, "ctx": round(sum(r.num_tokens for r in reqs) / bs),
+                 "num_steps": spec.num_steps, "topk": spec.topk, "tree_size": spec.tree_size}
+    # The whole round as the engine runs it (ends in the round's host sync).
+    row["spec_step_ms"] = event_ms(eng.step, iters)
+    # Plain decode of the same batch.
+    rows = padded_batch_size(bs, eng.graphs.batch_sizes) if eng.graphs else None
+    if rows is not None:
+        row["plain_graph_ms"] = event_ms(lambda: eng.graphs.replay_only(rows), iters)
+        batch = _plain_decode_batch(eng, req_ids, rows)
+
+        def plain_step():
+            b = _plain_decode_batch(eng, req_ids, rows)
+            return eng.graphs.run(b).argmax(-1).tolist()  # SYNC: as a plain step does
+
+        row["plain_step_ms"] = event_ms(plain_step, iters)
+        row["plain_eager_ms"] = event_ms(lambda: eng.runner.forward(batch), max(3, iters // 4))
+    # The round's pieces, eager.
+    inp = _round_input(eng, req_ids)
+    params = [r.params for r in reqs]
+    gens = [r.generator for r in reqs]
+    if spec.num_steps > 1:
+        step_seqs = [SeqSlice(page_ids=p, num_cached=nc + (spec.topk if spec.topk > 1 else 0),
+                              num_new=spec.topk) for p, nc in zip(inp.page_ids, inp.num_cached)]
+        if spec.topk == 1:
+            lay = build_metadata(step_seqs, eng.cfg.page_size, DEV)
+            tok, hid = inp.topk_ids[:, 0], inp.hidden
+
+            def one_step():
+                h = eng.draft.forward(tok, hid, lay)
+                return eng.head.topk(h, 1)
+        else:  # the second draft forward of a tree (K nodes per request, causal over them)
+            lay = build_metadata(step_seqs, eng.cfg.page_size, DEV)
+            tok = inp.topk_ids.reshape(-1)
+            hid = inp.hidden.repeat_interleave(spec.topk, dim=0)
+
+            def one_step():
+                h = eng.draft.forward(tok, hid, lay)
+                return eng.head.topk(h, spec.topk)
+        row["draft_step_ms"] = event_ms(one_step, iters)
+    row["propose_ms"] = event_ms(lambda: propose(eng.draft, inp, spec), iters)
+    verify = propose(eng.draft, inp, spec)
+    row["verify_ms"] = event_ms(lambda: eng._verify_forward(verify), iters)
+    out = eng._verify_forward(verify)
+    row["accept_ms"] = event_ms(lambda: accept(verify, out.logits, params, gens), iters)
+    result = accept(verify, out.logits, params, gens)
+    feats = target_features(out, eng.head)
+    row["extend_ms"] = event_ms(
+        lambda: draft_extend(eng.draft, make_extend_input(verify, result, feats), spec.topk),
+        iters)
+    row["round_sum_ms"] = (row["propose_ms"] + row["verify_ms"] + row["accept_ms"]
+                           + row["extend_ms"])
+    # The CUDA-graph versions, when the engine has them.
+    graphs = getattr(eng, "spec_graphs", None)
+    if graphs is not None:
+        row.update(graphs.bench_timings(inp, verify, event_ms, iters))
+    t_plain = row.get("plain_step_ms")
+    if t_plain:
+        row["speedup"] = {str(t): t * t_plain / row["spec_step_ms"] for t in (2, 3, 4)}
+    if row.get("plain_graph_ms") and graphs is not None and "round_graph_gpu_ms" in row:
+        row["speedup_gpu_only"] = {str(t): t * row["plain_graph_ms"] / row["round_graph_gpu_ms"]
+                                   for t in (2, 3, 4)}
+    for r in req_ids:
+        eng.abort(r)
+    log(row)
+    return row
+
+
+def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: tuple[int, ...],
+                out: Path) -> dict:
+    res: dict = {}
+    cfg = engine_cfg(model_name, "bfloat16", "flashinfer", True, ctx + 512, kv_bytes)
+    t0 = time.perf_counter()
+    model, head = build_target_and_head(cfg)
+    res["build_s"] = time.perf_counter() - t0
+    for name, spec in (("chain4", CHAIN), ("tree", TREE)):
+        prompts = _prompts(4, model.cfg.vocab_size, 8, 60, seed=2)
+
+        def check(spec=spec, prompts=prompts):
+            return spec_vs_plain(cfg, model, head, spec, prompts, 16, scripted=True)
+
+        guarded(f"{name}_bf16_scripted_check", check, res, out)
+        try:
+            t0 = time.perf_counter()
+            eng = SpecEngine(cfg, spec, model, head)
+            res[f"{name}_engine_s"] = time.perf_counter() - t0
+        except Exception as exc:
+            traceback.print_exc()
+            res[f"{name}_engine"] = {"error": repr(exc)}
+            continue
+        for bs in batches:
+            guarded(f"{name}_bs{bs}", lambda eng=eng, bs=bs: time_config(eng, bs, ctx, iters),
+                    res, out)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    del model, head
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--ctx", type=int, default=512, help="prompt tokens per sequence")
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--models", default="smollm2-135m,llama-3.1-8b")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--skip-fp32", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic")
+    args = ap.parse_args()
+    global DEV
+    DEV = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    try:
+        import flashinfer
+        import triton
+
+        RESULTS["env"] = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
+                              flashinfer=flashinfer.__version__, triton=triton.__version__,
+                              date=time.strftime("%Y-%m-%d"))
+    except Exception as exc:
+        RESULTS["env"] = {"error": repr(exc)}
+    log(RESULTS["env"])
+    if not args.skip_fp32:
+        guarded("check_fp32", check_fp32, RESULTS, args.out)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    for model_name in args.models.split(","):
+        kv = (8 << 30) if "8b" in model_name else (2 << 30)
+        guarded(model_name, lambda m=model_name: bench_model(m, args.ctx, args.iters, kv, batches,
+                                                             args.out), RESULTS, args.out)
+    RESULTS["wall_s"] = time.perf_counter() - t_start
+    save(args.out)
+    print_table()
+
+
+def _f(x: object, fmt: str = "{:8.3f}") -> str:
+    return fmt.format(x) if isinstance(x, (int, float)) else f"{'-':>8}"
+
+
+def print_table() -> None:
+    print("\n" + " | ".join(f"{k} {v}" for k, v in (RESULTS.get("env") or {}).items()))
+    for note in RESULTS["notes"]:
+        print("note:", note)
+    fp32 = RESULTS.get("check_fp32")
+    if isinstance(fp32, dict):
+        for k, v in fp32.items():
+            if isinstance(v, dict):
+                print(f"fp32 spec == plain, {k}: {v.get('equal')}/{v.get('of')} "
+                      f"{'OK' if v.get('ok') else 'FAIL'} tau={_f(v.get('tau'), '{:.2f}')} "
+                      f"{v.get('accepted_hist', '')} {v.get('error', '')}")
+    cols = ("plain_graph_ms", "plain_step_ms", "draft_step_ms", "propose_ms", "verify_ms",
+            "accept_ms", "extend_ms", "round_sum_ms", "spec_step_ms", "draft_step_graph_ms",
+            "propose_graph_ms", "verify_graph_ms", "round_graph_gpu_ms")
+    short = ("plain_g", "plain", "d_step", "propose", "verify", "accept", "extend", "sum",
+             "round", "d_step_g", "prop_g", "verif_g", "round_g")
+    print(f"\n{'model':<13} {'cfg':<7} {'bs':>3} " + " ".join(f"{s:>8}" for s in short)
+          + "   speedup tau=2/3/4")
+    for model_name in ("smollm2-135m", "llama-3.1-8b"):
+        res = RESULTS.get(model_name)
+        if not isinstance(res, dict):
+            continue
+        for key, row in res.items():
+            if isinstance(row, dict) and "batch" in row:
+                sp = row.get("speedup") or {}
+                print(f"{model_name:<13} {key.split('_')[0]:<7} {row['batch']:>3} "
+                      + " ".join(_f(row.get(c)) for c in cols) + "   "
+                      + "/".join(_f(sp.get(t), "{:.2f}") for t in ("2", "3", "4")))
+            elif isinstance(row, dict) and ("error" in row or "equal" in row):
+                print(f"{model_name:<13} {key}: "
+                      + (f"ERROR {row['error']}" if "error" in row else
+                         f"{row['equal']}/{row['of']} equal, first divergence "
+                         f"{row['first_divergence']}, accepted {row.get('accepted_hist')}"))
+    print(f"\nwall {RESULTS.get('wall_s', 0):.0f} s; JSON in gpu_spec.json")
+
+
+if __name__ == "__main__":
+    main()
