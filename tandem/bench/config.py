@@ -30,7 +30,7 @@ import yaml
 from tandem.bench.load import LoadLevel, parse_levels
 from tandem.bench.metrics import SLO
 from tandem.bench.workload import LengthRange, WorkloadConfig
-from tandem.deploy.config import DeployConfig, parse_deploy
+from tandem.deploy.config import BUNDLED, DeployConfig, parse_deploy
 from tandem.engine.config import ConfigError
 
 MODES = ("colocated", "disaggregated")
@@ -109,15 +109,18 @@ class BenchSettings:
 
 
 def resolve_path(path: str) -> Path:
-    """A file, or the name of a bundled bench config (tandem/deploy/bench/NAME.yaml)."""
+    """A file, or the name of a bundled bench config (tandem/deploy/bench/NAME.yaml) or
+    deployment config (tandem/deploy/NAME.yaml: benchmarked as it is served)."""
     p = Path(path)
     if p.is_file():
         return p
-    bundled = BENCH_DIR / f"{path}.yaml"
-    if bundled.is_file():
-        return bundled
+    for folder in (BENCH_DIR, BENCH_DIR.parent):  # bench configs, then `tandem serve`'s
+        bundled = folder / f"{path}.yaml"
+        if bundled.is_file():
+            return bundled
     names = sorted(f.stem for f in BENCH_DIR.glob("*.yaml"))
-    raise ConfigError(f"config: no such file '{path}' (bundled bench configs: {', '.join(names)})")
+    raise ConfigError(f"config: no such file '{path}' (bundled bench configs: {', '.join(names)};"
+                      f" deployment configs: {', '.join(BUNDLED)})")
 
 
 def load_bench_file(path: str) -> tuple[RunSpec, dict[str, Any]]:

@@ -90,3 +90,23 @@ def test_dummy_head_loads_into_its_target(tmp_path):
     assert write_dummy_head(target.cfg, "float32", root=tmp_path) == path  # written once
     head = load_head(path, target, torch.float32, torch.device("cpu"), MAX_LEN)
     assert head.cfg.kind == "eagle" and head.cfg.hidden_size == target.cfg.hidden_size
+
+
+def test_a_plain_deployment_config_is_a_disaggregated_run():
+    run, section = load_bench_file("local")  # tandem serve's bundled config, as served
+    assert run.name == "local" and section == {}
+    assert run.deployment.mode == "disaggregated" and run.deployment.speculative
+
+
+def test_bench_help_explains_every_flag():
+    from tandem.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    bench = sub.choices["bench"]
+    flags = [a for a in bench._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 20
+    for action in flags:
+        assert action.help and len(action.help) > 10, action.option_strings
+    # Every measurement setting a bench config may set is a flag (same name).
+    assert set(DEFAULTS) <= {a.dest for a in flags}
