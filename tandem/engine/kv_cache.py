@@ -13,9 +13,11 @@ never handed out.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,20 +30,31 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """Owns which pages are free. Sole writer of the free list and the reference counts.
+    """Owns which pages are free. Sole writer of the free set and the reference counts.
 
-    Invariants: every page id in [reserved, num_pages) is either free (refcount 0, in the free
-    list exactly once) or held (refcount > 0, not in the free list). `num_free + held = usable`.
-    Reference counts let several requests share a page (prefix reuse); a page returns to the
-    free list when its last holder frees it."""
+    Invariants: every page id in [reserved, num_pages) is either free (refcount 0, marked in
+    `_free_mask`) or held (refcount > 0, unmarked). `num_free + held = usable`. Reference counts
+    let several requests share a page (prefix reuse); a page returns to the free set when its
+    last holder frees it.
+
+    Policy: a KV transfer moves one descriptor per run of pages that are consecutive on both
+    sides (kvtransfer/coalesce.py), so multi-page allocations prefer runs: the smallest free run
+    that fits (best fit keeps long runs for long prompts), else the longest runs first. `after`
+    asks for the pages right after a page the caller already holds (a request growing by a
+    chunk). Single pages (decode growth, the hot path) come from a min-heap of free ids: the
+    lowest free page, in O(log n), which fills holes before it cuts into long runs."""
 
     def __init__(self, num_pages: int, reserved: int = 1) -> None:
         if num_pages <= reserved:
             raise ValueError(f"num_pages: {num_pages} leaves no usable page ({reserved} reserved)")
         self.num_pages, self.reserved = num_pages, reserved
         self._refcount = [0] * num_pages
-        # Low ids first: keeps early allocations contiguous, which transfers coalesce.
-        self._free: list[int] = list(range(num_pages - 1, reserved - 1, -1))
+        self._free_mask = np.zeros(num_pages, dtype=bool)  # [num_pages] True = free
+        self._free_mask[reserved:] = True
+        self._num_free = num_pages - reserved
+        # Lazy min-heap of free ids: entries of pages taken by a run allocation stay behind and
+        # are skipped when popped (mask says held); rebuilt when stale entries pile up.
+        self._heap: list[int] = list(range(reserved, num_pages))  # sorted = a valid heap
 
     @property
     def num_usable(self) -> int:
@@ -49,19 +62,54 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def can_alloc(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self._num_free
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int, *, after: int | None = None) -> list[int]:
+        """`n` pages, refcount 1. `after`: a page id; if the n pages following it are all free,
+        those are returned (in order), so a growing request stays one run."""
         if n < 0:
             raise ValueError(f"n: cannot allocate {n} pages")
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} pages, {len(self._free)} free of {self.num_usable}")
-        pages = [self._free.pop() for _ in range(n)]
+        if n > self._num_free:
+            raise OutOfPages(f"need {n} pages, {self._num_free} free of {self.num_usable}")
+        if n == 0:
+            return []
+        if (after is not None and self.reserved <= after + 1 and after + 1 + n <= self.num_pages
+                and self._free_mask[after + 1 : after + 1 + n].all()):
+            pages = list(range(after + 1, after + 1 + n))
+        elif n == 1:
+            pages = [self._pop_lowest()]
+        else:
+            pages = self._take_runs(n)
         for p in pages:
             self._refcount[p] = 1
+        self._free_mask[pages] = False
+        self._num_free -= n
+        return pages
+
+    def _pop_lowest(self) -> int:
+        while True:
+            p = heapq.heappop(self._heap)  # never empty: num_free >= 1 and free pages are in it
+            if self._free_mask[p]:
+                return p
+
+    def _take_runs(self, n: int) -> list[int]:
+        """n free pages as few runs as this policy finds: best fit, else longest first."""
+        edges = np.diff(self._free_mask.astype(np.int8), prepend=0, append=0)
+        starts = np.flatnonzero(edges == 1)  # [R] first page of each free run
+        lengths = np.flatnonzero(edges == -1) - starts  # [R]
+        fits = np.flatnonzero(lengths >= n)
+        if fits.size:  # smallest run that fits; ties: lowest id (argmin takes the first)
+            r = fits[np.argmin(lengths[fits])]
+            return list(range(int(starts[r]), int(starts[r]) + n))
+        pages: list[int] = []
+        for r in np.lexsort((starts, -lengths)):  # longest first, then lowest id
+            take = min(int(lengths[r]), n - len(pages))
+            pages.extend(range(int(starts[r]), int(starts[r]) + take))
+            if len(pages) == n:
+                break
         return pages
 
     def share(self, page_ids: Iterable[int]) -> None:
@@ -83,7 +131,11 @@ class PageAllocator:
         for p in page_ids:
             self._refcount[p] -= 1
             if self._refcount[p] == 0:
-                self._free.append(p)
+                self._free_mask[p] = True
+                self._num_free += 1
+                heapq.heappush(self._heap, p)
+        if len(self._heap) > 2 * self.num_pages:  # mostly stale entries: rebuild
+            self._heap = np.flatnonzero(self._free_mask).tolist()
 
     def refcount(self, page_id: int) -> int:
         return self._refcount[page_id]

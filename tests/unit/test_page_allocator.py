@@ -71,3 +71,81 @@ def test_shared_page_returns_after_last_holder():
     assert alloc.num_free == alloc.num_usable
     with pytest.raises(PageError):
         alloc.share(pages)
+
+
+# -- contiguous allocation policy (KV transfers move one descriptor per run of pages) ----------
+
+
+def _runs(pages: list[int]) -> int:
+    """Number of maximal +1 runs in list order (what a transfer coalesces)."""
+    return 1 + sum(1 for a, b in zip(pages, pages[1:]) if b != a + 1) if pages else 0
+
+
+def _free_runs(alloc: PageAllocator) -> list[tuple[int, int]]:
+    """(start, length) of every free run, by brute force over refcounts."""
+    out: list[tuple[int, int]] = []
+    for p in range(alloc.reserved, alloc.num_pages):
+        if alloc.refcount(p) == 0:
+            if out and out[-1][0] + out[-1][1] == p:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((p, 1))
+    return out
+
+
+def test_fresh_and_churned_pools_hand_out_runs():
+    alloc = PageAllocator(1024)
+    assert alloc.alloc(256) == list(range(1, 257))  # a fresh request: one run
+    rng = random.Random(0)
+    held = [alloc.alloc(rng.randint(1, 20)) for _ in range(40)]
+    for i in range(0, len(held), 2):  # free every other request: holes of 1..20 pages
+        alloc.free(held[i])
+    pages = alloc.alloc(256)
+    assert _runs(pages) == 1  # the untouched tail still serves a long prompt as one run
+    hole = max(_free_runs(alloc)[:-1], key=lambda r: r[1])  # the largest hole before the tail
+    assert alloc.alloc(hole[1]) == list(range(hole[0], hole[0] + hole[1]))  # best fit
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_multi_page_allocations_pick_the_smallest_run_that_fits(seed):
+    rng = random.Random(seed)
+    alloc = PageAllocator(200)
+    held: list[list[int]] = []
+    for _ in range(300):
+        if held and (rng.random() < 0.45 or not alloc.can_alloc(8)):
+            alloc.free(held.pop(rng.randrange(len(held))))
+            continue
+        n = rng.randint(1, 8)
+        runs = _free_runs(alloc)
+        pages = alloc.alloc(n)
+        held.append(pages)
+        assert len(pages) == n and len(set(pages)) == n
+        fits = [r for r in runs if r[1] >= n]
+        if n == 1:
+            assert pages == [runs[0][0]]  # the lowest free page
+        elif fits:
+            start, length = min(fits, key=lambda r: (r[1], r[0]))
+            assert pages == list(range(start, start + n))
+        else:  # no run fits: the longest runs first, so as few runs as possible
+            longest = sorted(runs, key=lambda r: (-r[1], r[0]))
+            k = next(i for i in range(1, len(longest) + 1)
+                     if sum(r[1] for r in longest[:i]) >= n)
+            assert _runs(pages) <= k
+    for pages in held:
+        alloc.free(pages)
+    assert alloc.num_free == alloc.num_usable
+
+
+def test_growth_after_a_held_page_extends_the_run():
+    alloc = PageAllocator(64)
+    first = alloc.alloc(8)
+    other = alloc.alloc(1)  # someone else takes the page after the run...
+    alloc.free(other)  # ...and gives it back
+    more = alloc.alloc(4, after=first[-1])
+    assert first + more == list(range(1, 13))
+    blocker = alloc.alloc(1, after=more[-1])
+    assert blocker == [13]
+    rest = alloc.alloc(3, after=more[-1])  # page 13 is held: a run elsewhere, never page 13
+    assert 13 not in rest and _runs(rest) == 1
+    with pytest.raises(OutOfPages):
+        alloc.alloc(alloc.num_free + 1, after=1)
