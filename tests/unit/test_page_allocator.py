@@ -107,22 +107,22 @@ def test_fresh_and_churned_pools_hand_out_runs():
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_multi_page_allocations_pick_the_smallest_run_that_fits(seed):
+def test_prompt_sized_allocations_pick_the_smallest_run_that_fits(seed):
     rng = random.Random(seed)
     alloc = PageAllocator(200)
     held: list[list[int]] = []
     for _ in range(300):
-        if held and (rng.random() < 0.45 or not alloc.can_alloc(8)):
+        if held and (rng.random() < 0.45 or not alloc.can_alloc(16)):
             alloc.free(held.pop(rng.randrange(len(held))))
             continue
-        n = rng.randint(1, 8)
+        n = rng.randint(1, 16)
         runs = _free_runs(alloc)
         pages = alloc.alloc(n)
         held.append(pages)
         assert len(pages) == n and len(set(pages)) == n
         fits = [r for r in runs if r[1] >= n]
-        if n == 1:
-            assert pages == [runs[0][0]]  # the lowest free page
+        if n < PageAllocator.RUN_SEARCH_MIN_PAGES:  # small (decode growth): the lowest ids
+            assert pages == [p for s, ln in runs for p in range(s, s + ln)][:n]
         elif fits:
             start, length = min(fits, key=lambda r: (r[1], r[0]))
             assert pages == list(range(start, start + n))
