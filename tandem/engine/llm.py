@@ -92,7 +92,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_pool, create_backend(
             engine_cfg.attention_backend, self.device, attention_shape_for(model, dtype)))
         self.graphs: DecodeGraphRunner | None = None
-        if (engine_cfg.cuda_graphs and self.device.type == "cuda"
+        if (engine_cfg.cuda_graphs and self.device.type == "cuda" and model.par.dp.size == 1
                 and hasattr(self.runner.backend, "graph_decode_planner")):
             self.graphs = DecodeGraphRunner(
                 self.runner, graph_batch_sizes(engine_cfg.max_num_seqs),
@@ -161,6 +161,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def any_rank_has_work(self) -> bool:
+        """With DP attention, whether any DP rank has work: every rank keeps stepping (idle
+        ones with empty batches) until none has. Without DP, `has_unfinished()`."""
+        dp = self.model.par.dp
+        return bool(dp.all_reduce_max(int(self.has_unfinished()), self.device))
+
     def stats(self) -> EngineStats:
         return EngineStats(num_pages=self.allocator.num_usable,
                            num_free_pages=self.allocator.num_free,
@@ -172,6 +178,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.chunks:
+            if self.model.par.dp.size > 1:  # DP attention: the other ranks may have work
+                self.runner.idle_forward(self.device)
             return []
         graph_bs = self._graph_batch_size(plan)
         batch = self._build_batch(plan, graph_bs or len(plan.chunks))
@@ -256,7 +264,7 @@ class LLMEngine:
 
             bar = tqdm(total=len(ids), unit="req", desc="generating")
         num_tokens = 0
-        while self.has_unfinished():
+        while self.any_rank_has_work():
             outs = self.step()
             num_tokens += len(outs)
             if bar is not None:

@@ -1,4 +1,5 @@
-"""Process groups the layers shard over: tensor parallel (TP) and expert parallel (EP).
+"""Process groups the layers shard over: tensor parallel (TP), expert parallel (EP) and
+data-parallel attention (DP).
 
 A layer receives a `ParallelGroup` and asks it for its rank/size and for collectives; with
 size 1 every collective is the identity, so the single-device engine pays nothing. With
@@ -53,6 +54,41 @@ class ParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.handle)
         return torch.cat(parts, dim=-1)
 
+    def all_gather_counts(self, n: int, device: torch.device) -> tuple[int, ...]:
+        """Every rank's `n`, rank order. SYNC: one host read per forward (DP token counts)."""
+        if self.size == 1:
+            return (n,)
+        import torch.distributed as dist
+
+        mine = torch.tensor([n], dtype=torch.int64, device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.handle)
+        return tuple(int(v) for v in torch.cat(parts).tolist())
+
+    def all_gather_rows(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """x [counts[rank], H] on each rank -> [sum(counts), H], rank order. Rows are padded to
+        the largest count for the collective (ranks may have 0 rows)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        width = max(counts)
+        padded = x.new_zeros((width, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.handle)
+        return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+    def all_reduce_max(self, n: int, device: torch.device) -> int:
+        """The largest `n` over ranks (e.g. "does any rank still have work")."""
+        if self.size == 1:
+            return n
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.handle)
+        return int(t.item())
+
 
 SINGLE = ParallelGroup()
 
@@ -60,7 +96,19 @@ SINGLE = ParallelGroup()
 @dataclass(frozen=True, slots=True)
 class ParallelContext:
     """The groups one model replica uses. `tp` shards attention heads, MLP columns and the
-    vocabulary; `ep` shards MoE experts (by default the same ranks as `tp`)."""
+    vocabulary; `ep` shards MoE experts (by default the same ranks as `tp`).
+
+    `dp` (DP attention): each rank of `dp` runs attention, embedding and LM head for its own
+    requests over its own KV pages (sharded over `tp`, normally size 1); around every MLP/MoE
+    block the ranks all-gather their tokens, run the block sharded over the `dp` ranks (dense
+    columns; MoE experts over `ep`, which is then the dp group, else columns) and each keeps its
+    own rows. A rank with no tokens still runs the block's collectives (an empty batch)."""
 
     tp: ParallelGroup = SINGLE
     ep: ParallelGroup = SINGLE
+    dp: ParallelGroup = SINGLE
+
+    @property
+    def mlp_tp(self) -> ParallelGroup:
+        """The group dense MLP columns (and un-EP'd MoE columns) split over."""
+        return self.dp if self.dp.size > 1 else self.tp

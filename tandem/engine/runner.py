@@ -37,6 +37,9 @@ class ForwardOutput:
 
 
 class ModelRunner:
+    """(See the module docstring.) With DP attention every forward starts with one all-gather
+    of the DP ranks' token counts; `idle_forward` is the forward of a rank with no tokens."""
+
     def __init__(
         self, model: DecoderLM, kv_pool: KVPool, backend: AttentionBackend,
         kv_group: str = "target",
@@ -50,6 +53,12 @@ class ModelRunner:
                                     batch.logits_indices, batch.capture_layers)
 
     @torch.inference_mode()
+    def idle_forward(self, device: torch.device) -> None:
+        """DP attention: this rank has nothing to run, but the others do."""
+        dp = self.model.par.dp
+        self.model.dp_idle_forward(dp.all_gather_counts(0, device), device)
+
+    @torch.inference_mode()
     def forward_planned(
         self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Any,
         logits_indices: torch.Tensor | None, capture_layers: tuple[int, ...] = (),
@@ -58,9 +67,12 @@ class ModelRunner:
         positions [T] int64; logits_indices [n] int64, or None for logits of every row."""
         group = self.kv_group
         kv_slots = getattr(self.backend, "kv_slots", None)  # optional capability
+        dp = self.model.par.dp
         ctx = ForwardContext(
             backend=self.backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i),
             kv_slots=kv_slots(plan) if kv_slots is not None else None,
+            dp_counts=dp.all_gather_counts(input_ids.shape[0], input_ids.device)
+            if dp.size > 1 else None,
         )
         out = self.model(input_ids, positions, ctx, capture_layers)
         rows = out.hidden if logits_indices is None else out.hidden[logits_indices]

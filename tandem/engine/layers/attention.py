@@ -28,6 +28,9 @@ class ForwardContext:
     # [T] int64 slots where layers write the new K/V themselves (fused rope + store), or None
     # when the backend writes them (the reference backend).
     kv_slots: torch.Tensor | None = None
+    # DP attention: every DP rank's token count this forward (rank order), gathered once by
+    # the runner; None without DP.
+    dp_counts: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -46,13 +46,14 @@ class DecoderLayer(nn.Module):
             rotary, par.tp, dtype,
         )
         self.mlp: DenseMLP | SparseMoE
+        self.dp = par.dp
         if idx in cfg.moe_layer_ids:
             self.mlp = SparseMoE(
                 h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                cfg.norm_topk_prob, par.ep, par.tp, dtype,
+                cfg.norm_topk_prob, par.ep, par.mlp_tp, dtype,
             )
         else:
-            self.mlp = DenseMLP(h, cfg.intermediate_size, par.tp, dtype)
+            self.mlp = DenseMLP(h, cfg.intermediate_size, par.mlp_tp, dtype)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -61,7 +62,7 @@ class DecoderLayer(nn.Module):
         """x: this layer's input delta [T, H]; residual: the residual stream before it (None at
         layer 0, or when x already is the stream). Returns (mlp output, residual stream after
         attention), or (stream after the layer, None) from the fused batch-1 path."""
-        if self.attn.can_fuse() and kernels.decode_fusion_ok(x):
+        if self.dp.size == 1 and self.attn.can_fuse() and kernels.decode_fusion_ok(x):
             return self._forward_fused(positions, x if residual is None else x + residual, ctx)
         if residual is None:
             residual, h = x, self.input_norm(x)
@@ -69,7 +70,17 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_norm.add_and_norm(x, residual)
         h = self.attn(positions, h, ctx)
         h, residual = self.post_attn_norm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        return self.run_mlp(h, ctx.dp_counts), residual
+
+    def run_mlp(self, h: torch.Tensor, dp_counts: tuple[int, ...] | None) -> torch.Tensor:
+        """h [T, H] -> [T, H]. With DP attention: gather every DP rank's tokens, run the block
+        sharded over the ranks, keep this rank's rows (T may be 0: the rank still joins)."""
+        if self.dp.size == 1:
+            return self.mlp(h)
+        assert dp_counts is not None, "DP attention: the runner gathers the token counts"
+        out = self.mlp(self.dp.all_gather_rows(h, dp_counts))
+        start = sum(dp_counts[: self.dp.rank])
+        return out[start : start + h.shape[0]]
 
     def _forward_fused(
         self, positions: torch.Tensor, stream: torch.Tensor, ctx: ForwardContext
@@ -123,6 +134,13 @@ class DecoderLM(nn.Module):
         hidden, _ = self.norm.add_and_norm(x, residual) if residual is not None else (
             self.norm(x), x)
         return DecoderOutput(hidden=hidden, aux_hidden=tuple(aux))
+
+    def dp_idle_forward(self, dp_counts: tuple[int, ...], device: torch.device) -> None:
+        """DP attention, a rank with no tokens this step: join every layer's MLP/MoE collectives
+        with an empty batch, so the ranks that do have tokens never wait on it forever."""
+        empty = torch.empty(0, self.cfg.hidden_size, dtype=self.norm.weight.dtype, device=device)
+        for layer in self.layers:
+            layer.run_mlp(empty, dp_counts)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V] float32
         return self.lm_head(hidden)
