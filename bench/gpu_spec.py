@@ -3,7 +3,8 @@ next to one plain decode step of the same batch.
 
 On the device machine, from the repository root (1 GPU):
 
-    source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH; python bench/gpu_spec.py --out $OUT
+    source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH
+    python bench/gpu_spec.py --out $OUT
 
 Sections (each one's failure is caught, printed and recorded; later ones still run):
 1. `check_fp32`: SmolLM2-shaped dummy model in float32 (torch reference attention, on the GPU):
@@ -58,6 +59,7 @@ from tandem.spec import (  # noqa: E402
     propose,
     target_features,
 )
+from tandem.spec.slices import verify_slices  # noqa: E402
 
 DEV = torch.device("cuda")
 RESULTS: dict = {"notes": [
@@ -114,7 +116,7 @@ def guarded(name: str, fn: Callable[[], object], sink: dict, out: Path) -> objec
     return sink[name]
 
 
-# ---- engines -------------------------------------------------------------------------------------
+# ---- engines -----------------------------------------------------------------------------------
 
 def engine_cfg(model: str, dtype: str, backend: str, graphs: bool, max_len: int, kv_bytes: int,
                max_seqs: int = 16) -> EngineConfig:
@@ -251,7 +253,7 @@ def check_fp32() -> dict:
     return out
 
 
-# ---- timing one configuration --------------------------------------------------------------------
+# ---- timing one configuration ------------------------------------------------------------------
 
 def _fill(eng: SpecEngine, bs: int, ctx: int, seed: int) -> list[str]:
     """bs requests with ctx-token prompts, prefilled and seeded, a few rounds in."""
@@ -343,20 +345,57 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
         iters)
     row["round_sum_ms"] = (row["propose_ms"] + row["verify_ms"] + row["accept_ms"]
                            + row["extend_ms"])
-    # The CUDA-graph versions, when the engine has them.
+    # The CUDA-graph versions, when the engine has them (tandem/spec/cuda_graphs.py).
     graphs = getattr(eng, "spec_graphs", None)
     if graphs is not None:
-        row.update(graphs.bench_timings(inp, verify, event_ms, iters))
+        row.update(_graph_timings(eng, graphs, inp, verify, iters))
     t_plain = row.get("plain_step_ms")
     if t_plain:
         row["speedup"] = {str(t): t * t_plain / row["spec_step_ms"] for t in (2, 3, 4)}
-    if row.get("plain_graph_ms") and graphs is not None and "round_graph_gpu_ms" in row:
-        row["speedup_gpu_only"] = {str(t): t * row["plain_graph_ms"] / row["round_graph_gpu_ms"]
-                                   for t in (2, 3, 4)}
+        if "spec_step_eager_ms" in row:
+            row["speedup_eager_round"] = {str(t): t * t_plain / row["spec_step_eager_ms"]
+                                          for t in (2, 3, 4)}
     for r in req_ids:
         eng.abort(r)
     log(row)
     return row
+
+
+def _graph_timings(eng: SpecEngine, graphs, inp: DraftInput, verify: VerifyInput,
+                   iters: int) -> dict:
+    """Graph replays alone (pure GPU time), graphed phases with their planning, and a whole
+    engine round with the speculative graphs switched off (the eager round, same engine)."""
+    res: dict = {}
+    rows = graphs.bucket(inp.batch_size)
+    res["graph_bucket"] = rows
+    if graphs.can_propose(inp):
+        res["propose_graph_ms"] = event_ms(lambda: graphs.propose(inp), iters)
+        got = graphs.propose(inp).tokens
+        want = propose(eng.draft, inp, eng.spec).tokens
+        res["propose_graph_equals_eager"] = bool(torch.equal(got, want))
+        graphs.propose(inp)  # the latest draft plan is of this bucket again
+        res["draft_step_graph_ms"] = event_ms(lambda: graphs.replay_draft_step_only(rows), iters)
+    if graphs.can_verify(verify):
+        res["verify_graph_call_ms"] = event_ms(lambda: graphs.verify(verify), iters)
+        g_logits = graphs.verify(verify).logits.clone()
+        # The same forward eagerly (same mask mode; FlashInfer's eager prefill wrapper).
+        lay = build_metadata(verify_slices(verify, masked=graphs.masked), eng.cfg.page_size, DEV)
+        e_logits = eng.runner.forward(ForwardBatch(
+            input_ids=verify.tokens.reshape(-1), positions=lay.positions, attn=lay.attn,
+            logits_indices=torch.arange(g_logits.shape[0], device=DEV),
+            capture_layers=eng.capture)).logits
+        res["verify_graph_vs_eager_rel_err"] = float((g_logits - e_logits).norm()
+                                                     / e_logits.norm())
+        res["verify_graph_argmax_agree"] = float(
+            (g_logits.argmax(-1) == e_logits.argmax(-1)).float().mean())
+        graphs.verify(verify)  # the latest verify plan is of this bucket again
+        res["verify_graph_ms"] = event_ms(lambda: graphs.replay_verify_only(rows), iters)
+    saved, eng.spec_graphs = eng.spec_graphs, None
+    try:
+        res["spec_step_eager_ms"] = event_ms(eng.step, iters)
+    finally:
+        eng.spec_graphs = saved
+    return res
 
 
 def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: tuple[int, ...],
@@ -369,7 +408,7 @@ def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: t
     for name, spec in (("chain4", CHAIN), ("tree", TREE)):
         prompts = _prompts(4, model.cfg.vocab_size, 8, 60, seed=2)
 
-        def check(spec=spec, prompts=prompts):
+        def check(spec=spec, prompts=prompts, model=model, head=head):
             return spec_vs_plain(cfg, model, head, spec, prompts, 16, scripted=True)
 
         guarded(f"{name}_bf16_scripted_check", check, res, out)
@@ -393,7 +432,7 @@ def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: t
     return res
 
 
-# ---- driver ----------------------------------------------------------------------------------------
+# ---- driver ------------------------------------------------------------------------------------
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -413,7 +452,8 @@ def main() -> None:
         import flashinfer
         import triton
 
-        RESULTS["env"] = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
+        name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+        RESULTS["env"] = dict(device=name, torch=torch.__version__,
                               flashinfer=flashinfer.__version__, triton=triton.__version__,
                               date=time.strftime("%Y-%m-%d"))
     except Exception as exc:

@@ -3,6 +3,8 @@ its own KV layer group ("draft") in the shared pool (same page ids as the target
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tandem.engine.attention.backend import AttentionBackend
@@ -30,6 +32,14 @@ class DraftRunner:
         """token_ids [T] int64; features [T, F] -> draft hidden [T, H]. Plans attention for
         exactly this forward (metadata is rebuilt for every draft step by the caller)."""
         plan = self.backend.plan(layout.attn)
+        return self.forward_planned(token_ids, features, layout.positions, plan)
+
+    @torch.inference_mode()
+    def forward_planned(
+        self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        """The forward after planning (what the draft-step CUDA graphs capture)."""
         ctx = ForwardContext(backend=self.backend, plan=plan,
                              kv_layer=lambda i: self.kv_pool.layer(DRAFT_GROUP, i))
-        return self.head(token_ids, features, layout.positions, ctx)
+        return self.head(token_ids, features, positions, ctx)

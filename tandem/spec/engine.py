@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.attention.metadata import SeqSlice, build_metadata, tree_mask
+from tandem.engine.attention.metadata import build_metadata
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import DTYPES, build_model, resolve_model
@@ -29,12 +29,14 @@ from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import StepPlan
 from tandem.spec.accept import accept
 from tandem.spec.config import SpecConfig
+from tandem.spec.cuda_graphs import SpecGraphRunner
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
 from tandem.spec.extend import compact_accepted_path, draft_extend, draft_prefill, make_extend_input
 from tandem.spec.handoff import PrefillHandoff
 from tandem.spec.head import EagleHead
 from tandem.spec.phases import DraftInput, DraftSeed, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
+from tandem.spec.slices import verify_slices
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,15 @@ class SpecEngine(LLMEngine):
         self.handoffs: dict[str, PrefillHandoff] = {}  # prefilled, waiting to be taken
         self.spec_stats = SpecStats()
         self.capture = head.cfg.feature_layers
+        # CUDA graphs for chain draft steps and verify: on whenever decode graphs are (CUDA,
+        # FlashInfer, cuda_graphs=True); batches beyond the largest bucket run eagerly.
+        self.spec_graphs: SpecGraphRunner | None = None
+        if self.graphs is not None:
+            self.spec_graphs = SpecGraphRunner(
+                self.runner, self.draft, spec, self.graphs.batch_sizes,
+                max_kv_len=self.max_model_len + spec.slots_per_round,
+                capture_layers=self.capture)
+            self.spec_graphs.capture()
 
     @staticmethod
     def from_config(engine_cfg: EngineConfig, spec: SpecConfig,  # type: ignore[override]
@@ -283,18 +294,14 @@ class SpecEngine(LLMEngine):
     def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
         """Drafting. A seam for tests that force acceptance patterns with scripted drafts."""
         del req_ids
+        if self.spec_graphs is not None and self.spec_graphs.can_propose(inp):
+            return self.spec_graphs.propose(inp)
         return propose(self.draft, inp, self.spec)
 
     def _verify_forward(self, verify: VerifyInput) -> ForwardOutput:
-        chain = verify.is_chain
-        seqs = [
-            SeqSlice(page_ids=p, num_cached=nc, num_new=verify.num_nodes,
-                     mask=None if chain else tree_mask(nc, parents),
-                     positions=None if chain else [nc + d for d in depths])
-            for p, nc, parents, depths in zip(verify.page_ids, verify.num_cached, verify.parents,
-                                              verify.depths)
-        ]
-        layout = build_metadata(seqs, self.cfg.page_size, self.device)
+        if self.spec_graphs is not None and self.spec_graphs.can_verify(verify):
+            return self.spec_graphs.verify(verify)
+        layout = build_metadata(verify_slices(verify), self.cfg.page_size, self.device)
         n = verify.batch_size * verify.num_nodes
         return self.runner.forward(ForwardBatch(
             input_ids=verify.tokens.reshape(-1), positions=layout.positions, attn=layout.attn,

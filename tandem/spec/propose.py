@@ -22,6 +22,7 @@ from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.phases import DraftInput, VerifyInput
+from tandem.spec.slices import chain_step_slices
 
 
 def propose(draft: DraftRunner, inp: DraftInput, spec: SpecConfig) -> VerifyInput:
@@ -37,11 +38,8 @@ def _propose_chain(draft: DraftRunner, inp: DraftInput, num_steps: int) -> Verif
     for step in range(1, num_steps):
         # Step `step` consumes (hidden, d_step) at draft position num_cached + step - 1 and
         # attends to num_cached + step keys.
-        layout = build_metadata(
-            [SeqSlice(page_ids=p, num_cached=nc + step - 1, num_new=1)
-             for p, nc in zip(inp.page_ids, inp.num_cached)],
-            draft.kv_pool.page_size, device,
-        )
+        layout = build_metadata(chain_step_slices(inp.page_ids, inp.num_cached, step),
+                                draft.kv_pool.page_size, device)
         hidden = draft.forward(tokens[-1], hidden, layout)
         ids, _ = draft.head.topk(hidden, 1)
         tokens.append(ids[:, 0])

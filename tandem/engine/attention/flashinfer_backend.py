@@ -149,6 +149,93 @@ class DecodeWrappers:
                               planned_at=self._epoch.value)
 
 
+class PrefillGraphWrappers:
+    """Owns fixed-batch-size FlashInfer prefill wrappers in CUDA-graph mode (one per batch size,
+    created on first use) for forwards where every sequence computes the same number of new
+    tokens (`tokens_per_seq`): speculative verify (a tree or chain of N nodes per request) and
+    tree draft steps. Owns every buffer they plan into -- qo/page-table indptrs [B+1], page ids
+    [capacity], last-page lengths [B], the packed custom mask [bytes] and its indptr [B+1],
+    the new-token slots [B * tokens_per_seq] -- so captured graphs read each new plan.
+
+    Invariants: only the latest plan is valid (shared buffers); buffers never move; a batch
+    that does not fit (pages, mask bytes, another token count, another mask mode) raises."""
+
+    def __init__(
+        self, fi: Any, float_workspace: torch.Tensor, shape: AttentionShape,
+        device: torch.device, max_batch_size: int, tokens_per_seq: int, max_num_pages: int,
+        max_kv_len: int, custom_mask: bool,
+    ) -> None:
+        self._fi, self._float_ws, self.shape, self.device = fi, float_workspace, shape, device
+        self.max_batch_size, self.tokens_per_seq = max_batch_size, tokens_per_seq
+        self.max_num_pages, self.custom_mask = max_num_pages, custom_mask
+        b, dev = max_batch_size, device
+        with torch.inference_mode(False):  # plain tensors: plan() may run outside inference
+            self._qo_indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # [B+1]
+            self._kv_indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)  # [B+1]
+            self._page_ids = torch.zeros(max_num_pages, dtype=torch.int32, device=dev)
+            self._last_len = torch.ones(b, dtype=torch.int32, device=dev)  # [B]
+            self._slot_ids = torch.zeros(b * tokens_per_seq, dtype=torch.int64, device=dev)
+            # Bit-packed mask, each sequence's [n, kv_len] rows padded to a byte (FlashInfer's
+            # segment_packbits), plus slack.
+            mask_bytes = b * (-(-tokens_per_seq * max_kv_len // 8)) + 64
+            self._mask = (torch.zeros(mask_bytes, dtype=torch.uint8, device=dev)
+                          if custom_mask else None)
+            self._mask_indptr = (torch.zeros(b + 1, dtype=torch.int32, device=dev)
+                                 if custom_mask else None)
+        self._wrappers: dict[int, Any] = {}
+        self._epoch, self._guard = _Epoch(), _UploadGuard()
+
+    def _wrapper(self, batch_size: int) -> Any:
+        w = self._wrappers.get(batch_size)
+        if w is None:
+            n = batch_size
+            w = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._float_ws, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=self._qo_indptr[: n + 1],
+                paged_kv_indptr_buf=self._kv_indptr[: n + 1],
+                paged_kv_indices_buf=self._page_ids,
+                paged_kv_last_page_len_buf=self._last_len[:n],
+                custom_mask_buf=self._mask,
+                mask_indptr_buf=None if self._mask_indptr is None else self._mask_indptr[: n + 1],
+                backend="fa2",
+            )
+            self._wrappers[batch_size] = w
+        return w
+
+    def plan(self, meta: AttentionMetadata) -> FlashInferPlan:
+        bs, n = meta.num_seqs, self.tokens_per_seq
+        if bs > self.max_batch_size or meta.num_tokens != bs * n:
+            raise ValueError(f"PrefillGraphWrappers.plan: {bs} sequences of {meta.num_tokens} "
+                             f"tokens; planned for <= {self.max_batch_size} x {n}")
+        if (meta.custom_mask is not None) != self.custom_mask:
+            raise ValueError(f"PrefillGraphWrappers.plan: custom mask "
+                             f"{'missing' if self.custom_mask else 'given'}; the captured "
+                             f"kernels are {'masked' if self.custom_mask else 'causal'}")
+        if meta.kv_page_ids_cpu.numel() > self.max_num_pages:
+            raise ValueError(f"PrefillGraphWrappers.plan: {meta.kv_page_ids_cpu.numel()} pages "
+                             f"exceed the graph buffers ({self.max_num_pages})")
+        if meta.custom_mask is not None:
+            lens = meta.kv_lens_cpu.tolist()  # host tensor: no device sync
+            need = sum(-(-n * kv // 8) for kv in lens)
+            if need > self._mask.numel():
+                raise ValueError(f"PrefillGraphWrappers.plan: the mask needs {need} bytes, "
+                                 f"the graph buffer holds {self._mask.numel()}")
+        s = self.shape
+        self._guard.before_plan()
+        self._wrapper(bs).plan(
+            meta.qo_indptr_cpu, meta.kv_page_indptr_cpu, meta.kv_page_ids,
+            meta.kv_last_page_len_cpu, s.num_qo_heads, s.num_kv_heads, s.head_dim,
+            meta.page_size, custom_mask=meta.custom_mask, causal=meta.custom_mask is None,
+            sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True,
+        )
+        self._guard.after_plan()
+        slots = self._slot_ids[: bs * n]  # a fixed address for graph replay
+        slots.copy_(meta.slot_ids, non_blocking=True)
+        self._epoch.value += 1
+        return FlashInferPlan(wrapper=self._wrappers[bs], slot_ids=slots, epoch=self._epoch,
+                              planned_at=self._epoch.value)
+
+
 class FlashInferBackend:
     """Owns the FlashInfer float workspace, the eager decode wrappers and the prefill/verify
     wrapper. Graph decode wrappers (`graph_decode_planner`) share the float workspace: only
@@ -176,6 +263,15 @@ class FlashInferBackend:
         """Decode wrappers whose buffers never move, for CUDA graphs (see `DecodeGraphRunner`)."""
         return DecodeWrappers(self._fi, self._float_ws, self.shape, self.device,
                               max_batch_size, max_num_pages, growable=False)
+
+    def graph_prefill_planner(self, max_batch_size: int, tokens_per_seq: int,
+                              max_num_pages: int, max_kv_len: int,
+                              custom_mask: bool) -> PrefillGraphWrappers:
+        """Prefill wrappers whose buffers never move, for CUDA graphs of forwards with a fixed
+        number of new tokens per sequence (speculative verify, tree draft steps)."""
+        return PrefillGraphWrappers(self._fi, self._float_ws, self.shape, self.device,
+                                    max_batch_size, tokens_per_seq, max_num_pages, max_kv_len,
+                                    custom_mask)
 
     def plan(self, meta: AttentionMetadata) -> FlashInferPlan:
         if meta.is_decode:

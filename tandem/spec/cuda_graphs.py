@@ -1,0 +1,248 @@
+"""CUDA graphs for the speculative round: the chain draft step and the verify forward.
+
+A round of a small batch is a few hundred short kernels per forward; replaying them from a
+graph removes the launch cost (NOTES: ~7.7 us a launch eager, ~1 us in a graph).
+
+- **Draft step (chain).** One graph per batch bucket, replayed k-1 times a round. The step
+  index is a device tensor (`_step`, [1] int64) that the graph reads and increments: replay s
+  reads draft token column s of `_tokens` [B, k+1] and writes its top-1 into column s+1, so
+  nothing about the step is baked into the graph. Before every replay the step's metadata is
+  rebuilt from plain ints (`chain_step_slices`) and planned outside the graph into buffers
+  that never move (`backend.graph_decode_planner`), and its positions are copied in.
+- **Verify.** One graph per batch bucket over B * N tokens (N = the tree size), planned the
+  same way through `backend.graph_prefill_planner` (causal for chains, the ancestor mask for
+  trees). Its outputs (logits of every row, features) are views of the graph's static
+  tensors, valid until the next verify replay; the round consumes them before that.
+
+Padding rows (n requests in the bucket B >= n) live on the scratch page (`slices`). Draft-
+extend (ragged: a + 1 tokens per request) and tree draft steps run eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine.attention.metadata import build_metadata
+from tandem.engine.cuda_graphs import pad_decode_slices, padded_batch_size
+from tandem.engine.runner import ForwardOutput, ModelRunner
+from tandem.spec.config import SpecConfig
+from tandem.spec.draft_runner import DraftRunner
+from tandem.spec.phases import DraftInput, VerifyInput
+from tandem.spec.slices import chain_step_slices, pad_fixed_slices, verify_slices
+
+
+def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | None = None
+                           ) -> tuple[int, ...]:
+    """The buckets to capture: the decode graphs' sizes, optionally capped (verify graphs
+    hold logits for B * N rows each)."""
+    sizes = sorted(set(decode_sizes))
+    if max_batch_size is not None:
+        sizes = [b for b in sizes if b <= max_batch_size] or sizes[:1]
+    return tuple(sizes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Captured:
+    graph: torch.cuda.CUDAGraph | None  # None in eager mode (CPU tests): the body runs instead
+    plan: Any  # the plan the graph was captured with (its fixed buffers)
+    out: ForwardOutput | None  # verify outputs (static), None for draft steps
+
+
+def _check_fixed_buffers(plan: Any, captured: Any) -> None:
+    """A new plan must have rewritten the captured wrapper's buffers, not made new ones."""
+    if hasattr(plan, "wrapper"):
+        assert plan.wrapper is captured.wrapper
+        assert plan.slot_ids.data_ptr() == captured.slot_ids.data_ptr()
+
+
+class SpecGraphRunner:
+    """Owns the speculative CUDA graphs, their memory pool, their attention planners and every
+    static buffer they read or write: draft tokens `_tokens` [B_max, k+1] int64 (root, then
+    drafts), draft hidden `_hidden` [B_max, H], the step index `_step` [1] int64, draft
+    positions [B_max] int64, verify token ids and positions [B_max * N] int64.
+
+    Invariants: callers' tensors are only read (copied in); a returned VerifyInput holds new
+    tensors; verify outputs are views valid until the next `verify`; nothing is re-captured."""
+
+    def __init__(self, runner: ModelRunner, draft: DraftRunner, spec: SpecConfig,
+                 batch_sizes: Sequence[int], max_kv_len: int,
+                 capture_layers: tuple[int, ...]) -> None:
+        backend = runner.backend
+        for need in ("graph_decode_planner", "graph_prefill_planner"):
+            if not hasattr(backend, need):
+                raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")
+        self.runner, self.draft, self.spec = runner, draft, spec
+        self.capture_layers = capture_layers
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.page_size = runner.kv_pool.page_size
+        self.num_nodes = spec.tree_size  # N: verify tokens per request
+        self.masked = spec.topk > 1  # tree configs verify through the ancestor mask
+        self.chain_drafting = spec.topk == 1 and spec.num_steps > 1
+        max_bs = self.batch_sizes[-1]
+        pages = max_bs * -(-max_kv_len // self.page_size)
+        device = runner.kv_pool.layer(runner.kv_group, 0).device
+        self.device = device
+        self._draft_planner = (backend.graph_decode_planner(max_bs, pages)
+                               if self.chain_drafting else None)
+        self._verify_planner = backend.graph_prefill_planner(
+            max_bs, self.num_nodes, pages, max_kv_len, custom_mask=self.masked)
+        head = draft.head
+        self._tokens = torch.zeros(max_bs, spec.num_steps + 1, dtype=torch.int64,
+                                   device=device)  # [B_max, k+1]
+        self._hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=head.fc.weight.dtype,
+                                   device=device)  # [B_max, H]
+        self._step = torch.ones(1, dtype=torch.int64, device=device)  # [1] the step index
+        self._draft_positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        n = max_bs * self.num_nodes
+        self._verify_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [B_max * N]
+        self._verify_positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self._draft_graphs: dict[int, _Captured] = {}
+        self._verify_graphs: dict[int, _Captured] = {}
+        self._pool: Any = None
+
+    # ---- capture ------------------------------------------------------------------------------
+
+    def capture(self, eager: bool = False) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its pool). Each body runs
+        once eagerly first (Triton compiles, cuBLAS picks kernels). eager=True captures
+        nothing: every replay runs its body instead, with the same buffers, padding, planning
+        and step index (how CPU tests check this class against the eager round)."""
+        for bs in reversed(self.batch_sizes):
+            self._verify_graphs[bs] = self._capture(bs, self._verify_plan_padding(bs),
+                                                    self._verify_body, eager)
+            if self.chain_drafting:
+                self._draft_graphs[bs] = self._capture(bs, self._draft_plan_padding(bs),
+                                                       self._draft_body, eager)
+        self._step.fill_(1)
+        if not eager:
+            torch.cuda.synchronize(self.device)  # SYNC: start-up only
+
+    def _capture(self, bs: int, plan: Any, body, eager: bool) -> _Captured:
+        self._step.fill_(1)
+        out = body(bs, plan)
+        if eager:
+            return _Captured(graph=None, plan=plan, out=None)
+        torch.cuda.synchronize(self.device)  # SYNC: once per graph, at start-up
+        self._step.fill_(1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = body(bs, plan)
+        self._pool = graph.pool()
+        return _Captured(graph=graph, plan=plan, out=out)
+
+    def _replay(self, captured: _Captured, body, bs: int, plan: Any) -> ForwardOutput | None:
+        if captured.graph is None:  # eager mode
+            return body(bs, plan)
+        _check_fixed_buffers(plan, captured.plan)
+        captured.graph.replay()
+        return captured.out
+
+    def _draft_plan_padding(self, bs: int) -> Any:
+        return self._draft_planner.plan(
+            build_metadata(pad_decode_slices([], bs), self.page_size, self.device).attn)
+
+    def _verify_plan_padding(self, bs: int) -> Any:
+        slices = pad_fixed_slices([], bs, self.num_nodes, self.page_size, self.masked)
+        return self._verify_planner.plan(build_metadata(slices, self.page_size,
+                                                        self.device).attn)
+
+    @torch.inference_mode()
+    def _draft_body(self, bs: int, plan: Any) -> None:
+        """One chain draft step over the bucket: read column `_step`, write column `_step`+1,
+        advance the step -- all on the device."""
+        tokens = self._tokens[:bs]
+        step = self._step
+        tok = tokens.index_select(1, step).squeeze(1)  # [B] d_step
+        hidden = self.draft.forward_planned(tok, self._hidden[:bs], self._draft_positions[:bs],
+                                            plan)  # [B, H]
+        ids, _ = self.draft.head.topk(hidden, 1)  # [B, 1]
+        tokens.index_copy_(1, step + 1, ids)
+        self._hidden[:bs].copy_(hidden)
+        step.add_(1)
+
+    @torch.inference_mode()
+    def _verify_body(self, bs: int, plan: Any) -> ForwardOutput:
+        n = bs * self.num_nodes
+        return self.runner.forward_planned(self._verify_ids[:n], self._verify_positions[:n],
+                                           plan, None, self.capture_layers)
+
+    # ---- replay -------------------------------------------------------------------------------
+
+    def bucket(self, batch_size: int) -> int | None:
+        return padded_batch_size(batch_size, self.batch_sizes)
+
+    def can_propose(self, inp: DraftInput) -> bool:
+        return self.chain_drafting and self.bucket(inp.batch_size) is not None
+
+    def can_verify(self, verify: VerifyInput) -> bool:
+        return (verify.num_nodes == self.num_nodes and self.bucket(verify.batch_size) is not None
+                and (self.masked or verify.is_chain))
+
+    def propose(self, inp: DraftInput) -> VerifyInput:
+        """Chain drafting through the draft-step graph: the same tokens as
+        `propose._propose_chain` on the same inputs."""
+        bs, k = inp.batch_size, self.spec.num_steps
+        rows = self.bucket(bs)
+        if not self.can_propose(inp) or rows is None:
+            raise ValueError(f"no draft-step graph for a batch of {bs} (captured "
+                             f"{self.batch_sizes}, chain drafting {self.chain_drafting})")
+        captured = self._draft_graphs[rows]
+        self._tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
+        self._tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
+        self._hidden[:bs].copy_(inp.hidden, non_blocking=True)
+        self._step.fill_(1)
+        for step in range(1, k):
+            self._replay_draft_step(inp, step, rows, captured)
+        n = k + 1
+        return VerifyInput(
+            page_ids=inp.page_ids, num_cached=inp.num_cached,
+            tokens=self._tokens[:bs].clone(),  # a new tensor: the buffer is reused next round
+            parents=(tuple(range(-1, n - 1)),) * bs, depths=(tuple(range(n)),) * bs,
+        )
+
+    def _replay_draft_step(self, inp: DraftInput, step: int, rows: int,
+                           captured: _Captured) -> None:
+        slices = chain_step_slices(inp.page_ids, inp.num_cached, step)
+        layout = build_metadata(pad_decode_slices(slices, rows), self.page_size, self.device)
+        plan = self._draft_planner.plan(layout.attn)  # rewrites the captured buffers
+        self._draft_positions[:rows].copy_(layout.positions, non_blocking=True)
+        self._replay(captured, self._draft_body, rows, plan)
+
+    def verify(self, verify: VerifyInput) -> ForwardOutput:
+        """The verify forward through its graph -> logits [bs * N, V] float32 and features,
+        request-major, as `SpecEngine._verify_forward` returns them."""
+        bs, n = verify.batch_size, self.num_nodes
+        rows = self.bucket(bs)
+        if not self.can_verify(verify) or rows is None:
+            raise ValueError(f"no verify graph for {bs} x {verify.num_nodes} nodes (captured "
+                             f"{self.batch_sizes} x {n})")
+        captured = self._verify_graphs[rows]
+        slices = pad_fixed_slices(verify_slices(verify, masked=self.masked), rows, n,
+                                  self.page_size, self.masked)
+        layout = build_metadata(slices, self.page_size, self.device)
+        plan = self._verify_planner.plan(layout.attn)
+        self._verify_ids[: bs * n].copy_(verify.tokens.reshape(-1), non_blocking=True)
+        self._verify_ids[bs * n : rows * n].zero_()  # padding rows: any valid token
+        self._verify_positions[: rows * n].copy_(layout.positions, non_blocking=True)
+        out = self._replay(captured, self._verify_body, rows, plan)
+        assert out is not None
+        m = bs * n
+        return ForwardOutput(logits=out.logits[:m], hidden=out.hidden[:m],
+                             aux_hidden=tuple(a[:m] for a in out.aux_hidden))
+
+    # ---- benchmarks ---------------------------------------------------------------------------
+
+    def replay_draft_step_only(self, rows: int) -> None:
+        """Replay a draft step without re-planning (pure GPU time): the latest draft plan must
+        be of this bucket (a `propose` of that batch size just ran). Resets the step index
+        first so the replay stays inside the token buffer."""
+        self._step.fill_(1)
+        self._draft_graphs[rows].graph.replay()
+
+    def replay_verify_only(self, rows: int) -> None:
+        """Replay verify without re-planning: the latest verify plan must be of this bucket."""
+        self._verify_graphs[rows].graph.replay()
