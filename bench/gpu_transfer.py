@@ -7,15 +7,21 @@ in sentinel-filled memory and is compared on the GPU), then timed.
 Cases: "bulk" = contiguous 1 MiB pages (the planner makes one entry per transfer), timed per size;
 "prompt" = a 4k-token prompt of a Llama-3.1-8B-shaped model (32 layers, 8 KV heads, head_dim 128,
 bf16, page_size 16: 256 pages of 64 KiB per layer = 512 MiB), laid out as the engine's KVPool
-([L, num_pages, 2, page_size, Hkv, D]), page ids scattered over a 4x larger pool on both sides
-(plus the same bytes with contiguous page ids, for contrast).
+([L, num_pages, 2, page_size, Hkv, D]), page ids scattered over a 4x larger pool on both sides,
+the same bytes with contiguous page ids (one run a side), and the pages tandem's PageAllocator
+hands out in a churned, half-full pool (runs). The link floor is the prompt's bytes at the best
+rate measured in the run. Before the tandem cases, NIXL alone (bench/transfer_raw.py): 16/64/256
+MiB as one descriptor and as scattered 64 KiB descriptors, initialize_xfer vs prepared lists,
+and send_notif round trips with and without NIXL's progress thread.
 
 Modes: "send" = wall time from `send()` to the sender seeing DONE (grant round trip included);
 "pregrant" = `start()` first, the clock starts once GO arrived (as when the grant overlaps
 prefill compute), then push every layer + finish, until DONE.
 
-    source .devbundle/activate.sh; PYTHONPATH=. python3 bench/gpu_transfer.py --out $OUT
-    PYTHONPATH=. .venv/bin/python bench/gpu_transfer.py --device cpu --sizes-mib 8 --quick
+    source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH
+    python3 bench/gpu_transfer.py --out $OUT                   # 2 GPUs, ~1-2 min
+    PYTHONPATH=. .venv/bin/python bench/gpu_transfer.py --device cpu --sizes-mib 8 \
+        --raw-sizes-mib 8 --backends nixl --quick              # CPU smoke test
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned workers inherit sys.path
+from transfer_raw import RawNixl, print_raw, raw_best_gbps, run_raw  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVSITE = "/tmp/devsite"  # where .devbundle/activate.sh unpacks nixl, mooncake, ...
@@ -109,13 +118,14 @@ def _pattern(layer: int, pages, num_pages: int, num_words: int, seed: int):
     return base[:, None] + torch.arange(num_words, device=pages.device)[None, :]
 
 
-class BenchWorker:
+class BenchWorker(RawNixl):
     """Owns one endpoint (sender or receiver) and its tensors. Tensors of earlier layouts stay
     alive until the process ends, so no registration can ever point at reused memory."""
 
     def __init__(self, role: str, device: str, poll_s: float):
         self.role, self.device, self.poll_s = role, device, poll_s
         self.backend = ""  # set by init()
+        self.progress_thread = False  # NIXL: BackendOptions.nixl_progress_thread (init())
         self.ep = None
         self.spec: LayoutSpec | None = None
         self.kv = None  # [L, P, *page_shape] this endpoint's KV region
@@ -127,7 +137,8 @@ class BenchWorker:
     def log(self, msg: str) -> None:
         print(f"{self.tag} {msg}", flush=True)
 
-    def init(self, backend: str) -> dict:
+    def init(self, backend: str, progress_thread: bool = False) -> dict:
+        self.progress_thread = progress_thread
         t0 = time.perf_counter()
         import torch
 
@@ -186,7 +197,8 @@ class BenchWorker:
         layout = KVLayout(regions=(KVRegion.from_tensor("target", self.kv),),
                           aux=AuxRegion.from_tensor(aux))
         compat = CompatInfo.from_wire(compat_wire())
-        opts = BackendOptions(host="127.0.0.1", protocol="tcp", name_hint=f"bench-{self.role}")
+        opts = BackendOptions(host="127.0.0.1", protocol="tcp", name_hint=f"bench-{self.role}",
+                              nixl_progress_thread=self.progress_thread)
         config = EndpointConfig(**cfg)
         if self.role == "prefill":
             self.ep = PrefillSender(self.backend, layout, compat, config=config, options=opts)
@@ -224,6 +236,7 @@ class BenchWorker:
         self._sync()
 
     def step(self) -> None:
+        self.raw_progress()
         if self.ep is None:
             return
         out = self.ep.poll()
@@ -267,12 +280,13 @@ class BenchWorker:
                 self.ep.send(d, src_pages, payload)
             else:  # pregrant: the clock that counts starts at GO
                 self.ep.start(d, src_pages)
+                spin_until = time.perf_counter() + 0.002  # as EndpointConfig.spin_s
                 while self.ep.state(d.room) is TransferState.RESERVED:
                     if time.perf_counter() > end:
                         raise TransferError(ErrorKind.TIMEOUT, "no GO within the deadline",
                                             room=d.room)
                     self.ep.poll()
-                    time.sleep(self.poll_s)
+                    time.sleep(0 if time.perf_counter() < spin_until else self.poll_s)
                 t_go = time.perf_counter()
                 for region in self.ep.layout.regions:
                     self.ep.push_layers(d.room, region.name, range(region.num_layers))
@@ -531,9 +545,18 @@ class Bench:
             workers.append(a)
             b = Worker("decode", args.dev_b, args.poll_us * 1e-6, start_timeout=120)
             workers.append(b)
-            a.submit("init", backend)
-            b.submit("init", backend)
+            a.submit("init", backend, args.nixl_progress_thread)
+            b.submit("init", backend, args.nixl_progress_thread)
             out["init"] = {"prefill": a.result("init", 180), "decode": b.result("init", 180)}
+            if backend == "nixl" and args.raw_sizes_mib:
+                self.say("raw NIXL (no tandem code):")
+                try:
+                    out["raw"] = run_raw(self, a, b, args.raw_sizes_mib, args.quick)
+                    a.call("raw_close", timeout=30)
+                    b.call("raw_close", timeout=30)
+                except RuntimeError as e:  # a raw call raised in a worker: go on with tandem's
+                    out["errors"].append(f"raw NIXL: {e}")
+                    self.say(f"raw NIXL: ERROR\n{e}")
             for spec, cases in groups:
                 try:
                     info = b.call("setup", spec, self.cfg, timeout=120)
@@ -595,7 +618,34 @@ def build_groups(args, backend: str) -> list[tuple[LayoutSpec, list[Case]]]:
         prompt_cases.append(Case(label=f"prompt {tokens} tok contiguous", layout=prompt,
                                  src_pages=tuple(range(pages)), dst_pages=tuple(range(pages)),
                                  modes=modes, warmup=warmup, repeats=repeats))
+        try:  # what the engine's allocator hands out in a churned, half-full pool
+            src, dst = (allocator_pages(prompt.num_pages, pages, seed) for seed in (1, 2))
+            prompt_cases.append(Case(label=f"prompt {tokens} tok allocator", layout=prompt,
+                                     src_pages=src, dst_pages=dst, modes=modes, warmup=warmup,
+                                     repeats=repeats))
+        except Exception:  # noqa: BLE001 - the engine does not import here: skip this case
+            print(f"allocator case skipped:\n{traceback.format_exc()}", flush=True)
     return [(bulk, bulk_cases), (prompt, prompt_cases)]
+
+
+def allocator_pages(num_pages: int, n: int, seed: int) -> tuple[int, ...]:
+    """`n` pages from tandem's PageAllocator after churn: requests of 1-300 pages come and go
+    until the pool is fragmented and about half full, then one prompt of `n` pages."""
+    from tandem.engine.kv_cache import PageAllocator
+
+    alloc = PageAllocator(num_pages + 1)  # page 0 is the allocator's scratch page
+    rng = random.Random(seed)
+    held: list[list[int]] = []
+    for _ in range(400):
+        k = rng.choice((rng.randint(1, 4), rng.randint(8, 300)))
+        if alloc.num_free - k < n or (held and rng.random() < 0.45):
+            if held:
+                alloc.free(held.pop(rng.randrange(len(held))))
+            continue
+        held.append(alloc.alloc(k))
+    while held and alloc.num_free < num_pages // 2 + n // 2:  # about half full, room for n
+        alloc.free(held.pop(rng.randrange(len(held))))
+    return tuple(p - 1 for p in alloc.alloc(n))  # bench pools have no scratch page
 
 
 def ensure_paths() -> list[str]:
@@ -643,11 +693,19 @@ def versions() -> dict:
 
 def summarize(results: dict) -> dict:
     """Headline numbers: NIXL's best contiguous rate, the 300 GB/s goal per size and mode, the
-    prompt's time per backend, and its link floor (prompt bytes at the best contiguous rate)."""
+    prompt's time per backend, and its link floor (prompt bytes at the best rate measured, raw
+    NIXL or through tandem)."""
     s: dict = {}
     nixl = results["backends"].get("nixl", {})
     bulk = [r for r in nixl.get("rows", []) if r["layout"] == "bulk" and "gbps" in r]
     best = max(bulk, key=lambda r: r["gbps"]) if bulk else None
+    raw = nixl.get("raw", {})
+    link_gbps = max([raw_best_gbps(raw)] + ([best["gbps"]] if best else []))
+    if raw:
+        s["raw_best_gbps"] = raw_best_gbps(raw)
+        s["raw_gbps"] = {f"{r['case']} {r['method']}{' thread' if r['progress_thread'] else ''}":
+                         round(r["gbps"], 1) for r in raw.get("rows", []) if "gbps" in r}
+        s["raw_notif_rtt_us"] = {k: round(v["median_us"], 1) for k, v in raw["pings"].items()}
     if best:
         s["nixl_best_bulk"] = {k: best[k] for k in ("case", "mode", "gbps", "median_ms")}
         for mode in ("send", "pregrant"):
@@ -658,13 +716,16 @@ def summarize(results: dict) -> dict:
         for r in res.get("rows", []):
             if r["layout"] != "prompt" or "gbps" not in r:
                 continue
-            kind = "scattered" if "scattered" in r["case"] else "contiguous"
+            kind = r["case"].split()[-1]  # scattered | contiguous | allocator
             s[f"{backend}_prompt_{kind}_{r['mode']}"] = {
                 "ms": r["median_ms"], "gbps": r["gbps"], "entries": r["entries"],
                 "plan_ms": r.get("plan_ms")}
-            if best:
+            if link_gbps > 0:
                 s["prompt_nbytes"] = r["nbytes"]
-                s["link_floor_ms"] = r["nbytes"] / (best["gbps"] * 1e9) * 1e3
+                s["link_gbps"] = link_gbps
+                s["link_floor_ms"] = r["nbytes"] / (link_gbps * 1e9) * 1e3
+                s[f"{backend}_prompt_{kind}_{r['mode']}"]["x_floor"] = round(
+                    r["median_ms"] / s["link_floor_ms"], 2)
     return s
 
 
@@ -688,6 +749,7 @@ def print_table(results: dict) -> None:
                   f"{r.get('entries', 0):7d} {nums}  {exact}")
         for e in res.get("errors", []):
             print(f"{backend:9} ERROR: {e.strip().splitlines()[-1][:150]}")
+    print_raw(results["backends"].get("nixl", {}).get("raw", {}))
     ref = results["backends"].get("nixl", {}).get("p2p_reference")
     if ref:
         print(f"torch copy {ref['direction']} 1 GiB: {ref['gbps']:.1f} GB/s (best "
@@ -701,10 +763,10 @@ def print_table(results: dict) -> None:
     for key, v in s.items():
         if "_prompt_" in key:
             print(f"{key}: {v['ms']:.2f} ms = {v['gbps']:.1f} GB/s ({v['entries']} entries, "
-                  f"plan {v['plan_ms']:.1f} ms)")
+                  f"plan {v['plan_ms']:.2f} ms, {v.get('x_floor', float('nan')):.2f}x floor)")
     if "link_floor_ms" in s:
-        print(f"prompt link floor ({s['prompt_nbytes'] / MIB:.0f} MiB at the best contiguous "
-              f"rate): {s['link_floor_ms']:.2f} ms")
+        print(f"prompt link floor ({s['prompt_nbytes'] / MIB:.0f} MiB at the best measured "
+              f"{s['link_gbps']:.1f} GB/s): {s['link_floor_ms']:.2f} ms")
     print(f"total {results['meta']['total_s']:.1f}s", flush=True)
 
 
@@ -714,8 +776,12 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--devices", default="0,1", help="prefill,decode CUDA device indices")
     ap.add_argument("--backends", default="nixl,mooncake")
-    ap.add_argument("--sizes-mib", default="64,256,1024,2048",
-                    help="bulk sizes for NIXL (contiguous 1 MiB pages)")
+    ap.add_argument("--sizes-mib", default="16,64,256,1024",
+                    help="bulk sizes for NIXL through tandem (contiguous 1 MiB pages)")
+    ap.add_argument("--raw-sizes-mib", default="16,64,256",
+                    help="raw NIXL sizes (no tandem code); '' skips the raw section")
+    ap.add_argument("--nixl-progress-thread", action="store_true",
+                    help="tandem endpoints with NIXL's UCX progress thread (the old default)")
     ap.add_argument("--mooncake-sizes-mib", default=None,
                     help="bulk sizes for Mooncake (default 64; --quick: the smallest NIXL size)")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
@@ -729,6 +795,7 @@ def parse_args(argv=None):
                     help="poll sleep of both endpoints (default 20 on GPU, 500 on CPU)")
     args = ap.parse_args(argv)
     args.sizes_mib = [int(x) for x in args.sizes_mib.split(",")]
+    args.raw_sizes_mib = [int(x) for x in args.raw_sizes_mib.split(",") if x]
     mc = args.mooncake_sizes_mib or (str(min(args.sizes_mib)) if args.quick else "64")
     args.mooncake_sizes_mib = [int(x) for x in mc.split(",")]
     args.backends = [b for b in args.backends.split(",") if b]
