@@ -118,7 +118,7 @@ def join_group(info: RankInfo, host: str, port: int, device: str,
         return ParallelContext(), SOLO
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)  # Ray shows each rank one GPU
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=info.rank,
                             world_size=info.tp, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
