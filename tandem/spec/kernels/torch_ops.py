@@ -1,0 +1,107 @@
+"""Torch twins of the speculative bookkeeping kernels (`triton_ops`): the reference semantics,
+and the path CPU engines run. Each allocates its outputs and never writes its arguments."""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_accept(
+    tokens: torch.Tensor,  # [B, N] int64 draft tree per request, node 0 = root
+    target_ids: torch.Tensor,  # [B, N] int64 target argmax at every node
+    parents: torch.Tensor,  # [B, N] int32 parent node, -1 for the root
+    max_depth: int,  # deepest node of any tree (bounds the accepted path)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk each tree from the root: move to the first child (lowest index) whose token is the
+    target's argmax at the current node; stop when none is. Returns (num_accepted [B] int32,
+    path [B, max_depth] int32 accepted nodes, -1 past the end, bonus [B] int64 = the target's
+    argmax at the last accepted node) -- `accept._walk_greedy` for a whole batch."""
+    b, n = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(b, device=dev)
+    idx = torch.arange(n, device=dev).expand(b, n)
+    node = torch.zeros(b, dtype=torch.int64, device=dev)
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    num = torch.zeros(b, dtype=torch.int32, device=dev)
+    path = torch.full((b, max(max_depth, 1)), -1, dtype=torch.int32, device=dev)
+    for d in range(max_depth):
+        want = target_ids[rows, node]  # [B]
+        match = (parents.long() == node[:, None]) & (tokens == want[:, None]) & active[:, None]
+        first = torch.where(match, idx, n).min(dim=1).values  # [B], n = no match
+        found = first < n
+        path[:, d] = torch.where(found, first, -1).to(torch.int32)
+        node = torch.where(found, first, node)
+        num += found.to(torch.int32)
+        active = found
+    return num, path[:, :max_depth], target_ids[rows, node]
+
+
+def extend_inputs(
+    tokens: torch.Tensor,  # [B, N] int64 the verified trees
+    path: torch.Tensor,  # [B, D] int32 accepted nodes, -1 padded
+    num_accepted: torch.Tensor,  # [B] int32
+    bonus: torch.Tensor,  # [B] int64
+    num_cached: torch.Tensor,  # [B] int64 the round's num_cached
+    page_table: torch.Tensor,  # [B, P] int32 each request's pages (padded)
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft-extend forward's inputs, packed request-major over T = sum(a_r + 1) rows
+    (outputs have B * (D + 1) rows; rows >= T are 0): token ids (accepted drafts, then the
+    bonus), feature rows r * N + node (root first, then the accepted nodes), positions
+    num_cached + j, KV slots of those positions; and last_rows [B], each request's bonus
+    row (its next-round hidden)."""
+    b, n = tokens.shape
+    d = path.shape[1]
+    cap = b * (d + 1)
+    dev = tokens.device
+    out_tok = torch.zeros(cap, dtype=torch.int64, device=dev)
+    out_feat = torch.zeros(cap, dtype=torch.int64, device=dev)
+    out_pos = torch.zeros(cap, dtype=torch.int64, device=dev)
+    out_slot = torch.zeros(cap, dtype=torch.int64, device=dev)
+    counts = num_accepted.long() + 1  # [B]
+    starts = torch.cumsum(counts, 0) - counts  # [B]
+    j = torch.arange(d + 1, device=dev).expand(b, d + 1)  # [B, D+1]
+    valid = j < counts[:, None]
+    nodes = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
+                       path.long().clamp(min=0)], dim=1)  # [B, D+1] root, then path
+    # token j: the accepted node j+1's token for j < a, the bonus at j == a
+    nxt = torch.cat([path.long().clamp(min=0), torch.zeros(b, 1, dtype=torch.int64,
+                                                            device=dev)], dim=1)
+    toks = torch.where(j < num_accepted.long()[:, None], tokens.gather(1, nxt),
+                       bonus[:, None].expand(b, d + 1))
+    pos = num_cached.long()[:, None] + j
+    page = page_table.long().gather(1, (pos // page_size).clamp(max=page_table.shape[1] - 1))
+    slots = page * page_size + pos % page_size
+    dst = (starts[:, None] + j)[valid]
+    out_tok[dst] = toks[valid]
+    out_feat[dst] = (torch.arange(b, device=dev)[:, None] * n + nodes)[valid]
+    out_pos[dst] = pos[valid]
+    out_slot[dst] = slots[valid]
+    return out_tok, out_feat, out_pos, out_slot, starts + counts - 1
+
+
+def tree_mask(
+    parents: torch.Tensor,  # [B, N] int32, -1 for the root
+    num_cached: torch.Tensor,  # [B] int64
+    mask_offsets: torch.Tensor,  # [B] int64 start of each request's rows in the output
+    total: int,  # sum_r N * (num_cached[r] + N)
+    max_num_cached: int,  # max_r num_cached[r] (host-known; bounds the kernel's prefix loop)
+) -> torch.Tensor:
+    """The flat verify mask in `build_metadata`'s packing: request r's [N, num_cached + N]
+    rows, row-major, from mask_offsets[r]: the whole prefix, then the node itself and its
+    ancestors. [total] bool."""
+    b, n = parents.shape
+    dev = parents.device
+    anc = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n).clone()  # [B, N, N]
+    cur = parents.long()  # [B, N] the ancestor `step` levels up (-1: none)
+    rows = torch.arange(b, device=dev)[:, None]
+    for _ in range(n - 1):
+        has = cur >= 0
+        anc |= torch.nn.functional.one_hot(cur.clamp(min=0), n).bool() & has[..., None]
+        cur = torch.where(has, parents.long()[rows, cur.clamp(min=0)], cur)
+    del max_num_cached  # the twin reads the lengths themselves
+    out = torch.zeros(total, dtype=torch.bool, device=dev)
+    for r, (nc, off) in enumerate(zip(num_cached.tolist(), mask_offsets.tolist())):
+        block = torch.cat([torch.ones(n, nc, dtype=torch.bool, device=dev), anc[r]], dim=1)
+        out[off : off + n * (nc + n)] = block.reshape(-1)
+    return out
