@@ -10,11 +10,13 @@ Instead every rank runs the whole worker, and we make sure its inputs are identi
        abort, connect, ...) plus whether to step and whether to stop;
     2. every rank applies those calls, in order, to its own worker; the per-rank results are
        all-gathered so rank 0 can answer its caller (e.g. one Destination per rank);
-    3. every rank runs `worker.step()` (which agrees on transfer events internally).
+    3. every rank runs `worker.step()` (which agrees on transfer events internally) -- also when
+       idle, as `WorkerLoop` does: an idle step still polls the transfer endpoint, which must
+       answer handshakes from prefill workers.
 
 Every rank thus issues the same collectives in the same order, and no rank ever waits on a
-collective the others skip: an idle iteration is one broadcast on every rank. Only rank 0's
-outputs go out (the others compute the same ones).
+collective the others skip. When the worker is idle, rank 0 sleeps between iterations and the
+others wait in the broadcast. Only rank 0's outputs go out (the others compute the same ones).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ class _Tick:
     """What rank 0 broadcasts each iteration."""
 
     calls: tuple[tuple[str, tuple[Any, ...]], ...]  # (worker method, args) in arrival order
-    step: bool  # run worker.step() this iteration
     stop: bool  # leave the loop (shutdown)
 
 
@@ -75,14 +76,13 @@ class GroupLoop:
             self._pending.append((method, args, fut))
         return fut.result()
 
-    def _next_tick(self, busy: bool) -> tuple[_Tick, list[Future]]:
+    def _next_tick(self) -> tuple[_Tick, list[Future]]:
         if not self.is_leader:
-            return _Tick((), False, False), []
+            return _Tick((), False), []
         with self._lock:
             pending, self._pending = self._pending, []
             stop = self._stopping
-        calls = tuple((m, a) for m, a, _ in pending)
-        return _Tick(calls, busy or bool(calls), stop), [f for _, _, f in pending]
+        return _Tick(tuple((m, a) for m, a, _ in pending), stop), [f for _, _, f in pending]
 
     def _apply(self, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
         args = tuple(a.values[self.sync.rank] if isinstance(a, PerRank) else a for a in args)
@@ -92,11 +92,10 @@ class GroupLoop:
             return False, exc
 
     def _run(self) -> None:
-        busy = False
         futures: list[Future] = []
         try:
             while True:
-                tick, futures = self._next_tick(busy)
+                tick, futures = self._next_tick()
                 tick = self.sync.broadcast(tick)  # followers block here until rank 0 speaks
                 if tick.stop:
                     break
@@ -106,9 +105,7 @@ class GroupLoop:
                     for i, fut in enumerate(futures):
                         _resolve(fut, [r[i] for r in per_rank])
                     futures = []
-                outs: list[Any] = []
-                if tick.step:
-                    outs = self.worker.step()
+                outs = self.worker.step()
                 busy = self.worker.busy()
                 if outs and self.is_leader and self._on_outputs is not None:
                     self._on_outputs(outs)
