@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned workers inherit sys.path
-from transfer_raw import RawNixl, print_raw, raw_best_gbps, run_raw  # noqa: E402
+from transfer_raw import RawNixl, print_raw, raw_best_gbps, run_raw
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVSITE = "/tmp/devsite"  # where .devbundle/activate.sh unpacks nixl, mooncake, ...
@@ -384,12 +384,12 @@ def worker_main(conn, role: str, device: str, poll_s: float) -> None:
                 return
             try:
                 reply = ("ok", getattr(w, method)(*args))
-            except BaseException:  # noqa: BLE001 - shipped to the parent as text
+            except BaseException:
                 reply = ("err", traceback.format_exc())
             conn.send(reply)
         try:
             w.step()
-        except Exception:  # noqa: BLE001 - a kvtransfer bug: report it, keep serving
+        except Exception:
             w.step_errors += 1
             if w.step_errors <= 3:
                 w.log(f"poll() raised:\n{traceback.format_exc()}")
@@ -442,7 +442,7 @@ class Worker:
         if graceful and self.proc.is_alive():
             try:
                 self.call("exit", timeout=15)
-            except Exception as e:  # noqa: BLE001 - best effort; killed below
+            except Exception as e:
                 print(f"[{self.role}] no clean exit: {e}", flush=True)
             self.proc.join(5)
         if self.proc.is_alive():
@@ -577,7 +577,7 @@ class Bench:
             dev_a, dev_b = (out["init"][r].get("device") for r in ("prefill", "decode"))
             if backend == "nixl" and dev_a != dev_b and dev_a.startswith("cuda"):
                 out["p2p_reference"] = a.call("p2p_reference", dev_b, 1 << 30, 5, timeout=60)
-        except Exception as e:  # noqa: BLE001 - WorkerDead, start/init failure: report, go on
+        except Exception as e:
             graceful = not isinstance(e, WorkerDead)
             out["errors"].append(f"{type(e).__name__}: {e}")
             self.say(f"{backend}: ABORTED: {type(e).__name__}: {e}")
@@ -623,7 +623,7 @@ def build_groups(args, backend: str) -> list[tuple[LayoutSpec, list[Case]]]:
             prompt_cases.append(Case(label=f"prompt {tokens} tok allocator", layout=prompt,
                                      src_pages=src, dst_pages=dst, modes=modes, warmup=warmup,
                                      repeats=repeats))
-        except Exception:  # noqa: BLE001 - the engine does not import here: skip this case
+        except Exception:
             print(f"allocator case skipped:\n{traceback.format_exc()}", flush=True)
     return [(bulk, bulk_cases), (prompt, prompt_cases)]
 

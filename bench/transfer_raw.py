@@ -162,7 +162,7 @@ class RawNixl:
                 for h in lists:
                     try:
                         h.release()
-                    except Exception:  # noqa: BLE001 - best effort at the end
+                    except Exception:  # best effort at the end
                         pass
         self.raw = {}
 
@@ -181,7 +181,7 @@ def run_raw(bench, a, b, sizes_mib: list[int], quick: bool) -> dict:
                                   timeout=60)
             a.call("raw_connect", tag, md_b, base_b, timeout=30)
             b.call("raw_connect", tag, md_a, base_a, timeout=30)
-        except Exception:  # noqa: BLE001
+        except Exception:
             out["errors"].append(f"raw setup {tag}:\n{traceback.format_exc()}")
             bench.say(f"raw NIXL setup ({tag}) FAILED:\n{traceback.format_exc()}")
             continue
@@ -193,7 +193,7 @@ def run_raw(bench, a, b, sizes_mib: list[int], quick: bool) -> dict:
             out["pings"][tag] = ping
             bench.say(f"  raw notif round trip, progress thread {'on' if thread else 'off'}: "
                       f"median {ping['median_us']:.1f} us")
-        except Exception:  # noqa: BLE001
+        except Exception:
             out["errors"].append(f"raw ping {tag}:\n{traceback.format_exc()}")
             bench.say(f"  raw ping ({tag}) FAILED")
         cases = ([(s, s * MIB, m) for s in sizes_mib for m in ("init", "prepped")]
@@ -214,7 +214,7 @@ def run_raw(bench, a, b, sizes_mib: list[int], quick: bool) -> dict:
                 bench.say(f"  {label} {method} (thread {'on' if thread else 'off'}): "
                           f"{row['median_ms']:.3f} ms = {row['gbps']:.1f} GB/s (build "
                           f"{row['build_ms']:.3f} ms)")
-            except Exception as e:  # noqa: BLE001 - this case only
+            except Exception as e:  # this case only
                 row["error"] = f"{type(e).__name__}: {e}"
                 out["errors"].append(f"{label} {method}:\n{traceback.format_exc()}")
                 bench.say(f"  {label} {method}: FAILED {row['error'][:300]}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import random
+import threading
 import time
 
 import numpy as np
@@ -155,8 +156,6 @@ def test_nixl_prepared_lists_move_scattered_and_run_pages_bit_exact(monkeypatch)
     tx = PrefillSender("nixl", slayout, compat, config=cfg)
     events: list = []
     try:
-        import threading
-
         done = threading.Event()
 
         def serve():  # the receiver answers the handshake while connect() waits

@@ -124,7 +124,7 @@ def test_prompt_sized_allocations_pick_the_smallest_run_that_fits(seed):
         if n < PageAllocator.RUN_SEARCH_MIN_PAGES:  # small (decode growth): the lowest ids
             assert pages == [p for s, ln in runs for p in range(s, s + ln)][:n]
         elif fits:
-            start, length = min(fits, key=lambda r: (r[1], r[0]))
+            start, _ = min(fits, key=lambda r: (r[1], r[0]))
             assert pages == list(range(start, start + n))
         else:  # no run fits: the longest runs first, so as few runs as possible
             longest = sorted(runs, key=lambda r: (-r[1], r[0]))
