@@ -253,6 +253,57 @@ def check_fp32() -> dict:
     return out
 
 
+def check_kernels(iters: int) -> dict:
+    """The bookkeeping kernels (tandem/spec/kernels): Triton == torch twin on random trees,
+    and each one's time at batch 16 (Triton launch vs the twin's many small ops)."""
+    import random
+
+    from tandem.spec.kernels import torch_ops, triton_ops
+
+    res: dict = {"equal": 0, "cases": 0}
+    rng = random.Random(0)
+    timing_args: dict = {}
+    for case in range(24):
+        b, n = (16, 16) if case == 0 else (rng.randint(1, 64), rng.randint(2, 33))
+        par = [[-1] + [rng.randrange(j) if case % 2 else j - 1 for j in range(1, n)]
+               for _ in range(b)]
+        depth = max(_depth(p) for p in par)
+        tokens = torch.randint(0, 3, (b, n), device=DEV)
+        target = torch.randint(0, 3, (b, n), device=DEV)
+        parents = torch.tensor(par, dtype=torch.int32, device=DEV)
+        nc = torch.randint(0, 2000, (b,), device=DEV)
+        table = (torch.randperm(b * 200, device=DEV).view(b, 200) + 1).to(torch.int32)
+        sizes = [n * (c + n) for c in nc.tolist()]
+        offsets = torch.tensor([sum(sizes[:r]) for r in range(b)], device=DEV)
+        acc_args = (tokens, target, parents, depth)
+        num, path, bonus = triton_ops.greedy_accept(*acc_args)
+        ext_args = (tokens, path, num, bonus, nc, table, 16)
+        mask_args = (parents, nc, offsets, sum(sizes), int(nc.max()))
+        ok = all(torch.equal(a, w) for a, w in zip(triton_ops.greedy_accept(*acc_args),
+                                                    torch_ops.greedy_accept(*acc_args)))
+        ok &= all(torch.equal(a, w) for a, w in zip(triton_ops.extend_inputs(*ext_args),
+                                                    torch_ops.extend_inputs(*ext_args)))
+        ok &= torch.equal(triton_ops.tree_mask(*mask_args), torch_ops.tree_mask(*mask_args))
+        res["equal"] += int(ok)
+        res["cases"] += 1
+        if case == 0:
+            timing_args = {"greedy_accept": acc_args, "extend_inputs": ext_args,
+                           "tree_mask": mask_args}
+    res["ok"] = res["equal"] == res["cases"]
+    for name, args in timing_args.items():
+        for impl, mod in (("triton", triton_ops), ("torch", torch_ops)):
+            res[f"{name}_{impl}_ms_bs16_n16"] = event_ms(lambda m=mod, a=args: getattr(m, name)(*a),
+                                                         iters)
+    return res
+
+
+def _depth(parents: list[int]) -> int:
+    d = [0] * len(parents)
+    for j, p in enumerate(parents):
+        d[j] = 0 if p < 0 else d[p] + 1
+    return max(d)
+
+
 # ---- timing one configuration ------------------------------------------------------------------
 
 def _fill(eng: SpecEngine, bs: int, ctx: int, seed: int) -> list[str]:
@@ -459,6 +510,8 @@ def main() -> None:
     except Exception as exc:
         RESULTS["env"] = {"error": repr(exc)}
     log(RESULTS["env"])
+    if DEV.type == "cuda":
+        guarded("check_kernels", lambda: check_kernels(args.iters), RESULTS, args.out)
     if not args.skip_fp32:
         guarded("check_fp32", check_fp32, RESULTS, args.out)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -479,6 +532,7 @@ def print_table() -> None:
     print("\n" + " | ".join(f"{k} {v}" for k, v in (RESULTS.get("env") or {}).items()))
     for note in RESULTS["notes"]:
         print("note:", note)
+    print("bookkeeping kernels (Triton == torch twin):", RESULTS.get("check_kernels"))
     fp32 = RESULTS.get("check_fp32")
     if isinstance(fp32, dict):
         for k, v in fp32.items():

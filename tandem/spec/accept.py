@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.engine.sampling import SamplingParams, target_probs
+from tandem.spec import kernels as spec_kernels
 from tandem.spec.phases import VerifyInput, VerifyResult
 
 
@@ -38,6 +39,8 @@ def accept(
 ) -> VerifyResult:
     n = verify.num_nodes
     argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
+    if all(p.greedy for p in params):
+        return _accept_greedy_batch(verify, argmax)
     # SYNC: the one host read of the round: draft tokens and target argmax together.
     both = torch.stack([verify.tokens, argmax]).tolist()
     tokens_h, argmax_h = both[0], both[1]
@@ -51,6 +54,25 @@ def accept(
                                         params[r], generators[r])
         paths.append(tuple(path))
         new_tokens.append(tuple(tokens_h[r][c] for c in path) + (bonus,))
+    return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
+
+
+def _accept_greedy_batch(verify: VerifyInput, argmax: torch.Tensor) -> VerifyResult:
+    """An all-greedy batch: the walk (`_walk_greedy` for every request) runs on the device --
+    one Triton kernel on CUDA instead of reading both [bs, N] tensors back and walking in
+    Python -- and the round's one host read takes what the commit needs."""
+    depth = max(max(d) for d in verify.depths)  # the longest path any tree allows
+    parents = torch.tensor(verify.parents, dtype=torch.int32, device=argmax.device)  # [bs, N]
+    num, path, bonus = spec_kernels.greedy_accept(verify.tokens, argmax, parents, depth)
+    path_tokens = verify.tokens.gather(1, path.long().clamp(min=0))  # [bs, depth]
+    # SYNC: the one host read of the round: accepted lengths, bonus tokens, paths, tokens.
+    rows = torch.cat([num.long()[:, None], bonus[:, None], path.long(), path_tokens],
+                     dim=1).tolist()
+    paths, new_tokens = [], []
+    for row in rows:
+        a = row[0]
+        paths.append(tuple(row[2 : 2 + a]))
+        new_tokens.append(tuple(row[2 + depth : 2 + depth + a]) + (row[1],))
     return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
 
 

@@ -32,7 +32,7 @@ from tandem.engine.runner import ForwardOutput, ModelRunner
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.phases import DraftInput, VerifyInput
-from tandem.spec.slices import chain_step_slices, pad_fixed_slices, verify_slices
+from tandem.spec.slices import chain_step_slices, pad_fixed_slices, verify_layout
 
 
 def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | None = None
@@ -221,9 +221,8 @@ class SpecGraphRunner:
             raise ValueError(f"no verify graph for {bs} x {verify.num_nodes} nodes (captured "
                              f"{self.batch_sizes} x {n})")
         captured = self._verify_graphs[rows]
-        slices = pad_fixed_slices(verify_slices(verify, masked=self.masked), rows, n,
-                                  self.page_size, self.masked)
-        layout = build_metadata(slices, self.page_size, self.device)
+        layout = verify_layout(verify, self.page_size, self.device, masked=self.masked,
+                               rows=rows)
         plan = self._verify_planner.plan(layout.attn)
         self._verify_ids[: bs * n].copy_(verify.tokens.reshape(-1), non_blocking=True)
         self._verify_ids[bs * n : rows * n].zero_()  # padding rows: any valid token

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.attention.metadata import build_metadata
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import DTYPES, build_model, resolve_model
@@ -36,7 +35,7 @@ from tandem.spec.handoff import PrefillHandoff
 from tandem.spec.head import EagleHead
 from tandem.spec.phases import DraftInput, DraftSeed, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
-from tandem.spec.slices import verify_slices
+from tandem.spec.slices import verify_layout
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +300,7 @@ class SpecEngine(LLMEngine):
     def _verify_forward(self, verify: VerifyInput) -> ForwardOutput:
         if self.spec_graphs is not None and self.spec_graphs.can_verify(verify):
             return self.spec_graphs.verify(verify)
-        layout = build_metadata(verify_slices(verify), self.cfg.page_size, self.device)
+        layout = verify_layout(verify, self.cfg.page_size, self.device)
         n = verify.batch_size * verify.num_nodes
         return self.runner.forward(ForwardBatch(
             input_ids=verify.tokens.reshape(-1), positions=layout.positions, attn=layout.attn,

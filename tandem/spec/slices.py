@@ -8,10 +8,15 @@ reserved scratch page and never touch a real request's pages.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 
-from tandem.engine.attention.metadata import SeqSlice, tree_mask
+import torch
+
+from tandem.engine.attention.metadata import BatchLayout, SeqSlice, build_metadata, tree_mask
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
+from tandem.spec import kernels as spec_kernels
 from tandem.spec.phases import VerifyInput
 
 
@@ -26,11 +31,13 @@ def chain_step_slices(page_ids: Sequence[Sequence[int]], num_cached: Sequence[in
             for p, nc in zip(page_ids, num_cached)]
 
 
-def verify_slices(verify: VerifyInput, masked: bool | None = None) -> list[SeqSlice]:
+def verify_slices(verify: VerifyInput, masked: bool | None = None,
+                  host_mask: bool = True) -> list[SeqSlice]:
     """One slice per request: N nodes at positions num_cached + depth, written at slots
     num_cached + j. masked=None: a custom (ancestor) mask unless the tree is a chain (then
     causal); True: always the tree mask (a chain's equals the causal mask), as a graph
-    captured with masked kernels needs; False: causal (only for chains)."""
+    captured with masked kernels needs; False: causal (only for chains). host_mask=False
+    leaves the masks out of the slices (`verify_layout` builds them on the device)."""
     chain = verify.is_chain
     if masked is None:
         masked = not chain
@@ -38,11 +45,46 @@ def verify_slices(verify: VerifyInput, masked: bool | None = None) -> list[SeqSl
         raise ValueError("verify_slices: a causal mask cannot verify a branching tree")
     return [
         SeqSlice(page_ids=p, num_cached=nc, num_new=verify.num_nodes,
-                 mask=tree_mask(nc, parents) if masked else None,
+                 mask=tree_mask(nc, parents) if masked and host_mask else None,
                  positions=None if chain else [nc + d for d in depths])
         for p, nc, parents, depths in zip(verify.page_ids, verify.num_cached, verify.parents,
                                           verify.depths)
     ]
+
+
+def verify_layout(verify: VerifyInput, page_size: int, device: torch.device | str,
+                  masked: bool | None = None, rows: int | None = None,
+                  device_mask: bool | None = None) -> BatchLayout:
+    """The verify forward's metadata (padded to `rows` requests when given). On CUDA
+    (device_mask=None) the custom mask -- every node's [num_cached + N] row, mostly the True
+    prefix -- is built by one kernel on the device (`kernels.tree_mask`) instead of Python
+    loops and a host-to-device copy; elsewhere from `tree_mask` per request. Both give the
+    same flat mask."""
+    if masked is None:
+        masked = not verify.is_chain
+    device = torch.device(device)
+    n, bs = verify.num_nodes, verify.batch_size
+    rows = bs if rows is None else rows
+    if device_mask is None:
+        device_mask = device.type == "cuda"
+    on_device = masked and device_mask
+    slices = verify_slices(verify, masked=masked, host_mask=not on_device)
+    if rows > bs:
+        slices = pad_fixed_slices(slices, rows, n, page_size, masked and not on_device)
+    layout = build_metadata(slices, page_size, device)
+    if not on_device:
+        return layout
+    chain = tuple(range(-1, n - 1))
+    parents = list(verify.parents) + [chain] * (rows - bs)
+    num_cached = list(verify.num_cached) + [0] * (rows - bs)
+    sizes = [n * (nc + n) for nc in num_cached]
+    offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+    host = torch.tensor([num_cached, offsets], dtype=torch.int64)
+    dev = host.to(device, non_blocking=True)
+    mask = spec_kernels.tree_mask(torch.tensor(parents, dtype=torch.int32).to(device),
+                                  dev[0], dev[1], sum(sizes), max(num_cached))
+    return BatchLayout(attn=dataclasses.replace(layout.attn, custom_mask=mask),
+                       positions=layout.positions)
 
 
 def pad_fixed_slices(slices: Sequence[SeqSlice], batch_size: int, num_new: int,

@@ -18,12 +18,17 @@ from spec_helpers import (
     tiny_target,
 )
 
-from tandem.engine import build_metadata
+from tandem.engine import SeqSlice, build_metadata
 from tandem.engine.attention.metadata import causal_mask, tree_mask
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
 from tandem.spec import DraftInput, SpecConfig, SpecEngine, VerifyInput, propose
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
-from tandem.spec.slices import chain_step_slices, pad_fixed_slices, verify_slices
+from tandem.spec.slices import (
+    chain_step_slices,
+    pad_fixed_slices,
+    verify_layout,
+    verify_slices,
+)
 
 PS = 4  # page size of engine_cfg()
 
@@ -93,6 +98,25 @@ def test_padding_rows_write_and_read_only_the_scratch_page(num_new, masked):
         pad_fixed_slices(real, 5, num_new + 1, PS, masked)
     with pytest.raises(ValueError, match="batch_size"):
         pad_fixed_slices(real, 1, num_new, PS, masked)
+
+
+@pytest.mark.parametrize("parents", [[-1, 0, 1, 2], [-1, 0, 0, 1, 3]], ids=["chain", "tree"])
+@pytest.mark.parametrize("rows", [None, 4])
+def test_verify_layout_device_mask_equals_host_mask(parents, rows):
+    """The mask built by the bookkeeping kernel (CUDA's path) is the per-request host mask,
+    padding rows included; everything else in the layout is the same."""
+    verify = _verify(parents, num_cached=(5, 18))
+    host = verify_layout(verify, PS, "cpu", masked=True, rows=rows, device_mask=False)
+    dev = verify_layout(verify, PS, "cpu", masked=True, rows=rows, device_mask=True)
+    assert torch.equal(dev.attn.custom_mask, host.attn.custom_mask)
+    assert dev.positions.tolist() == host.positions.tolist()
+    for f in ("qo_indptr", "kv_page_indptr", "kv_page_ids", "kv_lens", "slot_ids"):
+        assert torch.equal(getattr(dev.attn, f), getattr(host.attn, f)), f
+    want = [SeqSlice(page_ids=p, num_cached=nc, num_new=len(parents), mask=tree_mask(nc, parents),
+                     positions=list(s.positions) if s.positions is not None else None)
+            for p, nc, s in zip(verify.page_ids, verify.num_cached, verify_slices(verify))]
+    if rows is None:
+        assert torch.equal(host.attn.custom_mask, build_metadata(want, PS).attn.custom_mask)
 
 
 def test_spec_graph_buckets():
