@@ -28,7 +28,7 @@ from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import StepPlan
 from tandem.spec.accept import accept
 from tandem.spec.config import SpecConfig
-from tandem.spec.cuda_graphs import SpecGraphRunner
+from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
 from tandem.spec.extend import compact_accepted_path, draft_extend, draft_prefill, make_extend_input
 from tandem.spec.handoff import PrefillHandoff
@@ -87,7 +87,7 @@ class SpecEngine(LLMEngine):
         self.spec_graphs: SpecGraphRunner | None = None
         if self.graphs is not None:
             self.spec_graphs = SpecGraphRunner(
-                self.runner, self.draft, spec, self.graphs.batch_sizes,
+                self.runner, self.draft, spec, spec_graph_batch_sizes(self.graphs.batch_sizes),
                 max_kv_len=self.max_model_len + spec.slots_per_round,
                 capture_layers=self.capture)
             self.spec_graphs.capture()
