@@ -4,6 +4,7 @@ speculative engine."""
 
 from tandem.spec.accept import accept
 from tandem.spec.config import SpecConfig
+from tandem.spec.cuda_graphs import SpecGraphRunner
 from tandem.spec.draft_runner import DRAFT_GROUP, DraftRunner, draft_kv_group
 from tandem.spec.engine import SpecEngine, SpecStats, target_features
 from tandem.spec.extend import (
@@ -24,7 +25,8 @@ from tandem.spec.propose import propose
 
 __all__ = [
     "DRAFT_GROUP", "DraftExtendInput", "DraftHeadConfig", "DraftHeadError", "DraftInput",
-    "DraftRunner", "DraftSeed", "EagleHead", "SpecConfig", "SpecEngine", "SpecStats",
+    "DraftRunner", "DraftSeed", "EagleHead", "SpecConfig", "SpecEngine", "SpecGraphRunner",
+    "SpecStats",
     "VerifyInput", "VerifyResult", "accept", "compact_accepted_path", "draft_extend",
     "draft_kv_group", "draft_prefill", "dummy_head", "load_head", "make_extend_input",
     "propose", "target_features",
