@@ -40,8 +40,8 @@ import_gguf(Path('/tmp/gc/smollm2.gguf'), Path('/tmp/gc/smollm2'))"
   fi
   # Continuous batching over 1024 running requests; answers are appended per chunk.
   timeout "${GEN_TIMEOUT:-540}" python3 -m tandem.cli train-eagle $TRAIN_ARGS $ENGINE \
-    --generate-only --gen-batch-size 4096 --max-num-seqs 1024 --kv-cache-mib 30000 \
-    --max-num-batched-tokens 32768 || echo "generation stopped (run PHASE=gen again to go on)"
+    --generate-only --gen-batch-size ${GEN_BATCH:-256} --max-num-seqs ${GEN_BATCH:-256} --kv-cache-mib 16000 \
+    --max-num-batched-tokens 16384 || echo "generation stopped (run PHASE=gen again to go on)"
   echo "answered: $(wc -l < $WORK/samples.jsonl)"
   ;;
 train)
