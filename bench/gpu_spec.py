@@ -17,8 +17,10 @@ Sections (each one's failure is caught, printed and recorded; later ones still r
      verify and decode numerics may part at near-ties; exactness is asserted in float32);
    - timings (CUDA events, warm-up, median of N): plain decode step (graph replay; and as a
      step with planning and the host sync), one draft forward, the whole drafting, verify
-     (k+1 or tree tokens), acceptance, draft-extend, their sum, and a whole engine round;
-     the CUDA-graph versions of the draft step and verify when the engine has them;
+     (k+1 or tree tokens), acceptance, draft-extend, their sum, and a whole engine round
+     (alone, and back to back: `spec_step_loop_ms`); the CUDA-graph versions of the draft
+     step, verify and draft-extend when the engine has them (the extend graph first checked
+     against the eager extend: same top-k ids, hidden close);
    - speedup at tau = 2, 3, 4: tau * t_plain / t_round. Random weights accept (almost)
      nothing, so tau is an input here and the speedup is COMPUTED from the measured costs.
 Prints a table last; every number goes to $OUT/gpu_spec.json (written after each section).
@@ -59,6 +61,7 @@ from tandem.spec import (  # noqa: E402
     propose,
     target_features,
 )
+from tandem.spec.accept import launch_greedy_accept  # noqa: E402
 from tandem.spec.slices import verify_slices  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -102,6 +105,22 @@ def event_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def loop_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
+    """Mean wall time (ms) of `iters` back-to-back calls, the stream drained before the first
+    and after the last: what a call costs when calls pipeline (host work of the next one
+    overlapping the GPU work of this one)."""
+    for _ in range(warmup):
+        fn()
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def guarded(name: str, fn: Callable[[], object], sink: dict, out: Path) -> object:
@@ -347,13 +366,21 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
     reqs = [eng.scheduler.requests[r] for r in req_ids]
     row: dict = {"batch": bs, "ctx": round(sum(r.num_tokens for r in reqs) / bs),
                  "num_steps": spec.num_steps, "topk": spec.topk, "tree_size": spec.tree_size}
-    # The whole round as the engine runs it (ends in the round's host sync).
+    # The whole round as the engine runs it (its one host read waits for acceptance; the
+    # draft-extend graph may still run when step() returns, so the span ends on an event).
     row["spec_step_ms"] = event_ms(eng.step, iters)
+    # Back-to-back rounds, one drain at the end: the steady-state cost of a round when the
+    # host prepares the next round while the GPU finishes this one's extend.
+    row["spec_step_loop_ms"] = loop_ms(eng.step, iters)
     # Plain decode of the same batch.
     rows = padded_batch_size(bs, eng.graphs.batch_sizes) if eng.graphs else None
     if rows is not None:
-        row["plain_graph_ms"] = event_ms(lambda: eng.graphs.replay_only(rows), iters)
         batch = _plain_decode_batch(eng, req_ids, rows)
+        # Plan this bucket first: replay_only reuses the latest plan, and the planner's buffers
+        # are shared by every bucket (a stale plan of batch 1 under the graph of 16 was the
+        # illegal memory access of 2026-11-26; replay_only now refuses it).
+        eng.graphs.run(batch)
+        row["plain_graph_ms"] = event_ms(lambda: eng.graphs.replay_only(rows), iters)
 
         def plain_step():
             b = _plain_decode_batch(eng, req_ids, rows)
@@ -371,10 +398,11 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
     inp, verify = row.pop("_inp"), row.pop("_verify")
     # The CUDA-graph versions, when the engine has them (tandem/spec/cuda_graphs.py).
     if graphs is not None:
-        row.update(_graph_timings(eng, graphs, inp, verify, iters))
+        row.update(_graph_timings(eng, graphs, inp, verify, iters, req_ids))
     t_plain = row.get("plain_step_ms")
     if t_plain:
         row["speedup"] = {str(t): t * t_plain / row["spec_step_ms"] for t in (2, 3, 4)}
+        row["speedup_loop"] = {str(t): t * t_plain / row["spec_step_loop_ms"] for t in (2, 3, 4)}
         if "spec_step_eager_ms" in row:
             row["speedup_eager_round"] = {str(t): t * t_plain / row["spec_step_eager_ms"]
                                           for t in (2, 3, 4)}
@@ -426,8 +454,31 @@ def _eager_pieces(eng: SpecEngine, req_ids: list[str], iters: int) -> dict:
     return row
 
 
+def _extend_graph_timings(eng: SpecEngine, graphs, verify: VerifyInput, rows: int,
+                          iters: int) -> dict:
+    """The draft-extend graph: equal to the eager ragged extend (top-k ids exactly, hidden
+    close: other row counts may round differently in bf16), its call (planning + input copies
+    + replay) and its replay alone."""
+    res: dict = {}
+    out = eng._verify_forward(verify)
+    feats = target_features(out, eng.head).clone()
+    pending = launch_greedy_accept(verify, out.logits)
+    result = pending.result()
+    args = (verify, pending.num_accepted, pending.path, pending.bonus, feats)
+    got = graphs.extend(*args)
+    want = draft_extend(eng.draft, make_extend_input(verify, result, feats), eng.spec.topk)
+    res["extend_graph_topk_equal"] = bool(torch.equal(got.topk_ids, want.topk_ids))
+    res["extend_graph_vs_eager_rel_err"] = float((got.hidden.float() - want.hidden.float()).norm()
+                                                 / want.hidden.float().norm())
+    res["extend_graph_accepted"] = list(result.num_accepted)
+    res["extend_graph_call_ms"] = event_ms(lambda: graphs.extend(*args), iters)
+    graphs.extend(*args)  # the latest extend plan is of this bucket again
+    res["extend_graph_ms"] = event_ms(lambda: graphs.replay_extend_only(rows), iters)
+    return res
+
+
 def _graph_timings(eng: SpecEngine, graphs, inp: DraftInput, verify: VerifyInput,
-                   iters: int) -> dict:
+                   iters: int, req_ids: list[str]) -> dict:
     """Graph replays alone (pure GPU time), graphed phases with their planning, and a whole
     engine round with the speculative graphs switched off (the eager round, same engine)."""
     res: dict = {}
@@ -455,6 +506,9 @@ def _graph_timings(eng: SpecEngine, graphs, inp: DraftInput, verify: VerifyInput
             (g_logits.argmax(-1) == e_logits.argmax(-1)).float().mean())
         graphs.verify(verify)  # the latest verify plan is of this bucket again
         res["verify_graph_ms"] = event_ms(lambda: graphs.replay_verify_only(rows), iters)
+    if graphs.can_extend(verify) and all(p.greedy for p in
+                                         (eng.scheduler.requests[r].params for r in req_ids)):
+        res.update(_extend_graph_timings(eng, graphs, verify, rows, iters))
     saved, eng.spec_graphs = eng.spec_graphs, None
     try:
         res["spec_step_eager_ms"] = event_ms(eng.step, iters)
@@ -555,16 +609,19 @@ def print_table() -> None:
                       f"{'OK' if v.get('ok') else 'FAIL'} tau={_f(v.get('tau'), '{:.2f}')} "
                       f"{v.get('accepted_hist', '')} {v.get('error', '')}")
     cols = ("plain_graph_ms", "plain_step_ms", "draft_step_ms", "propose_ms", "verify_ms",
-            "accept_ms", "extend_ms", "round_sum_ms", "spec_step_ms", "draft_step_graph_ms",
-            "propose_graph_ms", "verify_graph_ms", "spec_step_eager_ms")
+            "accept_ms", "extend_ms", "round_sum_ms", "spec_step_ms", "spec_step_loop_ms",
+            "draft_step_graph_ms", "propose_graph_ms", "verify_graph_ms", "extend_graph_ms",
+            "extend_graph_call_ms", "spec_step_eager_ms")
     short = ("plain_g", "plain", "d_step", "propose", "verify", "accept", "extend", "sum",
-             "round", "d_step_g", "prop_g", "verif_g", "round_e")
+             "round", "round_l", "d_step_g", "prop_g", "verif_g", "ext_g", "ext_gc", "round_e")
     print("\ncolumns (ms): plain_g = plain decode graph replay (GPU); plain = plain step with "
           "planning + host sync; d_step/propose/verify/accept/extend/sum = eager pieces of a "
-          "round; round = a whole engine round (spec graphs on when captured); d_step_g/prop_g/"
-          "verif_g = graph replay of a draft step / graphed drafting with planning / verify "
-          "replay; round_e = a whole round with the spec graphs off. speedup = tau * plain / "
-          "round (computed, tau assumed).")
+          "round; round = a whole engine round (spec graphs on when captured); round_l = "
+          "rounds back to back (mean); d_step_g/prop_g/verif_g/ext_g = graph replay of a draft "
+          "step / graphed drafting with planning / verify replay / draft-extend replay; ext_gc "
+          "= draft-extend graph call (planning + copies + replay); round_e = a whole round "
+          "with the spec graphs off. speedup = tau * plain / round (computed, tau assumed; "
+          "then the same with round_l).")
     print(f"{'model':<13} {'cfg':<7} {'bs':>3} " + " ".join(f"{s:>8}" for s in short)
           + "   speedup tau=2/3/4")
     for model_name in ("smollm2-135m", "llama-3.1-8b"):
@@ -574,9 +631,11 @@ def print_table() -> None:
         for key, row in res.items():
             if isinstance(row, dict) and "batch" in row:
                 sp = row.get("speedup") or {}
+                spl = row.get("speedup_loop") or {}
                 print(f"{model_name:<13} {key.split('_')[0]:<7} {row['batch']:>3} "
                       + " ".join(_f(row.get(c)) for c in cols) + "   "
-                      + "/".join(_f(sp.get(t), "{:.2f}") for t in ("2", "3", "4")))
+                      + "/".join(_f(sp.get(t), "{:.2f}") for t in ("2", "3", "4")) + "  loop "
+                      + "/".join(_f(spl.get(t), "{:.2f}") for t in ("2", "3", "4")))
             elif isinstance(row, dict) and ("error" in row or "equal" in row):
                 print(f"{model_name:<13} {key}: "
                       + (f"ERROR {row['error']}" if "error" in row else

@@ -116,5 +116,18 @@ class DecodeGraphRunner:
         return captured.logits[batch.logits_indices]  # advanced indexing: a new tensor
 
     def replay_only(self, batch_size: int) -> None:
-        """Replay without re-planning (benchmarks: pure GPU time of a step)."""
+        """Replay without re-planning (benchmarks: pure GPU time of a step). The latest plan
+        must be of this size (`run` a batch of it first): the planner's buffers are shared by
+        every size, so a graph replayed over another size's plan reads a stale indptr tail --
+        negative page counts, an illegal memory access (bench/gpu_spec.py at batch 16)."""
+        check_latest_plan(self._planner, batch_size, "DecodeGraphRunner.replay_only")
         self._graphs[batch_size].graph.replay()
+
+
+def check_latest_plan(planner: Any, batch_size: int, where: str) -> None:
+    """Raise unless `planner`'s latest plan was made for `batch_size` sequences (planners
+    without that record -- test fakes -- pass)."""
+    latest = getattr(planner, "latest_batch_size", batch_size)
+    if latest != batch_size:
+        raise ValueError(f"{where}: the latest plan is for {latest} sequences, the graph takes "
+                         f"{batch_size}: plan a batch of this size first")

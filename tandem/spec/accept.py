@@ -15,11 +15,14 @@ p = target_probs(logits[c], params) -- the same function the plain sampler uses.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tandem.engine.sampling import SamplingParams, target_probs
 from tandem.spec import kernels as spec_kernels
+from tandem.spec.h2d import tensor as h2d_tensor
 from tandem.spec.phases import VerifyInput, VerifyResult
 
 
@@ -38,9 +41,9 @@ def accept(
     generators: Sequence[torch.Generator | None],
 ) -> VerifyResult:
     n = verify.num_nodes
-    argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
     if all(p.greedy for p in params):
-        return _accept_greedy_batch(verify, argmax)
+        return launch_greedy_accept(verify, logits).result()
+    argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
     # SYNC: the one host read of the round: draft tokens and target argmax together.
     both = torch.stack([verify.tokens, argmax]).tolist()
     tokens_h, argmax_h = both[0], both[1]
@@ -57,23 +60,54 @@ def accept(
     return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
 
 
-def _accept_greedy_batch(verify: VerifyInput, argmax: torch.Tensor) -> VerifyResult:
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class GreedyAcceptance:
+    """Greedy acceptance of a whole batch, computed on the device; its host copy is in flight
+    (`result` waits for it). Work queued after `launch_greedy_accept` -- the draft-extend
+    graph -- runs on the GPU while the host reads the result and commits."""
+
+    num_accepted: torch.Tensor  # [bs] int32 accepted drafts per request
+    path: torch.Tensor  # [bs, depth] int32 accepted nodes in order, -1 past the end
+    bonus: torch.Tensor  # [bs] int64 the target's token after the accepted path
+    depth: int  # the deepest node any tree of the batch has
+    rows_host: torch.Tensor  # [bs, 2 + 2 * depth] int64 on the host (pinned on CUDA)
+    ready: Any  # torch.cuda.Event recorded after the device->host copy; None on CPU
+
+    def result(self) -> VerifyResult:
+        if self.ready is not None:
+            # SYNC: the round's one host read -- waits for the acceptance kernel and the copy,
+            # not for whatever was queued after them.
+            self.ready.synchronize()
+        d = self.depth
+        paths, new_tokens = [], []
+        for row in self.rows_host.tolist():
+            a = row[0]
+            paths.append(tuple(row[2 : 2 + a]))
+            new_tokens.append(tuple(row[2 + d : 2 + d + a]) + (row[1],))
+        return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
+
+
+def launch_greedy_accept(verify: VerifyInput, logits: torch.Tensor) -> GreedyAcceptance:
     """An all-greedy batch: the walk (`_walk_greedy` for every request) runs on the device --
-    one Triton kernel on CUDA instead of reading both [bs, N] tensors back and walking in
-    Python -- and the round's one host read takes what the commit needs."""
+    one Triton kernel on CUDA -- and one device->host copy of what the commit needs (accepted
+    lengths, bonus tokens, paths, tokens) is queued without waiting for it. Nothing here
+    copies host data to the device synchronously."""
+    n, bs = verify.num_nodes, verify.batch_size
+    argmax = logits.argmax(dim=-1).view(bs, n)
     depth = max(max(d) for d in verify.depths)  # the longest path any tree allows
-    parents = torch.tensor(verify.parents, dtype=torch.int32, device=argmax.device)  # [bs, N]
+    parents = h2d_tensor(verify.parents, torch.int32, argmax.device)  # [bs, N]
     num, path, bonus = spec_kernels.greedy_accept(verify.tokens, argmax, parents, depth)
     path_tokens = verify.tokens.gather(1, path.long().clamp(min=0))  # [bs, depth]
-    # SYNC: the one host read of the round: accepted lengths, bonus tokens, paths, tokens.
-    rows = torch.cat([num.long()[:, None], bonus[:, None], path.long(), path_tokens],
-                     dim=1).tolist()
-    paths, new_tokens = [], []
-    for row in rows:
-        a = row[0]
-        paths.append(tuple(row[2 : 2 + a]))
-        new_tokens.append(tuple(row[2 + depth : 2 + depth + a]) + (row[1],))
-    return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
+    rows = torch.cat([num.long()[:, None], bonus[:, None], path.long(), path_tokens], dim=1)
+    ready = None
+    if rows.is_cuda:
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        rows = host
+    return GreedyAcceptance(num_accepted=num, path=path, bonus=bonus, depth=depth,
+                            rows_host=rows, ready=ready)
 
 
 def _walk_greedy(tokens: list[int], argmax: list[int], kids: list[list[int]]

@@ -14,8 +14,18 @@ graph removes the launch cost (NOTES: ~7.7 us a launch eager, ~1 us in a graph).
   trees). Its outputs (logits of every row, features) are views of the graph's static
   tensors, valid until the next verify replay; the round consumes them before that.
 
-Padding rows (n requests in the bucket B >= n) live on the scratch page (`slices`). Draft-
-extend (ragged: a + 1 tokens per request) and tree draft steps run eagerly.
+- **Draft-extend.** One graph per batch bucket over a fixed B * R tokens (R = 1 + the deepest
+  acceptable path; `slices.extend_slices`): row j of request r is (feature of accepted node j,
+  token of accepted node j+1 or the bonus) at draft position num_cached + j, causal. The rows
+  past a_r + 1 are filler (never read, written past the next round's cache), so nothing about
+  a -- known on the device only -- is baked in: the graph gathers its inputs from the
+  acceptance kernel's device outputs (num accepted, path, bonus) and the verify tokens and
+  features, runs the draft head, and takes each request's bonus row's top-k. Its metadata
+  depends on num_cached alone, so it is built and planned while the verify graph runs.
+
+Padding rows (n requests in the bucket B >= n) live on the scratch page (`slices`). Tree draft
+steps run eagerly. Layouts are built on the host and copied without a stream sync (`h2d`), so
+the host plans the next forward while the GPU runs the current one.
 """
 
 from __future__ import annotations
@@ -26,13 +36,23 @@ from typing import Any
 
 import torch
 
-from tandem.engine.attention.metadata import build_metadata
-from tandem.engine.cuda_graphs import pad_decode_slices, padded_batch_size
+from tandem.engine.cuda_graphs import (
+    check_latest_plan,
+    pad_decode_slices,
+    padded_batch_size,
+)
 from tandem.engine.runner import ForwardOutput, ModelRunner
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
+from tandem.spec.h2d import build_layout
 from tandem.spec.phases import DraftInput, VerifyInput
-from tandem.spec.slices import chain_step_slices, pad_fixed_slices, verify_layout
+from tandem.spec.slices import (
+    chain_step_slices,
+    extend_rows,
+    extend_slices,
+    pad_fixed_slices,
+    verify_layout,
+)
 
 
 def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | None = None
@@ -46,17 +66,32 @@ def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | No
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ExtendOutput:
+    """The draft-extend graph's result for the real rows: the next round's first level. New
+    tensors (the graph's static outputs are copied out)."""
+
+    hidden: torch.Tensor  # [bs, H] draft hidden of each request's bonus row
+    topk_ids: torch.Tensor  # [bs, topk] int64 target ids it proposes
+    topk_logp: torch.Tensor  # [bs, topk] float32 their draft log-probabilities
+    last_tokens: torch.Tensor  # [bs] int64 the bonus tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None in eager mode (CPU tests): the body runs instead
     plan: Any  # the plan the graph was captured with (its fixed buffers)
-    out: ForwardOutput | None  # verify outputs (static), None for draft steps
+    out: Any  # static outputs: ForwardOutput (verify), a tuple (extend), None (draft steps)
 
 
 def _check_fixed_buffers(plan: Any, captured: Any) -> None:
-    """A new plan must have rewritten the captured wrapper's buffers, not made new ones."""
+    """A new plan must have rewritten the captured wrapper's buffers, not made new ones, and
+    be its planner's latest (a later plan of another bucket rewrote the shared buffers)."""
     if hasattr(plan, "wrapper"):
-        assert plan.wrapper is captured.wrapper
-        assert plan.slot_ids.data_ptr() == captured.slot_ids.data_ptr()
+        if plan.wrapper is not captured.wrapper or \
+                plan.slot_ids.data_ptr() != captured.slot_ids.data_ptr():
+            raise RuntimeError("spec graph replay: the plan is not the captured wrapper's")
+        if plan.epoch.value != plan.planned_at:
+            raise RuntimeError("spec graph replay: a newer plan replaced this one")
 
 
 class SpecGraphRunner:
@@ -90,6 +125,10 @@ class SpecGraphRunner:
                                if self.chain_drafting else None)
         self._verify_planner = backend.graph_prefill_planner(
             max_bs, self.num_nodes, pages, max_kv_len, custom_mask=self.masked)
+        # Draft-extend: R rows per request, causal, over the draft's KV group.
+        self.extend_rows = extend_rows(spec.num_steps, self.num_nodes)
+        self._extend_planner = backend.graph_prefill_planner(
+            max_bs, self.extend_rows, pages, max_kv_len, custom_mask=False)
         head = draft.head
         self._tokens = torch.zeros(max_bs, spec.num_steps + 1, dtype=torch.int64,
                                    device=device)  # [B_max, k+1]
@@ -100,8 +139,24 @@ class SpecGraphRunner:
         n = max_bs * self.num_nodes
         self._verify_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [B_max * N]
         self._verify_positions = torch.zeros(n, dtype=torch.int64, device=device)
+        # Draft-extend inputs: what acceptance left on the device, and the verify's tokens and
+        # features; rows of requests past the batch (bucket padding) hold zeros / -1.
+        depth, r = self.extend_rows - 1, self.extend_rows
+        feat = head.cfg.hidden_size if head.cfg.kind == "eagle" else head.cfg.feature_size
+        self._acc_num = torch.zeros(max_bs, dtype=torch.int32, device=device)  # [B_max]
+        self._acc_path = torch.full((max_bs, max(depth, 1)), -1, dtype=torch.int32,
+                                    device=device)  # [B_max, R-1] accepted nodes, -1 = none
+        self._acc_bonus = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
+        self._ver_tokens = torch.zeros(max_bs, self.num_nodes, dtype=torch.int64,
+                                       device=device)  # [B_max, N]
+        self._ver_features = torch.zeros(max_bs * self.num_nodes, feat,
+                                         dtype=head.fc.weight.dtype,
+                                         device=device)  # [B_max * N, F]
+        self._ext_positions = torch.zeros(max_bs * r, dtype=torch.int64,
+                                          device=device)  # [B_max * R]
         self._draft_graphs: dict[int, _Captured] = {}
         self._verify_graphs: dict[int, _Captured] = {}
+        self._extend_graphs: dict[int, _Captured] = {}
         self._pool: Any = None
 
     # ---- capture ------------------------------------------------------------------------------
@@ -117,6 +172,8 @@ class SpecGraphRunner:
             if self.chain_drafting:
                 self._draft_graphs[bs] = self._capture(bs, self._draft_plan_padding(bs),
                                                        self._draft_body, eager)
+            self._extend_graphs[bs] = self._capture(bs, self._extend_plan_padding(bs),
+                                                    self._extend_body, eager)
         self._step.fill_(1)
         if not eager:
             torch.cuda.synchronize(self.device)  # SYNC: start-up only
@@ -134,7 +191,7 @@ class SpecGraphRunner:
         self._pool = graph.pool()
         return _Captured(graph=graph, plan=plan, out=out)
 
-    def _replay(self, captured: _Captured, body, bs: int, plan: Any) -> ForwardOutput | None:
+    def _replay(self, captured: _Captured, body, bs: int, plan: Any) -> Any:
         if captured.graph is None:  # eager mode
             return body(bs, plan)
         _check_fixed_buffers(plan, captured.plan)
@@ -143,12 +200,17 @@ class SpecGraphRunner:
 
     def _draft_plan_padding(self, bs: int) -> Any:
         return self._draft_planner.plan(
-            build_metadata(pad_decode_slices([], bs), self.page_size, self.device).attn)
+            build_layout(pad_decode_slices([], bs), self.page_size, self.device).attn)
 
     def _verify_plan_padding(self, bs: int) -> Any:
         slices = pad_fixed_slices([], bs, self.num_nodes, self.page_size, self.masked)
-        return self._verify_planner.plan(build_metadata(slices, self.page_size,
-                                                        self.device).attn)
+        return self._verify_planner.plan(build_layout(slices, self.page_size,
+                                                      self.device).attn)
+
+    def _extend_plan_padding(self, bs: int) -> Any:
+        slices = pad_fixed_slices([], bs, self.extend_rows, self.page_size, False)
+        return self._extend_planner.plan(build_layout(slices, self.page_size,
+                                                      self.device).attn)
 
     @torch.inference_mode()
     def _draft_body(self, bs: int, plan: Any) -> None:
@@ -169,6 +231,31 @@ class SpecGraphRunner:
         n = bs * self.num_nodes
         return self.runner.forward_planned(self._verify_ids[:n], self._verify_positions[:n],
                                            plan, None, self.capture_layers)
+
+    @torch.inference_mode()
+    def _extend_body(self, bs: int, plan: Any) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+        """The fixed-shape draft-extend over the bucket, inputs gathered on the device: row j
+        of request r takes the feature of node_j (root, then accepted nodes) and the token of
+        accepted node j+1 -- the bonus at j = a_r and past it (filler). Returns the static
+        (hidden [B, H], top-k ids [B, K], top-k log-probs [B, K]) of each bonus row."""
+        r, n, dev = self.extend_rows, self.num_nodes, self.device
+        num = self._acc_num[:bs].long()  # [B]
+        path = self._acc_path[:bs, : r - 1].long().clamp(min=0)  # [B, R-1]
+        j = torch.arange(r, device=dev)  # [R]
+        zero = torch.zeros(bs, 1, dtype=torch.int64, device=dev)
+        nodes = torch.cat([zero, path], dim=1)  # [B, R] node feeding row j
+        nxt = torch.cat([path, zero], dim=1)  # [B, R] node whose token row j carries
+        accepted = j[None, :] < num[:, None]  # [B, R]
+        toks = torch.where(accepted, self._ver_tokens[:bs].gather(1, nxt),
+                           self._acc_bonus[:bs, None])  # [B, R]
+        base = torch.arange(bs, device=dev)[:, None]  # [B, 1]
+        feats = self._ver_features.index_select(0, (base * n + nodes).reshape(-1))  # [B*R, F]
+        hidden = self.draft.forward_planned(toks.reshape(-1), feats,
+                                            self._ext_positions[: bs * r], plan)  # [B*R, H]
+        last = hidden.index_select(0, base[:, 0] * r + num)  # [B, H] each bonus row
+        ids, logp = self.draft.head.topk(last, self.spec.topk)
+        return last, ids, logp
 
     # ---- replay -------------------------------------------------------------------------------
 
@@ -207,7 +294,7 @@ class SpecGraphRunner:
     def _replay_draft_step(self, inp: DraftInput, step: int, rows: int,
                            captured: _Captured) -> None:
         slices = chain_step_slices(inp.page_ids, inp.num_cached, step)
-        layout = build_metadata(pad_decode_slices(slices, rows), self.page_size, self.device)
+        layout = build_layout(pad_decode_slices(slices, rows), self.page_size, self.device)
         plan = self._draft_planner.plan(layout.attn)  # rewrites the captured buffers
         self._draft_positions[:rows].copy_(layout.positions, non_blocking=True)
         self._replay(captured, self._draft_body, rows, plan)
@@ -233,15 +320,66 @@ class SpecGraphRunner:
         return ForwardOutput(logits=out.logits[:m], hidden=out.hidden[:m],
                              aux_hidden=tuple(a[:m] for a in out.aux_hidden))
 
+    def can_extend(self, verify: VerifyInput) -> bool:
+        return (verify.num_nodes == self.num_nodes and self.bucket(verify.batch_size) is not None
+                and max(max(d) for d in verify.depths) <= self.extend_rows - 1)
+
+    def extend(self, verify: VerifyInput, num_accepted: torch.Tensor, path: torch.Tensor,
+               bonus: torch.Tensor, features: torch.Tensor) -> ExtendOutput:
+        """Draft-extend through its graph, from acceptance's device outputs: num_accepted [bs]
+        int32, path [bs, D] int32 (-1 padded, D <= R - 1), bonus [bs] int64; features
+        [bs * N, F] the verify's target features, request-major. Queues work only: nothing
+        here waits for the GPU, so it is meant to be called before the round's host read."""
+        bs, n, r = verify.batch_size, self.num_nodes, self.extend_rows
+        rows = self.bucket(bs)
+        if not self.can_extend(verify) or rows is None:
+            raise ValueError(f"no draft-extend graph for {bs} x {verify.num_nodes} nodes "
+                             f"(captured {self.batch_sizes} x {n}, {r} rows)")
+        d = path.shape[1]
+        if d > r - 1 or tuple(num_accepted.shape) != (bs,) or tuple(bonus.shape) != (bs,) \
+                or tuple(features.shape[:1]) != (bs * n,):
+            raise ValueError(f"extend: path {tuple(path.shape)}, num {tuple(num_accepted.shape)}"
+                             f", bonus {tuple(bonus.shape)}, features {tuple(features.shape)} "
+                             f"for {bs} requests x {n} nodes, <= {r - 1} deep")
+        captured = self._extend_graphs[rows]
+        slices = extend_slices(verify.page_ids, verify.num_cached, r)
+        if rows > bs:
+            slices = pad_fixed_slices(slices, rows, r, self.page_size, False)
+        layout = build_layout(slices, self.page_size, self.device)
+        plan = self._extend_planner.plan(layout.attn)  # rewrites the captured buffers
+        self._acc_num[:bs].copy_(num_accepted, non_blocking=True)
+        self._acc_path[:bs, :d].copy_(path, non_blocking=True)
+        if d < self._acc_path.shape[1]:
+            self._acc_path[:bs, d:].fill_(-1)
+        self._acc_bonus[:bs].copy_(bonus, non_blocking=True)
+        self._ver_tokens[:bs].copy_(verify.tokens, non_blocking=True)
+        self._ver_features[: bs * n].copy_(features, non_blocking=True)
+        if rows > bs:  # padding requests: accept nothing (rows read node 0 of request r)
+            self._acc_num[bs:rows].zero_()
+            self._acc_path[bs:rows].fill_(-1)
+        self._ext_positions[: rows * r].copy_(layout.positions, non_blocking=True)
+        out = self._replay(captured, self._extend_body, rows, plan)
+        last, ids, logp = out
+        return ExtendOutput(hidden=last[:bs].clone(), topk_ids=ids[:bs].clone(),
+                            topk_logp=logp[:bs].clone(), last_tokens=bonus.clone())
+
     # ---- benchmarks ---------------------------------------------------------------------------
 
     def replay_draft_step_only(self, rows: int) -> None:
         """Replay a draft step without re-planning (pure GPU time): the latest draft plan must
         be of this bucket (a `propose` of that batch size just ran). Resets the step index
         first so the replay stays inside the token buffer."""
+        check_latest_plan(self._draft_planner, rows, "replay_draft_step_only")
         self._step.fill_(1)
         self._draft_graphs[rows].graph.replay()
 
     def replay_verify_only(self, rows: int) -> None:
         """Replay verify without re-planning: the latest verify plan must be of this bucket."""
+        check_latest_plan(self._verify_planner, rows, "replay_verify_only")
         self._verify_graphs[rows].graph.replay()
+
+    def replay_extend_only(self, rows: int) -> None:
+        """Replay draft-extend without re-planning: the latest extend plan must be of this
+        bucket (an `extend` of that batch size just ran)."""
+        check_latest_plan(self._extend_planner, rows, "replay_extend_only")
+        self._extend_graphs[rows].graph.replay()

@@ -26,11 +26,17 @@ from tandem.engine.parallel import ParallelContext
 from tandem.engine.request import Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import StepPlan
-from tandem.spec.accept import accept
+from tandem.spec.accept import accept, launch_greedy_accept
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
-from tandem.spec.extend import compact_accepted_path, draft_extend, draft_prefill, make_extend_input
+from tandem.spec.extend import (
+    compact_accepted_path,
+    draft_extend,
+    draft_prefill,
+    make_extend_input,
+    next_draft_input,
+)
 from tandem.spec.handoff import PrefillHandoff
 from tandem.spec.head import EagleHead
 from tandem.spec.phases import DraftInput, DraftSeed, VerifyInput, VerifyResult
@@ -283,12 +289,31 @@ class SpecEngine(LLMEngine):
                                     [r.page_ids for r in reqs])
         verify = self._propose(req_ids, inp)
         out = self._verify_forward(verify)
-        result = accept(verify, out.logits, [r.params for r in reqs], [r.generator for r in reqs])
-        compact_accepted_path(self.kv_pool, "target", verify, result)
-        nxt = draft_extend(self.draft, make_extend_input(verify, result,
-                                                         target_features(out, self.head)),
-                           self.spec.topk)
+        params = [r.params for r in reqs]
+        graphs = self.spec_graphs
+        if graphs is not None and all(p.greedy for p in params) and graphs.can_extend(verify):
+            result, nxt = self._accept_and_extend_on_device(verify, out, graphs)
+        else:
+            result = accept(verify, out.logits, params, [r.generator for r in reqs])
+            compact_accepted_path(self.kv_pool, "target", verify, result)
+            nxt = draft_extend(self.draft, make_extend_input(verify, result,
+                                                             target_features(out, self.head)),
+                               self.spec.topk)
         return self._commit(reqs, result, nxt)
+
+    def _accept_and_extend_on_device(self, verify: VerifyInput, out: ForwardOutput,
+                                     graphs: SpecGraphRunner) -> tuple[VerifyResult, DraftInput]:
+        """Greedy acceptance and the draft-extend graph, queued back to back before the
+        round's one host read: the host then waits only for acceptance, and commits while the
+        GPU runs the extend (the same tokens and draft inputs as the eager path)."""
+        pending = launch_greedy_accept(verify, out.logits)
+        ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
+                            target_features(out, self.head))
+        result = pending.result()  # the round's one host read (SYNC inside)
+        compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV only
+        nxt = next_draft_input(verify, result, ext.hidden, ext.topk_ids, ext.topk_logp,
+                               ext.last_tokens)
+        return result, nxt
 
     def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
         """Drafting. A seam for tests that force acceptance patterns with scripted drafts."""

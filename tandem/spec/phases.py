@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.spec.h2d import tensor as h2d_tensor
+
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class DraftSeed:
@@ -44,6 +46,9 @@ class DraftInput:
     topk_ids: torch.Tensor  # [bs, topk] int64
     topk_logp: torch.Tensor  # [bs, topk] float32
     hidden: torch.Tensor  # [bs, H]
+    # [bs] the same last tokens on the host when the builder knew them (then `seeds` needs no
+    # device read); None = read `last_tokens`.
+    last_token_ids: tuple[int, ...] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -51,18 +56,21 @@ class DraftInput:
 
     @staticmethod
     def from_seeds(seeds: Sequence[DraftSeed], page_ids: Sequence[Sequence[int]]) -> DraftInput:
+        last = tuple(s.last_token for s in seeds)
         return DraftInput(
             page_ids=tuple(tuple(p) for p in page_ids),
             num_cached=tuple(s.num_cached for s in seeds),
-            last_tokens=torch.tensor([s.last_token for s in seeds], dtype=torch.int64,
-                                     device=seeds[0].hidden.device),
+            last_tokens=h2d_tensor(last, torch.int64, seeds[0].hidden.device),  # no sync
             topk_ids=torch.stack([s.topk_ids for s in seeds]),
             topk_logp=torch.stack([s.topk_logp for s in seeds]),
             hidden=torch.stack([s.hidden for s in seeds]),
+            last_token_ids=last,
         )
 
     def seeds(self) -> list[DraftSeed]:
-        last = self.last_tokens.tolist()  # SYNC: seeds are host-visible per-request state
+        last = self.last_token_ids
+        if last is None:
+            last = self.last_tokens.tolist()  # SYNC: only when no builder knew them
         return [DraftSeed(num_cached=self.num_cached[i], last_token=last[i],
                           topk_ids=self.topk_ids[i], topk_logp=self.topk_logp[i],
                           hidden=self.hidden[i]) for i in range(self.batch_size)]

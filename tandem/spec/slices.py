@@ -14,9 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine.attention.metadata import BatchLayout, SeqSlice, build_metadata, tree_mask
+from tandem.engine.attention.metadata import (
+    BatchLayout,
+    SeqSlice,
+    tree_mask,
+)
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
+from tandem.spec import h2d
 from tandem.spec import kernels as spec_kernels
+from tandem.spec.h2d import build_layout
 from tandem.spec.phases import VerifyInput
 
 
@@ -71,7 +77,7 @@ def verify_layout(verify: VerifyInput, page_size: int, device: torch.device | st
     slices = verify_slices(verify, masked=masked, host_mask=not on_device)
     if rows > bs:
         slices = pad_fixed_slices(slices, rows, n, page_size, masked and not on_device)
-    layout = build_metadata(slices, page_size, device)
+    layout = build_layout(slices, page_size, device)  # never waits for the GPU
     if not on_device:
         return layout
     chain = tuple(range(-1, n - 1))
@@ -79,9 +85,8 @@ def verify_layout(verify: VerifyInput, page_size: int, device: torch.device | st
     num_cached = list(verify.num_cached) + [0] * (rows - bs)
     sizes = [n * (nc + n) for nc in num_cached]
     offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
-    host = torch.tensor([num_cached, offsets], dtype=torch.int64)
-    dev = host.to(device, non_blocking=True)
-    mask = spec_kernels.tree_mask(torch.tensor(parents, dtype=torch.int32).to(device),
+    dev = h2d.tensor([num_cached, offsets], torch.int64, device)
+    mask = spec_kernels.tree_mask(h2d.tensor(parents, torch.int32, device),
                                   dev[0], dev[1], sum(sizes), max(num_cached))
     return BatchLayout(attn=dataclasses.replace(layout.attn, custom_mask=mask),
                        positions=layout.positions)
@@ -102,3 +107,23 @@ def pad_fixed_slices(slices: Sequence[SeqSlice], batch_size: int, num_new: int,
     pad = SeqSlice(page_ids=pages, num_cached=0, num_new=num_new,
                    mask=tree_mask(0, list(range(-1, num_new - 1))) if masked else None)
     return list(slices) + [pad] * (batch_size - len(slices))
+
+
+def extend_rows(spec_num_steps: int, tree_size: int) -> int:
+    """Rows per request of the fixed-shape draft-extend (its CUDA graph): the root plus the
+    deepest path a tree of `tree_size` nodes and `spec_num_steps` levels can accept."""
+    return min(spec_num_steps, tree_size - 1) + 1
+
+
+def extend_slices(page_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
+                  rows: int) -> list[SeqSlice]:
+    """The fixed-shape draft-extend: every request runs `rows` tokens at draft positions
+    num_cached .. num_cached + rows - 1, causally. Row j < a + 1 carries the accepted path
+    (root feature with the first accepted token, ..., last accepted feature with the bonus);
+    rows past a + 1 are filler whose outputs nobody reads. Causality keeps the real rows
+    exact: row j attends to num_cached + j + 1 keys, all of them accepted ones (DESIGN §3 "Seq
+    lens after rejection"). The filler rows' K/V land in slots >= num_cached + a + 1, past
+    the next round's cache, which every later forward writes before it reads them (the
+    next draft step writes its slot first; the next verify and extend write theirs)."""
+    return [SeqSlice(page_ids=p, num_cached=nc, num_new=rows)
+            for p, nc in zip(page_ids, num_cached)]

@@ -1,6 +1,7 @@
 """Speculative CUDA graphs (tandem/spec/cuda_graphs.py) on the GPU: a replay equals the eager
 forward planned into the same buffers bit for bit, graph drafting proposes the eager tokens,
-and a SpecEngine with graphs stays lossless (divergences from plain greedy only at bf16
+the draft-extend graph proposes what the eager extend does, and a SpecEngine with graphs
+(draft steps, verify, acceptance and extend on the device) stays lossless (divergences from plain greedy only at bf16
 near-ties, checked against a stated margin).
 
     python -m pytest -q tests/gpu -k spec
@@ -184,3 +185,40 @@ def test_spec_with_graphs_is_lossless_up_to_bf16_near_ties(target, which):
         # bf16: a verify over N tokens and a 1-token decode round differently; they may part
         # only where the two best candidates are within 2% of the logit scale.
         assert {a[d], b[d]} <= set(top2) and gap <= 0.02 * max(1.0, scale), (d, gap, scale)
+
+
+@pytest.mark.parametrize("which", ["chain", "tree"])
+@pytest.mark.parametrize("bs", [1, 3])  # 3 runs in the graph of 4
+def test_spec_extend_graph_equals_eager_extend(chain_engine, tree_engine, which, bs):
+    """The draft-extend graph (fixed R rows per request, inputs gathered on the device from
+    acceptance's outputs) proposes what the eager ragged extend does: the same top-k ids and
+    next-round inputs, hidden states equal up to bf16 rounding of other row counts."""
+    from tandem.spec.accept import launch_greedy_accept
+    from tandem.spec.extend import draft_extend, make_extend_input, next_draft_input
+
+    eng = chain_engine if which == "chain" else tree_engine
+    graphs = eng.spec_graphs
+    ids, inp = _input(eng, bs, seed=30 + bs)
+    verify = propose(eng.draft, inp, eng.spec)
+    assert graphs.can_extend(verify)
+    out = graphs.verify(verify)
+    feats = out.hidden.clone()
+    pending = launch_greedy_accept(verify, out.logits)
+    result = pending.result()
+    got = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus, feats)
+    want = draft_extend(eng.draft, make_extend_input(verify, result, feats), eng.spec.topk)
+    nxt = next_draft_input(verify, result, got.hidden, got.topk_ids, got.topk_logp,
+                           got.last_tokens)
+    assert nxt.num_cached == want.num_cached
+    assert torch.equal(nxt.last_tokens, want.last_tokens)
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    err = float((got.hidden.float() - want.hidden.float()).norm() / want.hidden.float().norm())
+    assert err < 2e-2, err
+    # Replaying the same plan again gives the same result bit for bit.
+    again = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus, feats)
+    assert torch.equal(again.hidden, got.hidden)
+    # A replay over another bucket's plan is refused before launch (the bs-16 OOB).
+    other = next(b for b in graphs.batch_sizes if b != graphs.bucket(bs))
+    with pytest.raises(ValueError, match="plan a batch of this size first"):
+        graphs.replay_extend_only(other)
+    _abort(eng, ids)

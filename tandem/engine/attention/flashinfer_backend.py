@@ -14,6 +14,7 @@ flashinfer is imported when the backend is constructed, never at tandem import t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,30 @@ class FlashInferPlan:
     slot_ids: torch.Tensor  # [T] int64, page * page_size + offset of each new K/V
     epoch: _Epoch  # the planner's counter ...
     planned_at: int  # ... and its value when this plan was made
+
+
+def check_graph_metadata(meta: AttentionMetadata, where: str) -> None:
+    """Host-side consistency of what a CUDA-graph plan hands the captured kernels, checked
+    before launch on the [B+1] host tensors (plain lists: a few microseconds): a bad indptr
+    inside a graph is an illegal memory access with no Python stack. CSR offsets start at 0,
+    never decrease and end at the token/page counts; every sequence has >= 1 page, a last-page
+    length in [1, page_size], and pages that exactly cover its keys."""
+    qo, kv = meta.qo_indptr_cpu.tolist(), meta.kv_page_indptr_cpu.tolist()
+    last, lens = meta.kv_last_page_len_cpu.tolist(), meta.kv_lens_cpu.tolist()
+    ps, bad = meta.page_size, None
+    if qo[0] != 0 or kv[0] != 0 or any(b < a for x in (qo, kv) for a, b in itertools.pairwise(x)):
+        bad = "indptr must start at 0 and never decrease"
+    elif qo[-1] != meta.num_tokens or kv[-1] != meta.kv_page_ids_cpu.numel():
+        bad = (f"indptr ends ({qo[-1]}, {kv[-1]}) != tokens/pages "
+               f"({meta.num_tokens}, {meta.kv_page_ids_cpu.numel()})")
+    else:
+        for i, ((p0, p1), n_last, n) in enumerate(zip(itertools.pairwise(kv), last, lens)):
+            if p1 - p0 < 1 or not 1 <= n_last <= ps or (p1 - p0 - 1) * ps + n_last != n:
+                bad = (f"sequence {i}: {p1 - p0} pages, last-page length {n_last}, {n} keys "
+                       f"(page size {ps})")
+                break
+    if bad is not None:
+        raise ValueError(f"{where}: inconsistent graph metadata: {bad}")
 
 
 class _UploadGuard:
@@ -87,6 +112,9 @@ class DecodeWrappers:
         self._int_ws_host = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
                                         pin_memory=True)
         self._epoch, self._guard = _Epoch(), _UploadGuard()
+        # Batch size of the latest plan: a graph of another size must not replay on these
+        # shared buffers (its indptr tail is stale -> negative page counts -> illegal access).
+        self.latest_batch_size: int | None = None
         self._allocate(max_batch_size, max_num_pages)
 
     def _allocate(self, max_batch_size: int, max_num_pages: int) -> None:
@@ -127,6 +155,8 @@ class DecodeWrappers:
         if not meta.is_decode:
             raise ValueError("DecodeWrappers.plan: metadata is not a pure decode batch")
         bs, num_pages = meta.num_seqs, meta.kv_page_ids_cpu.numel()
+        if not self.growable:
+            check_graph_metadata(meta, "DecodeWrappers.plan")
         if bs > self.max_batch_size or num_pages > self.max_num_pages:
             if not self.growable:
                 raise ValueError(
@@ -144,6 +174,7 @@ class DecodeWrappers:
         self._guard.after_plan()
         slots = self._slot_ids[:bs]  # [bs] int64, a fixed address for graph replay
         slots.copy_(meta.slot_ids, non_blocking=True)
+        self.latest_batch_size = bs
         self._epoch.value += 1
         return FlashInferPlan(wrapper=self._wrappers[bs], slot_ids=slots, epoch=self._epoch,
                               planned_at=self._epoch.value)
@@ -184,6 +215,7 @@ class PrefillGraphWrappers:
                                  if custom_mask else None)
         self._wrappers: dict[int, Any] = {}
         self._epoch, self._guard = _Epoch(), _UploadGuard()
+        self.latest_batch_size: int | None = None  # as in DecodeWrappers
 
     def _wrapper(self, batch_size: int) -> Any:
         w = self._wrappers.get(batch_size)
@@ -214,6 +246,7 @@ class PrefillGraphWrappers:
         if meta.kv_page_ids_cpu.numel() > self.max_num_pages:
             raise ValueError(f"PrefillGraphWrappers.plan: {meta.kv_page_ids_cpu.numel()} pages "
                              f"exceed the graph buffers ({self.max_num_pages})")
+        check_graph_metadata(meta, "PrefillGraphWrappers.plan")
         if meta.custom_mask is not None:
             lens = meta.kv_lens_cpu.tolist()  # host tensor: no device sync
             need = sum(-(-n * kv // 8) for kv in lens)
@@ -231,6 +264,7 @@ class PrefillGraphWrappers:
         self._guard.after_plan()
         slots = self._slot_ids[: bs * n]  # a fixed address for graph replay
         slots.copy_(meta.slot_ids, non_blocking=True)
+        self.latest_batch_size = bs
         self._epoch.value += 1
         return FlashInferPlan(wrapper=self._wrappers[bs], slot_ids=slots, epoch=self._epoch,
                               planned_at=self._epoch.value)
