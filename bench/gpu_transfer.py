@@ -18,6 +18,12 @@ Modes: "send" = wall time from `send()` to the sender seeing DONE (grant round t
 "pregrant" = `start()` first, the clock starts once GO arrived (as when the grant overlaps
 prefill compute), then push every layer + finish, until DONE.
 
+Both workers poll their endpoint on `PollBackoff` (spin, then sleeps of 1/16 of the idle time,
+capped at --poll-us) and check their pipe without a timeout: `Connection.poll(t)` rounds any
+0 < t < 1 ms up to 1 ms (poll(2)), which once put a 1 ms quantum on every grant and completion.
+NIXL's progress thread is per role by default (on for decode, off for prefill; see
+BackendOptions.nixl_progress_thread); --nixl-progress-thread on|off forces it on both sides.
+
     source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH
     python3 bench/gpu_transfer.py --out $OUT                   # 2 GPUs, ~1-2 min
     PYTHONPATH=. .venv/bin/python bench/gpu_transfer.py --device cpu --sizes-mib 8 \
@@ -125,7 +131,7 @@ class BenchWorker(RawNixl):
     def __init__(self, role: str, device: str, poll_s: float):
         self.role, self.device, self.poll_s = role, device, poll_s
         self.backend = ""  # set by init()
-        self.progress_thread = False  # NIXL: BackendOptions.nixl_progress_thread (init())
+        self.progress_thread: bool | None = None  # NIXL: BackendOptions (None = by role)
         self.ep = None
         self.spec: LayoutSpec | None = None
         self.kv = None  # [L, P, *page_shape] this endpoint's KV region
@@ -137,7 +143,7 @@ class BenchWorker(RawNixl):
     def log(self, msg: str) -> None:
         print(f"{self.tag} {msg}", flush=True)
 
-    def init(self, backend: str, progress_thread: bool = False) -> dict:
+    def init(self, backend: str, progress_thread: bool | None = None) -> dict:
         self.progress_thread = progress_thread
         t0 = time.perf_counter()
         import torch
@@ -235,13 +241,22 @@ class BenchWorker(RawNixl):
         self.kv.view(-1).view(torch.uint8).fill_(SENTINEL)
         self._sync()
 
-    def step(self) -> None:
+    def backoff(self):
+        """The idle loop's polling schedule (the endpoint's own, capped at --poll-us)."""
+        from tandem.kvtransfer import EndpointConfig, PollBackoff
+
+        return PollBackoff(self.ep.config if self.ep is not None else EndpointConfig(
+            poll_sleep_s=self.poll_s, poll_min_sleep_s=min(20e-6, self.poll_s)))
+
+    def step(self) -> bool:
+        """Progress the endpoint (and raw agents); True if an event or outcome came."""
         self.raw_progress()
         if self.ep is None:
-            return
+            return False
         out = self.ep.poll()
         if self.role == "decode":
             self.events.extend(out)
+        return bool(out)
 
     # -- sender ---------------------------------------------------------------------------------
     def connect(self, info: bytes, timeout_s: float) -> float:
@@ -280,13 +295,13 @@ class BenchWorker(RawNixl):
                 self.ep.send(d, src_pages, payload)
             else:  # pregrant: the clock that counts starts at GO
                 self.ep.start(d, src_pages)
-                spin_until = time.perf_counter() + 0.002  # as EndpointConfig.spin_s
+                backoff = self.backoff()
                 while self.ep.state(d.room) is TransferState.RESERVED:
                     if time.perf_counter() > end:
                         raise TransferError(ErrorKind.TIMEOUT, "no GO within the deadline",
                                             room=d.room)
                     self.ep.poll()
-                    time.sleep(0 if time.perf_counter() < spin_until else self.poll_s)
+                    backoff.pause()
                 t_go = time.perf_counter()
                 for region in self.ep.layout.regions:
                     self.ep.push_layers(d.room, region.name, range(region.num_layers))
@@ -328,6 +343,7 @@ class BenchWorker(RawNixl):
         from tandem.kvtransfer import Received
 
         end = time.perf_counter() + timeout_s
+        backoff = self.backoff()
         while True:
             self.step()
             for ev in self.events:
@@ -338,7 +354,7 @@ class BenchWorker(RawNixl):
                     return {"ok": False, "kind": ev.error.kind.value, "error": str(ev.error)}
             if time.perf_counter() > end:
                 return {"ok": False, "kind": "timeout", "error": f"no event in {timeout_s}s"}
-            time.sleep(self.poll_s)
+            backoff.pause()
 
     def verify(self, src_pages: tuple, dst_pages: tuple) -> dict:
         """Compare the written pages with the source pattern, and the others with SENTINEL."""
@@ -370,11 +386,14 @@ class BenchWorker(RawNixl):
 
 
 def worker_main(conn, role: str, device: str, poll_s: float) -> None:
-    """Serve (method, args) calls from the parent; step the endpoint whenever idle."""
+    """Serve (method, args) calls from the parent; step the endpoint whenever idle, on the
+    endpoint's spin-then-backoff schedule (reset by a call or an event)."""
     w = BenchWorker(role, device, poll_s)
     conn.send(("ready", os.getpid()))
+    backoff = w.backoff()
     while True:
-        if conn.poll(poll_s):
+        # Never conn.poll(t) with 0 < t < 1 ms: poll(2) rounds it up to a whole millisecond.
+        if conn.poll(0):
             method, args = conn.recv()
             if method == "exit":
                 try:
@@ -387,12 +406,18 @@ def worker_main(conn, role: str, device: str, poll_s: float) -> None:
             except BaseException:
                 reply = ("err", traceback.format_exc())
             conn.send(reply)
+            backoff = w.backoff()  # a call may have made a new endpoint (its config)
         try:
-            w.step()
+            progressed = w.step()
         except Exception:
+            progressed = False
             w.step_errors += 1
             if w.step_errors <= 3:
                 w.log(f"poll() raised:\n{traceback.format_exc()}")
+        if progressed:
+            backoff.reset()
+        else:
+            backoff.pause()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,7 +482,8 @@ class Bench:
         self.room = 0
         self.cfg = {"handshake_timeout_s": 30.0, "timeout_s": args.timeout_s,
                     "drain_timeout_s": 35.0, "lease_margin_s": 45.0,
-                    "poll_sleep_s": args.poll_us * 1e-6}
+                    "poll_sleep_s": args.poll_us * 1e-6,
+                    "poll_min_sleep_s": min(20e-6, args.poll_us * 1e-6)}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start
@@ -780,8 +806,10 @@ def parse_args(argv=None):
                     help="bulk sizes for NIXL through tandem (contiguous 1 MiB pages)")
     ap.add_argument("--raw-sizes-mib", default="16,64,256",
                     help="raw NIXL sizes (no tandem code); '' skips the raw section")
-    ap.add_argument("--nixl-progress-thread", action="store_true",
-                    help="tandem endpoints with NIXL's UCX progress thread (the old default)")
+    ap.add_argument("--nixl-progress-thread", nargs="?", const="on", default="role",
+                    choices=("role", "on", "off"),
+                    help="NIXL's UCX progress thread in the tandem endpoints: by role (default: "
+                         "decode on, prefill off), or on/off for both")
     ap.add_argument("--mooncake-sizes-mib", default=None,
                     help="bulk sizes for Mooncake (default 64; --quick: the smallest NIXL size)")
     ap.add_argument("--prompt-tokens", type=int, default=4096)
@@ -799,6 +827,7 @@ def parse_args(argv=None):
     mc = args.mooncake_sizes_mib or (str(min(args.sizes_mib)) if args.quick else "64")
     args.mooncake_sizes_mib = [int(x) for x in mc.split(",")]
     args.backends = [b for b in args.backends.split(",") if b]
+    args.nixl_progress_thread = {"role": None, "on": True, "off": False}[args.nixl_progress_thread]
     if args.poll_us is None:
         args.poll_us = 500.0 if args.device == "cpu" else 20.0
     return args

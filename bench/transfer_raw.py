@@ -10,6 +10,11 @@ with NIXL's UCX progress thread on and off (the thread only wakes on its >= 1 ms
 
 `RawNixl` is mixed into the bench's worker (methods called over the pipe); `run_raw` is the
 parent side.
+
+Descriptors name the device of the memory they describe: local ones this process's GPU, remote
+ones the PEER's (its registration, `raw_setup`'s answer). With one id for both, every GPU case
+failed with NIXL_ERR_NOT_FOUND (remote cuda:1 memory looked up as device 0) while the CPU run
+(both sides device 0) passed - as tandem's NIXL backend does, via KVRegion.device.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ class RawNixl:
             return "VRAM", int(self.device.split(":")[1]) if ":" in self.device else 0
         return "DRAM", 0
 
-    def raw_setup(self, tag: str, nbytes: int, prog_thread: bool) -> tuple[bytes, int]:
-        """An agent + a registered buffer; returns (agent metadata, buffer address)."""
+    def raw_setup(self, tag: str, nbytes: int, prog_thread: bool) -> tuple[bytes, int, str, int]:
+        """An agent + a registered buffer; returns (agent metadata, buffer address, memory type,
+        device id): what the peer's descriptors of this buffer must say."""
         import torch
         from nixl._api import nixl_agent, nixl_agent_config
 
@@ -48,31 +54,49 @@ class RawNixl:
         mem, dev = self._dev()
         agent.register_memory([(buf.data_ptr(), nbytes, dev, "")], mem)
         self.raw[tag] = {"agent": agent, "base": buf.data_ptr(), "nbytes": nbytes, "peer": None,
-                         "remote_base": 0, "lists": {}, "inbox": []}
-        return agent.get_agent_metadata(), buf.data_ptr()
+                         "remote_base": 0, "remote_mem": mem, "remote_dev": dev, "lists": {},
+                         "inbox": []}
+        return agent.get_agent_metadata(), buf.data_ptr(), mem, dev
 
-    def raw_connect(self, tag: str, metadata: bytes, remote_base: int) -> None:
+    def raw_connect(self, tag: str, metadata: bytes, remote_base: int, remote_mem: str,
+                    remote_dev: int) -> None:
         r = self.raw[tag]
         peer = r["agent"].add_remote_agent(metadata)
         r["peer"] = peer.decode() if isinstance(peer, bytes) else str(peer)
-        r["remote_base"] = remote_base
+        r["remote_base"], r["remote_mem"], r["remote_dev"] = remote_base, remote_mem, remote_dev
 
-    def _descs(self, base: int, blocks, block: int):
+    @staticmethod
+    def _descs(base: int, blocks, block: int, dev: int):
+        """[n, 3] uint64 (addr, len, device id) of `blocks` of `block` bytes at `base`."""
         import numpy as np
 
         blocks = np.asarray(blocks, dtype=np.uint64)
         out = np.empty((blocks.shape[0], 3), dtype=np.uint64)
         out[:, 0] = np.uint64(base) + blocks * np.uint64(block)
-        out[:, 1], out[:, 2] = block, self._dev()[1]
+        out[:, 1], out[:, 2] = block, dev
         return out
 
     def raw_write(self, tag: str, nbytes: int, block: int, method: str, warmup: int,
                   repeats: int, timeout_s: float) -> dict:
+        """`_raw_write`, with the NIXL error (type and text) leading the message on failure."""
+        try:
+            return self._raw_write(tag, nbytes, block, method, warmup, repeats, timeout_s)
+        except Exception as e:
+            r = self.raw[tag]
+            raise RuntimeError(
+                f"{type(e).__name__}: {e} (local {self._dev()} base {r['base']:#x}, remote "
+                f"{r['remote_mem']} dev {r['remote_dev']} base {r['remote_base']:#x}, "
+                f"{nbytes} B in {block} B blocks, {method})") from e
+
+    def _raw_write(self, tag: str, nbytes: int, block: int, method: str, warmup: int,
+                   repeats: int, timeout_s: float) -> dict:
         """`nbytes` in descriptors of `block` bytes (scattered when more than one)."""
         import numpy as np
 
         r = self.raw[tag]
-        agent, peer, mem = r["agent"], r["peer"], self._dev()[0]
+        agent, peer = r["agent"], r["peer"]
+        mem, dev = self._dev()
+        rmem, rdev = r["remote_mem"], r["remote_dev"]
         n = nbytes // block
         rng = np.random.default_rng(n)
         src_blocks = rng.permutation(n) if n > 1 else np.zeros(1, dtype=np.int64)
@@ -82,9 +106,9 @@ class RawNixl:
             if key not in r["lists"]:  # prepared once: one descriptor per block of the region
                 r["lists"][key] = (
                     agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                          self._descs(r["base"], np.arange(n), block), mem),
+                                          self._descs(r["base"], np.arange(n), block, dev), mem),
                     agent.prep_xfer_dlist(peer, self._descs(r["remote_base"], np.arange(n),
-                                                            block), mem))
+                                                            block, rdev), rmem))
             local, remote = r["lists"][key]
             src_idx, dst_idx = src_blocks.astype(np.int32), dst_blocks.astype(np.int32)
         build, total = [], []
@@ -94,8 +118,10 @@ class RawNixl:
                 h = agent.make_prepped_xfer("WRITE", local, src_idx, remote, dst_idx, b"")
             else:  # descriptors built for every transfer, as a plain client would
                 h = agent.initialize_xfer(
-                    "WRITE", agent.get_xfer_descs(self._descs(r["base"], src_blocks, block), mem),
-                    agent.get_xfer_descs(self._descs(r["remote_base"], dst_blocks, block), mem),
+                    "WRITE",
+                    agent.get_xfer_descs(self._descs(r["base"], src_blocks, block, dev), mem),
+                    agent.get_xfer_descs(self._descs(r["remote_base"], dst_blocks, block, rdev),
+                                         rmem),
                     peer, b"")
             t1 = time.perf_counter()
             state = agent.transfer(h)
@@ -175,12 +201,12 @@ def run_raw(bench, a, b, sizes_mib: list[int], quick: bool) -> dict:
     tags = {"np": False, "pt": True}  # no progress thread (tandem's default) / with it
     for tag, thread in tags.items():
         try:
-            md_b, base_b = b.call("raw_setup", tag, cap if tag == "np" else 64 * MIB, thread,
-                                  timeout=60)
-            md_a, base_a = a.call("raw_setup", tag, cap if tag == "np" else 64 * MIB, thread,
-                                  timeout=60)
-            a.call("raw_connect", tag, md_b, base_b, timeout=30)
-            b.call("raw_connect", tag, md_a, base_a, timeout=30)
+            setup_b = b.call("raw_setup", tag, cap if tag == "np" else 64 * MIB, thread,
+                             timeout=60)
+            setup_a = a.call("raw_setup", tag, cap if tag == "np" else 64 * MIB, thread,
+                             timeout=60)
+            a.call("raw_connect", tag, *setup_b, timeout=30)
+            b.call("raw_connect", tag, *setup_a, timeout=30)
         except Exception:
             out["errors"].append(f"raw setup {tag}:\n{traceback.format_exc()}")
             bench.say(f"raw NIXL setup ({tag}) FAILED:\n{traceback.format_exc()}")
@@ -215,12 +241,19 @@ def run_raw(bench, a, b, sizes_mib: list[int], quick: bool) -> dict:
                           f"{row['median_ms']:.3f} ms = {row['gbps']:.1f} GB/s (build "
                           f"{row['build_ms']:.3f} ms)")
             except Exception as e:  # this case only
-                row["error"] = f"{type(e).__name__}: {e}"
+                row["error"] = error_line(e)
                 out["errors"].append(f"{label} {method}:\n{traceback.format_exc()}")
                 bench.say(f"  {label} {method}: FAILED {row['error'][:300]}")
                 if "WorkerDead" in type(e).__name__:
                     raise
     return out
+
+
+def error_line(e: BaseException) -> str:
+    """The line that says what went wrong: a worker's error arrives as "<role>.<method> failed:"
+    + its whole traceback, whose LAST line is the exception (NIXL's error type and text)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def raw_best_gbps(raw: dict) -> float:
@@ -239,7 +272,7 @@ def print_raw(raw: dict) -> None:
             nums = (f"{r['median_ms']:10.3f} {r['gbps']:8.1f} {r['best_gbps']:9.1f} "
                     f"{r['build_ms']:9.3f}")
         else:
-            nums = f"{(r.get('error') or r.get('skipped') or 'no data')[:40]:>40}"
+            nums = f"{(r.get('error') or r.get('skipped') or 'no data')[:120]}"
         print(f"{r['case']:34} {r['method']:8} {'on' if r['progress_thread'] else 'off':6} "
               f"{r.get('descs', r['nbytes'] // r['block']):6d} {nums}")
     for tag, p in raw.get("pings", {}).items():

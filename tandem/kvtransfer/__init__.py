@@ -16,7 +16,7 @@ from tandem.kvtransfer.contract import (Destination, EndpointInfo, ErrorKind, Il
                                         KVReceiver, KVSender, Received, ReceiveEvent,
                                         ReceiveFailed, SendOutcome, TransferError, TransferState,
                                         advance)
-from tandem.kvtransfer.endpoint import EndpointConfig
+from tandem.kvtransfer.endpoint import EndpointConfig, PollBackoff, poll_pause_s
 from tandem.kvtransfer.faults import FailureInjection, FaultKind
 from tandem.kvtransfer.layerwise import PushTiming, compare_push_modes, timed_push
 from tandem.kvtransfer.layout import (MAX_BATCH_ENTRIES, AuxRegion, CopyBatch, KVLayout, KVRegion,
@@ -31,10 +31,11 @@ __all__ = [
     "AuxRegion", "BackendOptions", "CompatInfo", "CopyBatch", "DecodeReceiver", "Destination",
     "EndpointConfig", "EndpointInfo", "ErrorKind", "FailureInjection", "FaultKind",
     "IllegalTransition", "KVLayout", "KVReceiver", "KVRegion", "KVSender", "PeerEvent",
-    "PrefillSender", "PushTiming", "ReceiveEvent", "ReceiveFailed", "ReceiveTable", "Received",
+    "PollBackoff", "PrefillSender", "PushTiming", "ReceiveEvent", "ReceiveFailed", "ReceiveTable", "Received",
     "Release", "SendOutcome", "TransferBackend", "TransferError", "TransferMetrics",
     "TransferState", "WritePoll", "WriteStatus",
     "advance", "backend_names", "check_aux", "check_compat", "compare_push_modes",
-    "create_backend", "decode_aux", "encode_aux", "page_runs", "plan_layers", "register_backend",
+    "create_backend", "decode_aux", "encode_aux", "page_runs", "plan_layers", "poll_pause_s",
+    "register_backend",
     "timed_push",
 ]

@@ -46,11 +46,14 @@ class BackendOptions:
     device_name: str = ""  # Mooncake: RDMA NIC filter ("" = auto)
     nixl_backends: tuple[str, ...] = ("UCX",)
     name_hint: str = "tandem"  # prefix of NIXL agent names (they must be unique)
-    # NIXL: False = no UCX progress thread; the endpoint's own polls progress UCX. The thread
-    # only wakes on its poll() timeout (>= 1 ms, a jiffy on some kernels), so with it every
-    # notification and completion is seen ~1-4 ms late; without it, ~10-40 us. The price: over
-    # TCP (not NVLink/RDMA, where writes are one-sided) data moves only while both sides poll.
-    nixl_progress_thread: bool = False
+    # NIXL's UCX progress thread. None = by role (endpoint.options_for_role): on for the decode
+    # receiver, off for the prefill sender. Without it an agent's UCX moves only inside its own
+    # NIXL calls: fine for the sender, which polls its writes while they fly, but a write into
+    # host memory (the aux slot; anything over TCP/shared memory) completes at the sender only
+    # when the TARGET progresses - measured on CPU: DONE 50 ms late while the target was busy
+    # 50 ms, 0.2-0.3 ms with the target's thread on. Writes VRAM->VRAM over cuda_ipc/RDMA are
+    # one-sided either way.
+    nixl_progress_thread: bool | None = None
     fabric: object | None = None  # fake only: the in-process FakeFabric (None = default)
 
 

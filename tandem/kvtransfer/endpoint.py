@@ -1,12 +1,13 @@
 """What `PrefillSender` and `DecodeReceiver` share: `EndpointConfig`, registration of a layout with
-a backend, the endpoint's identity (`EndpointInfo`), metrics, and the polling wait loop."""
+a backend, the endpoint's identity (`EndpointInfo`), metrics, and the polling wait loop with its
+sleep schedule (`poll_pause_s`, `PollBackoff`: also for owners' loops that poll an endpoint)."""
 
 from __future__ import annotations
 
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tandem.kvtransfer.backend import BackendOptions, TransferBackend, create_backend
 from tandem.kvtransfer.compat import CompatInfo
@@ -29,10 +30,14 @@ class EndpointConfig:
     # Entries per backend write; None = the backend's own limit (Mooncake 1024, NIXL none: one
     # write per push keeps NIXL at one transfer handle however scattered the pages are).
     max_batch_entries: int | None = None
-    poll_sleep_s: float = 0.0005  # wait loops sleep this long between polls...
-    # ...after polling back to back for this long: a grant or a write that completes within it
-    # is seen at once, not a sleep (>= 50 us of scheduler granularity) later.
-    spin_s: float = 0.002
+    # Wait loops (see `poll_pause_s`): poll back to back (yielding the core) for spin_s, then
+    # sleep between polls for 1/16 of the time waited so far, within [poll_min_sleep_s,
+    # poll_sleep_s]. A grant or write that completes within the spin is seen at once; a later
+    # one at most ~6% (+ the kernel's ~50 us timer slack) late; an idle wait costs a core only
+    # for spin_s. Keep poll_sleep_s < 1 ms: a fixed 1 ms quantum was a whole transfer's time.
+    poll_sleep_s: float = 0.0005
+    poll_min_sleep_s: float = 20e-6
+    spin_s: float = 0.001
     recent_outcomes: int = 4096  # sender: finished rooms remembered to answer a late ABORT
 
     def __post_init__(self) -> None:
@@ -42,8 +47,58 @@ class EndpointConfig:
         if self.max_batch_entries is not None and self.max_batch_entries < 1:
             raise ValueError("EndpointConfig.max_batch_entries must be >= 1 or None, got "
                              f"{self.max_batch_entries}")
-        if self.spin_s < 0 or self.poll_sleep_s < 0:
-            raise ValueError("EndpointConfig.spin_s / poll_sleep_s must be >= 0")
+        if self.spin_s < 0 or not 0 <= self.poll_min_sleep_s <= self.poll_sleep_s:
+            raise ValueError(f"EndpointConfig: need spin_s >= 0 and 0 <= poll_min_sleep_s <= "
+                             f"poll_sleep_s, got spin_s={self.spin_s}, poll_min_sleep_s="
+                             f"{self.poll_min_sleep_s}, poll_sleep_s={self.poll_sleep_s}")
+
+
+BACKOFF_FRACTION = 1 / 16  # sleep this fraction of the time waited so far (after the spin)
+
+
+def poll_pause_s(waited_s: float, config: EndpointConfig) -> float:
+    """Seconds a wait loop sleeps after a poll that found nothing, `waited_s` into the wait.
+    Pure: 0 (yield only) within spin_s, then waited_s / 16 clamped to [poll_min_sleep_s,
+    poll_sleep_s] - an event is seen at most ~6% of the wait late, and never a fixed quantum
+    late (tests/unit/test_kvtransfer_endpoints.py pins this)."""
+    if waited_s < config.spin_s:
+        return 0.0
+    return min(config.poll_sleep_s, max(config.poll_min_sleep_s, waited_s * BACKOFF_FRACTION))
+
+
+class PollBackoff:
+    """The `poll_pause_s` schedule for a loop that polls: `pause()` after a poll that found
+    nothing (sleeps), `reset()` after one that made progress (back to spinning). Endpoint waits
+    use it; so can an owner's loop that polls a receiver (a fixed sleep there, or a sub-ms
+    timeout that poll(2) rounds up to 1 ms, delays every grant by that much)."""
+
+    def __init__(self, config: EndpointConfig, clock: Callable[[], float] | None = None,
+                 sleep: Callable[[float], None] | None = None):
+        self.config = config
+        self._clock = clock or time.perf_counter  # looked up per instance: tests patch `time`
+        self._sleep = sleep or time.sleep
+        self._since = self._clock()
+
+    def reset(self) -> None:
+        self._since = self._clock()
+
+    def pause(self) -> float:
+        """Sleep per the schedule; returns the seconds asked for (0 = a yield)."""
+        s = poll_pause_s(self._clock() - self._since, self.config)
+        self._sleep(s)  # sleep(0) yields the core (and the GIL) without the timer's slack
+        return s
+
+
+def options_for_role(options: BackendOptions | None, role: str) -> BackendOptions:
+    """Fill role-dependent defaults: NIXL's progress thread (None = by role) is on for the
+    decode receiver - the target of the writes. A host-memory write (the aux slot) completes at
+    the sender only once the target's UCX progresses; without the thread that is the decode
+    loop's next poll, which may be a whole forward pass away. The sender polls its own writes
+    while they are in flight, so it runs without the thread (no wakeup latency on its side)."""
+    options = options or BackendOptions()
+    if options.nixl_progress_thread is None:
+        options = replace(options, nixl_progress_thread=role == "decode")
+    return options
 
 
 class EndpointBase:
@@ -54,7 +109,8 @@ class EndpointBase:
     def __init__(self, backend: TransferBackend | str, layout: KVLayout, compat: CompatInfo, *,
                  config: EndpointConfig | None, options: BackendOptions | None,
                  clock: Callable[[], float]):
-        self.backend = create_backend(backend, options) if isinstance(backend, str) else backend
+        self.backend = (create_backend(backend, options_for_role(options, self.role))
+                        if isinstance(backend, str) else backend)
         self.layout = layout
         self.compat = compat
         self.config = config or EndpointConfig()
@@ -82,15 +138,14 @@ class EndpointBase:
     def _wait_until(self, done: Callable[[], bool], timeout_s: float | None, what: str) -> None:
         """Poll until `done()`; TransferError(TIMEOUT) after `timeout_s` (None = no limit)."""
         end = None if timeout_s is None else self.clock() + timeout_s
-        spin_until = time.perf_counter() + self.config.spin_s
+        backoff = PollBackoff(self.config)
         while True:
             self._pump()
             if done():
                 return
             if end is not None and self.clock() >= end:
                 raise TransferError(ErrorKind.TIMEOUT, f"{what}: no answer within {timeout_s:g}s")
-            # sleep(0) yields the core (and the GIL) without the timer's slack.
-            time.sleep(0 if time.perf_counter() < spin_until else self.config.poll_sleep_s)
+            backoff.pause()
 
     def _pump(self) -> None:
         """Make progress; events/outcomes accumulate until the owner's next `poll()`, so that a

@@ -10,9 +10,10 @@ How the library is used, and why:
   page) block, `prep_xfer_dlist`) and `make_prepped_xfer` with block indices, which NIXL merges
   back into one descriptor per contiguous run; anything else (the aux slot, unprepared memory)
   goes through `initialize_xfer` with numpy [n, 3] descriptor arrays.
-- No progress thread by default (BackendOptions.nixl_progress_thread): `get_new_notifs` and
-  `check_xfer_state` progress UCX themselves, so a grant or completion is seen within one poll
-  instead of at the thread's next >= 1 ms wakeup.
+- Progress thread per role (BackendOptions.nixl_progress_thread, resolved by the endpoint): on
+  for the receiver, whose UCX must progress for a host-memory write into it to complete at the
+  sender even while its owner runs a forward pass; off for the sender, whose `check_xfer_state`
+  / `get_new_notifs` polls progress UCX themselves. Used bare (None), the backend has no thread.
 - Control messages: `send_notif` (delivered even from an agent the target has not loaded).
 - NIXL has no transfer timeout (a frozen peer over TCP stays "PROC" forever): deadlines live above.
   `release()` of a running handle asks UCX to cancel it; if that fails the handle is kept.
@@ -86,7 +87,7 @@ class NixlBackend:
 
     def __init__(self, options: BackendOptions):
         self.local_id = f"{options.name_hint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        config = nixl_agent_config(enable_prog_thread=options.nixl_progress_thread,
+        config = nixl_agent_config(enable_prog_thread=bool(options.nixl_progress_thread),
                                    backends=list(options.nixl_backends))
         try:
             self.agent = nixl_agent(self.local_id, config)
