@@ -18,6 +18,15 @@ r's KV lands in rank r's pool at its own time. The ranks agree on transfer event
 (`sync.all_gather`): a request is admitted only when it landed on every rank, and its pages and
 slot go back (on every rank, in the same step) only once every rank's receiver is done with
 them. So the allocator and slot list stay identical on every rank, and so do the schedules.
+
+With DP attention (`parallel.dp` of size > 1, tp 1 per DP rank) the ranks hold *different*
+requests, pages, seed slots and receivers; `sync` then spans the DP ranks:
+  reserve: every rank gets the call; they all-gather their loads and the least loaded rank that
+           fits (by reserved pages, ties to the lowest rank) takes it -- the others return None;
+  step:    a rank admits what landed on its own receiver (no agreement needed); the ranks agree
+           whether any of them has work, and then every rank steps its engine, whose phases join
+           up (an idle rank runs empty target forwards, see `LLMEngine.dp_join`); the step's
+           outputs of every rank are all-gathered so rank 0 can stream them.
 """
 
 from __future__ import annotations
@@ -68,6 +77,50 @@ class _Pending:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolLoad:
+    """KV pages, seed slots and requests of one rank, or summed over a worker's DP ranks."""
+
+    num_free_pages: int
+    num_pages: int
+    num_free_slots: int
+    num_slots: int
+    num_running: int
+
+    def __add__(self, other: PoolLoad) -> PoolLoad:
+        return PoolLoad(*(a + b for a, b in zip(_fields(self), _fields(other))))
+
+
+def _fields(load: PoolLoad) -> tuple[int, ...]:
+    return (load.num_free_pages, load.num_pages, load.num_free_slots, load.num_slots,
+            load.num_running)
+
+
+@dataclass(frozen=True, slots=True)
+class _ReserveBid:
+    """One DP rank's answer to "can you take this request" (what reserve all-gathers)."""
+
+    reserved_pages: int  # pages held by pending and running requests: the load
+    fits: bool  # enough free pages and a free seed slot
+    holds_room: bool  # this room is already on this rank
+    load: PoolLoad
+
+
+def choose_dp_rank(bids: list[_ReserveBid]) -> int | None:
+    """The least loaded rank (by reserved pages) that fits; ties go to the lowest rank."""
+    fitting = [r for r, b in enumerate(bids) if b.fits]
+    return min(fitting, key=lambda r: (bids[r].reserved_pages, r), default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class _StepReport:
+    """One DP rank's step: its outputs and state (what the DP ranks all-gather every step)."""
+
+    outputs: tuple[DecodeOutput, ...]
+    busy: bool
+    load: PoolLoad
+
+
+@dataclass(frozen=True, slots=True)
 class _RankEvents:
     """One rank's transfer events of one step (what the ranks all-gather)."""
 
@@ -80,6 +133,11 @@ class DecodeWorker:
     def __init__(self, cfg: WorkerConfig, parallel: ParallelContext | None = None,
                  sync: RankSync = SOLO) -> None:
         self.cfg, self.sync = cfg, sync
+        dp = (parallel or ParallelContext()).dp.size > 1
+        # Transfer events are agreed among the ranks that share a request (TP); reserves and
+        # steps are coordinated among the ranks that split the requests (DP). Never both yet.
+        self._tp_sync: RankSync = SOLO if dp else sync
+        self._dp_sync: RankSync = sync if dp else SOLO
         self.engine = build_engine(cfg, parallel)
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # the receiver's landing slots
         self._free_slots = list(range(cfg.aux_slots))
@@ -89,6 +147,8 @@ class DecodeWorker:
         self._pending: dict[int, _Pending] = {}  # room -> reserved, KV not landed everywhere
         self._released_local: list[int] = []  # rooms released (not DONE) since the last step
         self._outputs: list[DecodeOutput] = []
+        self._group_busy = False  # DP: whether any rank was busy after the last step
+        self._group_load: PoolLoad | None = None  # DP: every rank's load after the last step
 
     def endpoint(self) -> bytes:
         return self.receiver.info().encode()
@@ -97,21 +157,34 @@ class DecodeWorker:
         total = min(prompt_len + max_new_tokens, self.engine.max_model_len)
         return self.engine.scheduler.pages_needed(total + self.engine.spec.slots_per_round)
 
-    def reserve(self, room: int, prompt_ids: list[int], params: SamplingParams) -> bytes:
+    def reserve(self, room: int, prompt_ids: list[int], params: SamplingParams) -> bytes | None:
         """Claim pages and a seed slot for `room`; returns the encoded Destination for the
-        prefill worker. Raises ValueError (bad request) or OutOfCapacity (try later)."""
+        prefill worker -- with DP attention only on the DP rank that took it (None on the
+        others). Raises ValueError (bad request) or OutOfCapacity (try later), on every rank."""
+        # Checks that raise before the all-gather depend only on the request and the config:
+        # every rank raises alike, so no rank waits in a collective the others skip.
         validate_prompt(prompt_ids, self.engine.model_cfg.vocab_size, self.engine.max_model_len)
-        if room in self._pending or str(room) in self.engine.scheduler.requests:
-            raise ValueError(f"room: {room} is already on this worker")
         need = self.pages_for(len(prompt_ids), params.max_new_tokens)
         if need > self.engine.allocator.num_usable:
             raise ValueError(f"max_new_tokens: the request needs {need} KV pages; this decode "
                              f"worker has {self.engine.allocator.num_usable}")
-        if not self.engine.allocator.can_alloc(need) or not self._free_slots:
-            raise OutOfCapacity(f"need {need} pages and a seed slot; "
-                                f"{self.engine.allocator.num_free} pages, "
-                                f"{len(self._free_slots)} slots free")
-        pages = tuple(self.engine.allocator.alloc(need))
+        alloc = self.engine.allocator
+        bids = self._dp_sync.all_gather(_ReserveBid(
+            reserved_pages=alloc.num_usable - alloc.num_free,
+            fits=alloc.can_alloc(need) and bool(self._free_slots),
+            holds_room=room in self._pending or str(room) in self.engine.scheduler.requests,
+            load=self.pool_load()))
+        if any(b.holds_room for b in bids):
+            raise ValueError(f"room: {room} is already on this worker")
+        owner = choose_dp_rank(bids)
+        if owner is None:
+            raise OutOfCapacity(
+                f"need {need} pages and a seed slot; free pages "
+                f"{[b.load.num_free_pages for b in bids]}, free slots "
+                f"{[b.load.num_free_slots for b in bids]} (per DP rank)")
+        if owner != self._dp_sync.rank:
+            return None
+        pages = tuple(alloc.alloc(need))
         slot = self._free_slots.pop()
         dest = self.receiver.expect(room, pages, slot, timeout_s=self.cfg.transfer_timeout_s)
         self._pending[room] = _Pending(prompt_ids=list(prompt_ids), params=params, page_ids=pages,
@@ -137,18 +210,45 @@ class DecodeWorker:
             self._released_local.append(rel.room)
 
     def busy(self) -> bool:
+        """Whether to step again at once (DP: whether any rank was busy after the last step)."""
+        return self._group_busy if self._dp_sync.size > 1 else self._busy_here()
+
+    def _busy_here(self) -> bool:
         return self.engine.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[DecodeOutput]:
         self._agree_on_transfers()
-        if self.engine.has_unfinished():
+        has_work = self.engine.has_unfinished()
+        if self._dp_sync.size > 1:
+            # DP attention: while any rank has requests every rank steps its engine (an idle
+            # one joins each target forward with an empty batch). The flags ride the gloo
+            # control channel: no device sync.
+            has_work = any(self._dp_sync.all_gather(has_work))
+        if has_work:
             for o in self.engine.step():
                 self._outputs.append(DecodeOutput(
                     room=int(o.req_id), token_ids=o.new_token_ids, text_delta=o.text_delta,
                     finished=o.finished,
                     finish_reason=o.finish_reason.value if o.finish_reason else None))
         out, self._outputs = self._outputs, []
+        if self._dp_sync.size > 1:  # rank 0 streams every rank's outputs
+            reports = self._dp_sync.all_gather(
+                _StepReport(outputs=tuple(out), busy=self._busy_here(), load=self.pool_load()))
+            out = [o for r in reports for o in r.outputs]
+            self._group_busy = any(r.busy for r in reports)
+            self._group_load = sum((r.load for r in reports[1:]), reports[0].load)
         return out
+
+    def pool_load(self) -> PoolLoad:
+        """This rank's pages, seed slots and running requests."""
+        alloc = self.engine.allocator
+        return PoolLoad(num_free_pages=alloc.num_free, num_pages=alloc.num_usable,
+                        num_free_slots=len(self._free_slots), num_slots=self.cfg.aux_slots,
+                        num_running=len(self.engine.scheduler.running))
+
+    def group_load(self) -> PoolLoad:
+        """Summed over the DP ranks as of the last step (this rank's own without DP)."""
+        return self._group_load or self.pool_load()
 
     def _agree_on_transfers(self) -> None:
         """Poll this rank's receiver, all-gather every rank's events, act on the joint view
@@ -160,7 +260,7 @@ class DecodeWorker:
             elif isinstance(ev, ReceiveFailed):
                 failed.append((ev.room, str(ev.error)))
         released, self._released_local = tuple(self._released_local), []
-        per_rank = self.sync.all_gather(_RankEvents(tuple(landed), tuple(failed), released))
+        per_rank = self._tp_sync.all_gather(_RankEvents(tuple(landed), tuple(failed), released))
         touched: list[int] = []
         for rank, evs in enumerate(per_rank):
             for room, payload in evs.landed:
@@ -183,7 +283,7 @@ class DecodeWorker:
         """Admit `room` once it landed on every rank; fail it as soon as one rank failed (the
         pages and slot return only when every rank's receiver is done with them)."""
         pend = self._pending[room]
-        size = self.sync.size
+        size = self._tp_sync.size
         if len(pend.landed) == size:  # every rank holds the KV: admit
             del self._pending[room]
             self._free_slots.append(pend.aux_slot)

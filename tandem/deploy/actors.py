@@ -2,10 +2,13 @@
 worker (plain Python, see prefill_node/ and decode_node/) driven by a `WorkerLoop` thread, and
 turns its outputs into awaitable results and per-request streams on the actor's event loop.
 
-A worker of `tp` ranks is `tp` actors. Rank 0 (the leader) is the one the router calls; it
-hands every call to its `GroupLoop`, which applies it on every rank (deploy/group_loop.py).
-The others only join the process group and follow. Values that differ per rank (endpoints,
-destinations) cross the router as one blob (`ranks.encode_per_rank`), also when tp is 1.
+A worker of `tp` ranks (or a decode worker of `dp` DP-attention ranks) is that many actors.
+Rank 0 (the leader, the decode group's front) is the one the router calls; it hands every call
+to its `GroupLoop`, which applies it on every rank (deploy/group_loop.py). The others only join
+the process group and follow. Values that differ per rank (endpoints, destinations) cross the
+router as one blob (`ranks.encode_per_rank`), also when tp is 1; with DP, a reserve's blob
+names the one DP rank that took the request (`ranks.encode_dp_destination`), and the prefill
+worker pushes to that rank (`ranks.route_to_decode`).
 
 The launcher wraps these classes with `ray.remote`; nothing here imports Ray, so the classes
 can also be used in-process.
@@ -14,6 +17,7 @@ can also be used in-process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -22,8 +26,8 @@ from dataclasses import dataclass
 from tandem.decode_node.worker import DecodeOutput, DecodeWorker, OutOfCapacity
 from tandem.deploy.group_loop import GroupLoop
 from tandem.deploy.loop import WorkerLoop
-from tandem.deploy.ranks import (PerRank, RankInfo, decode_per_rank, encode_per_rank, join_group,
-                                 leave_group, rendezvous_address)
+from tandem.deploy.ranks import (PerRank, RankInfo, encode_dp_destination, encode_per_rank,
+                                 join_group, leave_group, rendezvous_address, route_to_decode)
 from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine.sampling import SamplingParams
 from tandem.prefill_node.worker import PrefillResult, PrefillWorker
@@ -48,6 +52,8 @@ class WorkerHealth:
     mean_acceptance_length: float = 0.0
     per_position: tuple[float, ...] = ()
     num_rounds: int = 0
+    num_free_slots: int = 0  # decode: seed slots free / in all (this rank, or summed over DP)
+    num_slots: int = 0
 
 
 def _node_id() -> str:
@@ -65,15 +71,16 @@ def _node_id() -> str:
 class _ActorBase:
     role = ""
 
-    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1) -> None:
+    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
+                 dp: int = 1) -> None:
         for k, v in QUIET_ENV.items():
             os.environ.setdefault(k, v)
         self.cfg = cfg
-        self.ranks = RankInfo(rank=rank, tp=tp, ep=ep)
+        self.ranks = RankInfo(rank=rank, tp=tp, ep=ep, dp=dp)
         self._aio = None  # the actor's event loop, captured on the first async call
         self.worker = None
         self.loop: WorkerLoop | GroupLoop | None = None
-        if tp == 1:  # a single rank starts at once; a TP rank waits for join()
+        if self.ranks.world_size == 1:  # a single rank starts at once; others wait for join()
             self.worker = self._make_worker(None, None)
             self.loop = WorkerLoop(self.worker, self._on_outputs, name=f"{cfg.name}-loop")
 
@@ -88,7 +95,7 @@ class _ActorBase:
         return rendezvous_address()
 
     async def join(self, host: str, port: int) -> None:
-        """TP ranks: join the process group (returns when every rank joined), build this
+        """Ranks of a multi-rank worker: join the process group (returns when every rank joined), build this
         rank's worker and start its loop."""
         self._loop()
 
@@ -123,7 +130,7 @@ class _ActorBase:
                 self.loop.close()
         if self.worker is not None:
             self.worker.close()
-        if self.ranks.tp > 1:
+        if self.ranks.world_size > 1:
             leave_group()
 
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -149,9 +156,10 @@ class _ActorBase:
 class PrefillActor(_ActorBase):
     role = "prefill"
 
-    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1) -> None:
+    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
+                 dp: int = 1) -> None:
         self._waiters: dict[int, asyncio.Future] = {}
-        super().__init__(cfg, rank, tp, ep)
+        super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
         return PrefillWorker(self.cfg, parallel, sync) if sync else PrefillWorker(self.cfg)
@@ -173,9 +181,7 @@ class PrefillActor(_ActorBase):
         fut = loop.create_future()
         self._waiters[room] = fut
         try:
-            tp = self.ranks.tp
-            endpoints = decode_per_rank(decode_endpoint, tp, "decode endpoint")
-            dests = decode_per_rank(destination, tp, "destination")
+            endpoints, dests = route_to_decode(decode_endpoint, destination, self.ranks.tp)
             await self._call("connect", PerRank(tuple(endpoints)))
             await self._call("submit", room, prompt_ids, params, PerRank(tuple(dests)))
         except Exception as exc:
@@ -195,9 +201,10 @@ class PrefillActor(_ActorBase):
 class DecodeActor(_ActorBase):
     role = "decode"
 
-    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1) -> None:
+    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
+                 dp: int = 1) -> None:
         self._streams: dict[int, asyncio.Queue] = {}
-        super().__init__(cfg, rank, tp, ep)
+        super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> DecodeWorker:
         return DecodeWorker(self.cfg, parallel, sync) if sync else DecodeWorker(self.cfg)
@@ -212,12 +219,17 @@ class DecodeActor(_ActorBase):
             q.put_nowait(o)
 
     async def reserve(self, room: int, prompt_ids: list[int], params: SamplingParams) -> bytes:
-        """Every rank's encoded Destination, as one blob. Raises ValueError (bad request) or
-        OutOfCapacity."""
+        """Every rank's encoded Destination, as one blob (with DP: the taking rank's, tagged
+        with its DP rank). Raises ValueError (bad request) or OutOfCapacity."""
         self._loop()
         self._streams[room] = asyncio.Queue()
         try:
-            return encode_per_rank(await self._call("reserve", room, prompt_ids, params))
+            per_rank = await self._call("reserve", room, prompt_ids, params)
+            if self.ranks.dp == 1:
+                return encode_per_rank(per_rank)
+            (owner,) = [r for r, d in enumerate(per_rank) if d is not None]
+            return encode_dp_destination(owner // self.ranks.tp,
+                                         per_rank[owner : owner + self.ranks.tp])
         except (ValueError, OutOfCapacity):
             self._streams.pop(room, None)
             raise
@@ -252,8 +264,14 @@ class DecodeActor(_ActorBase):
                 eng.allocator.num_usable * eng.cfg.page_size - slack)
 
     async def health(self) -> WorkerHealth:
+        """The leader of a DP worker reports pages, slots and running requests summed over its
+        DP ranks (what placement should see); a follower, its own. Acceptance: this rank's."""
         self._loop()
         st = self.worker.engine.spec_stats
-        return self._health(self.worker, {
+        load = self.worker.group_load() if self.ranks.rank == 0 else self.worker.pool_load()
+        h = self._health(self.worker, {
             "mean_acceptance_length": st.mean_acceptance_length,
-            "per_position": tuple(st.per_position()), "num_rounds": st.num_rounds})
+            "per_position": tuple(st.per_position()), "num_rounds": st.num_rounds,
+            "num_free_slots": load.num_free_slots, "num_slots": load.num_slots})
+        return dataclasses.replace(h, num_free_pages=load.num_free_pages,
+                                   num_pages=load.num_pages, num_running=load.num_running)

@@ -18,13 +18,16 @@ from tandem.spec.config import SpecConfig
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GroupConfig:
-    """A set of identical workers of one role. A worker has `tp` ranks (one Ray actor and one
-    placement-group bundle each: `num_cpus` / `num_gpus` are per rank); MoE experts split over
-    `ep` of them (1: experts whole on every rank, their columns split over tp; or ep == tp)."""
+    """A set of identical workers of one role. A worker has `tp * dp` ranks (one Ray actor and
+    one placement-group bundle each: `num_cpus` / `num_gpus` are per rank); MoE experts split
+    over `ep` of them (1: experts whole on every rank, their columns split over the ranks; or
+    every rank). `dp` > 1 (decode only): DP attention -- each rank owns its own requests, KV
+    pages and seed slots, the MLP/MoE runs over every rank's gathered tokens; tp must be 1."""
 
     replicas: int = 1
     tp: int = 1
     ep: int = 1
+    dp: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (pinning)
@@ -35,14 +38,24 @@ class GroupConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"replicas: must be >= 1, got {self.replicas}")
-        for name in ("tp", "ep"):
+        for name in ("tp", "ep", "dp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
-        if self.ep not in (1, self.tp):
+        if self.dp > 1 and self.tp > 1:
+            raise ConfigError(f"dp: DP attention with tp {self.tp} inside each DP rank is not "
+                              "implemented yet; use tp: 1 with dp > 1")
+        if self.dp > 1 and self.ep not in (1, self.dp):
+            raise ConfigError(f"ep: must be 1 or equal to dp ({self.dp}), got {self.ep}")
+        if self.dp == 1 and self.ep not in (1, self.tp):
             raise ConfigError(f"ep: must be 1 or equal to tp ({self.tp}), got {self.ep}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ConfigError("num_cpus/num_gpus: must be >= 0")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (actors) per worker."""
+        return self.tp * self.dp
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,8 +73,12 @@ class DeployConfig:
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ConfigError(f"transfer_backend: '{self.transfer_backend}' is not one of "
                               f"{', '.join(TRANSFER_BACKENDS)}")
+        if self.prefill.dp != 1:
+            raise ConfigError(f"prefill.dp: must be 1, got {self.prefill.dp} (DP attention is a "
+                              "decode-side layout; each request is prefilled by one worker)")
         if self.prefill.tp != self.decode.tp:
-            # Prefill rank r pushes exactly the KV heads decode rank r holds.
+            # Prefill rank r pushes exactly the KV heads decode rank r holds (with decode DP:
+            # rank r of the DP rank that took the request, which holds every KV head at tp 1).
             raise ConfigError(
                 f"decode.tp: {self.decode.tp} differs from prefill.tp {self.prefill.tp}; KV "
                 "transfer needs equal TP sizes (KV head re-slicing is not implemented)")

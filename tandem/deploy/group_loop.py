@@ -16,7 +16,8 @@ Instead every rank runs the whole worker, and we make sure its inputs are identi
 
 Every rank thus issues the same collectives in the same order, and no rank ever waits on a
 collective the others skip. When the worker is idle, rank 0 sleeps between iterations and the
-others wait in the broadcast. Only rank 0's outputs go out (the others compute the same ones).
+others wait in the broadcast. Only rank 0's outputs go out: with TP the others compute the same
+ones; with DP attention the decode worker all-gathers every rank's outputs inside `step()`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Starts a deployment on a Ray cluster: N prefill and M decode workers, each gang-scheduled in
-its own placement group with one bundle per TP rank (STRICT_PACK: a worker's ranks share a node,
-as TP needs its fast links), one actor per bundle. A worker of tp > 1 ranks then meets in a
-torch.distributed group at its rank 0's address. Waits until every worker is up and stops them
+its own placement group with one bundle per rank (tp * dp of them; STRICT_PACK: a worker's ranks
+share a node, as TP and DP attention need fast links), one actor per bundle. A worker of more
+than one rank then meets in a torch.distributed group at its rank 0's address. Waits until every worker is up and stops them
 all on `shutdown`.
 
 Owns the actor handles and placement groups of one deployment.
@@ -27,7 +27,7 @@ class Deployment:
     decode: dict[str, object]
     placement_groups: list[object]
     endpoints: dict[str, bytes]  # decode worker name -> every rank's EndpointInfo (one blob)
-    followers: list[object] = field(default_factory=list)  # ranks 1.. of every TP worker
+    followers: list[object] = field(default_factory=list)  # ranks 1.. of every multi-rank worker
 
     def shutdown(self) -> None:
         import ray
@@ -68,12 +68,13 @@ def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConf
     bundle: dict[str, float] = {"CPU": group.num_cpus, **group.resources}
     if group.num_gpus:
         bundle["GPU"] = group.num_gpus
-    pg = ray.util.placement_group([dict(bundle) for _ in range(group.tp)],
+    pg = ray.util.placement_group([dict(bundle) for _ in range(group.world_size)],
                                   strategy="STRICT_PACK", name=f"tandem-{name}")
     pgs.append(pg)
-    log.info("starting %s worker %s (tp=%d, ep=%d)", role, name, group.tp, group.ep)
+    log.info("starting %s worker %s (tp=%d, dp=%d, ep=%d)", role, name, group.tp, group.dp,
+             group.ep)
     ranks = []
-    for rank in range(group.tp):
+    for rank in range(group.world_size):
         remote = ray.remote(cls).options(
             name=f"tandem-{name}" if rank == 0 else f"tandem-{name}-rank{rank}",
             num_cpus=group.num_cpus, num_gpus=group.num_gpus,
@@ -81,12 +82,12 @@ def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConf
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=rank),
         )
-        ranks.append(remote.remote(wcfg, rank, group.tp, group.ep))
+        ranks.append(remote.remote(wcfg, rank, group.tp, group.ep, group.dp))
     return ranks
 
 
 def _join(workers: list[list[object]], timeout_s: float) -> None:
-    """Every TP worker's ranks meet at their rank 0's address (all workers at once)."""
+    """Every multi-rank worker's ranks meet at their rank 0's address (all workers at once)."""
     import ray
 
     multi = [ranks for ranks in workers if len(ranks) > 1]

@@ -1,5 +1,5 @@
-"""The ranks of one worker: how a prefill or decode worker of `tp` ranks joins torch.distributed,
-and the control channel its ranks agree through.
+"""The ranks of one worker: how a prefill or decode worker of `tp` ranks (or a decode worker of
+`dp` DP-attention ranks) joins torch.distributed, and the control channel its ranks agree through.
 
 A worker of `tp` ranks is SPMD: every rank holds a full copy of the worker's bookkeeping
 (scheduler, page allocator, request table) and runs the same deterministic code on the same
@@ -9,6 +9,11 @@ order. Two kinds of input could make ranks differ, and both go through `RankSync
     them so every rank applies them at the same point between two steps;
   - transfer events (a rank's KV landed, a rank's send failed) happen per rank at different
     times; the workers all-gather each step's local events and act on the joint view only.
+
+With DP attention (decode only, `dp` ranks of tp 1) the ranks hold *different* requests: the
+calls still reach every rank, but a reserve is taken by one rank (the least loaded, chosen from
+an all-gather of every rank's load, see decode_node/worker.py), and each step's outputs are
+all-gathered so rank 0 can stream every rank's tokens.
 
 Model collectives (TP/EP all-reduce, all-gather) use the model group: gloo on CPU, NCCL on GPU.
 The control channel always uses a separate gloo group (Python objects, never on the GPU).
@@ -78,19 +83,27 @@ class TorchSync:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankInfo:
-    """Where one rank sits in its worker: `rank` of `tp`; experts split over `ep` (1 or tp)."""
+    """Where one rank sits in its worker: `rank` of `world_size` = tp * dp; experts split over
+    `ep` (1, or every rank of the worker). DP attention with tp > 1 per DP rank is refused."""
 
     rank: int = 0
     tp: int = 1
     ep: int = 1
+    dp: int = 1
 
     def __post_init__(self) -> None:
-        if self.tp < 1:
-            raise ValueError(f"tp: must be >= 1, got {self.tp}")
-        if self.ep not in (1, self.tp):
-            raise ValueError(f"ep: must be 1 or equal to tp ({self.tp}), got {self.ep}")
-        if not 0 <= self.rank < self.tp:
-            raise ValueError(f"rank: {self.rank} outside [0, {self.tp})")
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"tp/dp: must be >= 1, got tp={self.tp} dp={self.dp}")
+        if self.dp > 1 and self.tp > 1:
+            raise ValueError(f"dp: DP attention with tp {self.tp} per DP rank is not implemented")
+        if self.ep not in (1, self.world_size):
+            raise ValueError(f"ep: must be 1 or equal to tp ({self.world_size}), got {self.ep}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: {self.rank} outside [0, {self.world_size})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -114,17 +127,20 @@ def join_group(info: RankInfo, host: str, port: int, device: str,
     import torch
     import torch.distributed as dist
 
-    if info.tp == 1:
+    world = info.world_size
+    if world == 1:
         return ParallelContext(), SOLO
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device).index or 0)  # Ray shows each rank one GPU
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=info.rank,
-                            world_size=info.tp, timeout=timedelta(seconds=timeout_s))
+                            world_size=world, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    tp = ParallelGroup(rank=info.rank, size=info.tp, handle=dist.group.WORLD)
-    par = ParallelContext(tp=tp, ep=tp if info.ep > 1 else ParallelGroup())
-    return par, TorchSync(info.rank, info.tp, control)
+    group = ParallelGroup(rank=info.rank, size=world, handle=dist.group.WORLD)
+    ep = group if info.ep > 1 else ParallelGroup()
+    # DP attention: attention per rank (tp 1), the MLP/MoE over every rank's gathered tokens.
+    par = ParallelContext(dp=group, ep=ep) if info.dp > 1 else ParallelContext(tp=group, ep=ep)
+    return par, TorchSync(info.rank, world, control)
 
 
 def leave_group() -> None:
@@ -149,6 +165,30 @@ def decode_per_rank(blob: bytes, size: int, what: str) -> list[bytes]:
                          f"{size}: KV transfer needs equal TP sizes on prefill and decode "
                          "(head re-slicing is not implemented)")
     return parts
+
+
+def encode_dp_destination(dp_rank: int, parts: list[bytes]) -> bytes:
+    """A decode worker with DP attention: the Destination(s) of the one DP rank that took the
+    request (its tp ranks' parts), tagged with that rank."""
+    return json.dumps({"dp_rank": dp_rank, "ranks": [p.decode() for p in parts]}).encode()
+
+
+def route_to_decode(decode_endpoint: bytes, destination: bytes, tp: int
+                    ) -> tuple[list[bytes], list[bytes]]:
+    """What the prefill worker's `tp` ranks push to: (endpoints, destinations), one per rank.
+    The endpoint blob lists every decode rank (DP-major); a DP destination names its DP rank, so
+    prefill rank r pairs with rank r of that DP rank's slice of the endpoints."""
+    raw = json.loads(destination)
+    if not isinstance(raw, dict):  # no DP: rank r to rank r
+        return (decode_per_rank(decode_endpoint, tp, "decode endpoint"),
+                decode_per_rank(destination, tp, "destination"))
+    dests = decode_per_rank(json.dumps(raw["ranks"]).encode(), tp, "destination")
+    endpoints = [p.encode() for p in json.loads(decode_endpoint)]
+    start = int(raw["dp_rank"]) * tp
+    if not 0 <= start < len(endpoints) or start + tp > len(endpoints):
+        raise ValueError(f"destination: DP rank {raw['dp_rank']} is not among the decode "
+                         f"worker's {len(endpoints)} ranks")
+    return endpoints[start : start + tp], dests
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,10 @@ def kv_layout(engine: SpecEngine, aux: torch.Tensor) -> KVLayout:
 
 def compat_info(engine: SpecEngine, cfg: WorkerConfig) -> CompatInfo:
     """What both sides must agree on. The model is named by a digest of its config, so two
-    copies of the same checkpoint in different directories still match."""
+    copies of the same checkpoint in different directories still match. `tp_size`/`tp_rank`
+    describe the KV head slice this rank's pages hold (the attention TP group): a decode rank
+    of DP attention (tp 1 per DP rank) holds every head, exactly like a prefill rank of tp 1,
+    so the two hash alike and a prefill of tp 2 is refused against it."""
     mc = engine.model_cfg
     model_id = hashlib.sha256(repr(mc).encode()).hexdigest()[:16]
     head = engine.head.cfg

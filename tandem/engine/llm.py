@@ -167,6 +167,22 @@ class LLMEngine:
         dp = self.model.par.dp
         return bool(dp.all_reduce_max(int(self.has_unfinished()), self.device))
 
+    def dp_join(self, has_work: bool) -> bool:
+        """DP attention, before a phase that runs a target forward (prefill chunk, verify):
+        the ranks agree whether any of them runs it, and a rank without work then runs the
+        empty forward, so every rank issues the same MLP/MoE collectives. Returns whether this
+        rank runs its own forward. Every rank must call this at the same points of its step.
+        Without DP: `has_work`, no communication."""
+        dp = self.model.par.dp
+        if dp.size == 1:
+            return has_work
+        # SYNC: one host read per phase (the flag decides the control flow).
+        if not dp.all_reduce_max(int(has_work), self.device):
+            return False
+        if not has_work:
+            self.runner.idle_forward(self.device)
+        return has_work
+
     def stats(self) -> EngineStats:
         return EngineStats(num_pages=self.allocator.num_usable,
                            num_free_pages=self.allocator.num_free,

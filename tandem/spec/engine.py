@@ -131,13 +131,13 @@ class SpecEngine(LLMEngine):
         self._drop_stale_seeds()
         self._drop_seeds_near_context_end()
         plan = self.scheduler.schedule(exclude=frozenset(self.seeds))
-        if plan.chunks:
+        if self.dp_join(bool(plan.chunks)):  # DP attention: idle ranks join (engine/llm.py)
             outputs += self._prefill_step(plan)
         self._drop_stale_seeds()
         prefilled_now = {c.req_id for c in plan.chunks}  # they decode from the next step on
         decoding = [r for r in self.scheduler.running if r.req_id in self.seeds
                     and r.req_id not in prefilled_now]
-        if decoding:
+        if decoding or self.model.par.dp.size > 1:  # DP: every rank reaches the verify join
             outputs += self._spec_round([r.req_id for r in decoding])
         return outputs
 
@@ -282,7 +282,7 @@ class SpecEngine(LLMEngine):
                 served.add(rid)
         self._drop_stale_seeds()
         req_ids = [rid for rid in req_ids if rid in served and rid in self.seeds]
-        if not req_ids:
+        if not self.dp_join(bool(req_ids)):  # DP: a rank without rounds runs an empty verify
             return []
         reqs = [self.scheduler.requests[rid] for rid in req_ids]
         inp = DraftInput.from_seeds([self.seeds[rid] for rid in req_ids],
