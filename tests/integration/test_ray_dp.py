@@ -175,3 +175,18 @@ def test_route_to_decode_picks_the_dp_rank():
     # Without DP: rank r to rank r, as before.
     assert route_to_decode(encode_per_rank([b'{"e":0}']), encode_per_rank([b'{"d":0}']), 1) == (
         [b'{"e":0}'], [b'{"d":0}'])
+
+
+def test_choose_dp_rank_least_reserved_pages_ties_to_lowest():
+    from tandem.decode_node.worker import PoolLoad, _ReserveBid, choose_dp_rank
+
+    load = PoolLoad(num_free_pages=0, num_pages=0, num_free_slots=0, num_slots=0,
+                    num_running=0)
+
+    def bid(reserved: int, fits: bool = True) -> _ReserveBid:
+        return _ReserveBid(reserved_pages=reserved, fits=fits, holds_room=False, load=load)
+
+    assert choose_dp_rank([bid(0), bid(0)]) == 0
+    assert choose_dp_rank([bid(5), bid(3), bid(3)]) == 1
+    assert choose_dp_rank([bid(0, fits=False), bid(9)]) == 1  # the least loaded must fit
+    assert choose_dp_rank([bid(0, fits=False), bid(0, fits=False)]) is None
