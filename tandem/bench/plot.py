@@ -60,7 +60,7 @@ def plot(doc: dict[str, Any], path: Path) -> Path:
         xs, ys = _series(run, ("floors", "tpot_floor_s"))
         if xs:
             ax_tpot.plot(xs, [y * 1e3 for y in ys], "--", color=c, alpha=0.5,
-                         label=f"{name} HBM floor")
+                         label=f"{name} memory floor")
         xs, ys = _series(run, ("output_throughput",))
         ax_thr.plot(xs, ys, "o-", color=c, label=name)
         xs, ys = _series(run, ("acceptance", "mean_length"))
