@@ -1,4 +1,5 @@
-source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH
+# shellcheck source=bench/gpu_env.sh
+source bench/gpu_env.sh
 # Prefill/decode workers on GPUs, TP inside the workers (bench/gpu_workers.py has the details):
 #   2 GPUs (nvidia-h100-x2):  bash bench/gpu_workers.sh --deploy 2gpu
 #   4 GPUs (nvidia-h100-x4):  bash bench/gpu_workers.sh --deploy 2gpu,4gpu-tp2
@@ -7,6 +8,5 @@ source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH
 # Prints a table and writes $OUT/gpu_workers.json; exit code 1 if an equality check failed.
 # Budget: < 5 minutes per deployment (the first FlashInfer JIT build can take ~2 of them).
 set -uo pipefail
-export RAY_AUTH_MODE=disabled NIXL_LOG_LEVEL=WARN MC_LOG_LEVEL=WARNING
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 bench/gpu_workers.py --out "${OUT:-/tmp/out}" "$@"
