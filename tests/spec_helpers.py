@@ -90,6 +90,17 @@ def tiny_head(model: DecoderLM, kind: str = "eagle", *, live: Sequence[int] | No
     mc = model.cfg
     if kind == "eagle":
         cfg = DraftHeadConfig.like_target(mc, "eagle")
+    elif kind == "eagle-subset":  # EAGLE-1 head drafting over a reduced vocabulary
+        # Drafts over the live tokens (or every other token when no vocabulary is live).
+        ids = torch.tensor(sorted(live)) if live else torch.arange(0, mc.vocab_size, 2)
+        cfg = DraftHeadConfig.like_target(mc, "eagle", draft_vocab_size=len(ids))
+        with torch.device("cpu"):
+            head = EagleHead(cfg, model, torch.float32, max_position)
+        state = dummy_head(DraftHeadConfig.like_target(mc, "eagle"), model, torch.float32,
+                           torch.device("cpu"), max_position, seed=seed).state_for_saving()
+        state["d2t"] = ids - torch.arange(len(ids))  # draft id i -> target id sorted(live)[i]
+        head.load_state(state, "tiny eagle-subset head")
+        return head.eval()
     else:
         vocab = len(live) if live else None
         cfg = DraftHeadConfig.like_target(mc, "eagle3", draft_vocab_size=vocab)

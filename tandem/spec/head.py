@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import kernels
 from tandem.engine.config import ModelConfig, RopeScaling, _parse_rope
 from tandem.engine.layers.attention import ForwardContext, HeadLayout, SelfAttention
 from tandem.engine.layers.linear import WeightShapeError, check_shape
@@ -63,6 +64,9 @@ class DraftHeadConfig:
     feature_layers: tuple[int, ...]  # target layers whose input stream EAGLE-3 fuses; () for EAGLE
 
     def __post_init__(self) -> None:
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise DraftHeadError(f"draft_vocab_size: {self.draft_vocab_size} is not in [1, "
+                                 f"{self.vocab_size}] (the target's vocabulary)")
         if self.kind == "eagle3" and (len(set(self.feature_layers)) < 2
                                       or len(set(self.feature_layers)) != len(self.feature_layers)):
             raise DraftHeadError(
@@ -183,6 +187,35 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         else:
             self.target_lm_head = target.lm_head  # shared
+            # A reduced draft vocabulary (FR-Spec style): the head scores only the
+            # draft_vocab_size most frequent target tokens, so each draft step reads that many
+            # lm_head rows instead of the whole vocabulary (on the 8B shape the full lm_head is
+            # ~1 GB a step; on SmolLM2 21% of the target). Drafts stay drafts: verification is
+            # unchanged, so output is still lossless; a token outside the subset is simply never
+            # proposed. `d2t` as in EAGLE-3; the rows are gathered once `d2t` is known.
+            if cfg.draft_vocab_size < cfg.vocab_size:
+                self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        # [draft_vocab, H] target lm_head rows of the draft vocabulary (EAGLE-1/2 subset only);
+        # derived from d2t, never saved.
+        self.register_buffer("draft_rows", None, persistent=False)
+
+    @property
+    def subset_vocab(self) -> bool:
+        """An EAGLE-1/2 head restricted to a draft vocabulary (see __init__)."""
+        return self.cfg.kind == "eagle" and self.cfg.draft_vocab_size < self.cfg.vocab_size
+
+    def build_draft_rows(self) -> None:
+        """Gather the target lm_head rows of the draft vocabulary (after d2t is loaded). Under
+        TP each rank holds a slice of the vocabulary: gather it whole once (the head is
+        replicated)."""
+        if not self.subset_vocab:
+            return
+        lm = self.target_lm_head
+        full = lm.head_weight()  # [vocab/tp, H]
+        if lm.tp.size > 1:
+            full = lm.tp.all_gather_last_dim(full.t().contiguous()).t()  # [vocab, H]
+        ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self.draft_rows = full[ids].contiguous()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         if self.own_embed is not None:
@@ -208,7 +241,11 @@ class EagleHead(nn.Module):
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V_draft] float32 log-probabilities over the head's vocabulary."""
-        if self.cfg.kind == "eagle":
+        if self.subset_vocab:
+            assert self.draft_rows is not None, "build_draft_rows() after loading d2t"
+            logits = kernels.linear(hidden.to(self.draft_rows.dtype), self.draft_rows,
+                                    out_dtype=torch.float32)
+        elif self.cfg.kind == "eagle":
             logits = self.target_lm_head(hidden.to(self.target_lm_head.head_weight().dtype))
         else:
             logits = self.lm_head(self.norm(hidden)).float()
@@ -225,7 +262,7 @@ class EagleHead(nn.Module):
         return torch.cat([aux_hidden[order.index(i)] for i in self.cfg.feature_layers], dim=-1)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        if self.cfg.kind == "eagle":
+        if self.cfg.kind == "eagle" and not self.subset_vocab:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
@@ -250,6 +287,8 @@ class EagleHead(nn.Module):
                         f"{p}.hidden_norm.weight": self.hidden_norm.weight,
                         "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight,
                         "d2t": self.d2t})
+        elif self.subset_vocab:
+            out["d2t"] = self.d2t
         return out
 
     def load_state(self, state: dict[str, torch.Tensor], source: str) -> None:
@@ -287,6 +326,12 @@ class EagleHead(nn.Module):
                     emb.to(self.fc.weight.dtype).to(self.fc.weight.device), False)
         except WeightShapeError as exc:
             raise DraftHeadError(f"{source}: {exc}") from exc
+        if self.subset_vocab:
+            ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+            if bool(((ids < 0) | (ids >= self.cfg.vocab_size)).any()):
+                raise DraftHeadError(f"{source}: d2t maps draft ids outside the target "
+                                     f"vocabulary of {self.cfg.vocab_size}")
+            self.build_draft_rows()
 
     def state_for_saving(self) -> dict[str, torch.Tensor]:
         """The checkpoint layout `load_state` reads (q/k/v and gate/up unmerged)."""
@@ -354,4 +399,5 @@ def dummy_head(cfg: DraftHeadConfig, target: DecoderLM, dtype: torch.dtype,
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.05, generator=gen)
+    head.build_draft_rows()  # a subset head's d2t is all zeros: the first draft_vocab_size ids
     return head.eval()

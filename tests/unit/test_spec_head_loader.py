@@ -341,3 +341,69 @@ def test_unexpected_head_tensor_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(head.cfg.to_json()))
     with pytest.raises(DraftHeadError, match="unexpected draft weight.*q_proj.bias"):
         load_head(tmp_path, target, torch.float32, torch.device("cpu"), 512)
+
+
+# ---- EAGLE-1/2 heads over a reduced draft vocabulary (tandem draft-vocab) --------------------
+
+def _subset_head_dir(tmp_path, ids):
+    from tandem.spec.vocab import restrict_head_vocab
+
+    cfg, sd = eagle_checkpoint()
+    cfg["vocab_size"] = VOCAB
+    src = tmp_path / "full"
+    src.mkdir()
+    write(src, cfg, sd, "safetensors")
+    return restrict_head_vocab(src, torch.tensor(ids), tmp_path / "subset")
+
+
+def test_subset_head_scores_only_its_rows(tmp_path, target):
+    """Log-probs over the subset are the full head's logits at those ids, renormalized; the
+    proposals are target ids inside the subset."""
+    ids = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:40].tolist())
+    full = load(_full_dir(tmp_path), target)
+    sub = load(_subset_head_dir(tmp_path, ids), target)
+    assert sub.cfg.draft_vocab_size == len(ids) and sub.draft_rows.shape == (len(ids), H)
+    hidden = torch.randn(5, H, generator=torch.Generator().manual_seed(4))
+    want = torch.log_softmax(full.log_probs(hidden)[:, ids], dim=-1)
+    assert torch.allclose(sub.log_probs(hidden), want, atol=1e-5)
+    got, _ = sub.topk(hidden, 3)
+    assert set(got.flatten().tolist()) <= set(ids)
+    best = torch.tensor(ids)[want.argmax(-1)]
+    assert torch.equal(got[:, 0], best)
+
+
+def _full_dir(tmp_path):
+    cfg, sd = eagle_checkpoint()
+    d = tmp_path / "full_only"
+    d.mkdir(exist_ok=True)
+    return write(d, cfg, sd, "safetensors")
+
+
+def test_subset_head_problems_are_named(tmp_path, target):
+    d = _subset_head_dir(tmp_path, list(range(0, 64, 2)))
+    cfg = json.loads((d / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    sd = load_file(str(d / "model.safetensors"))
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    bad = dict(sd)
+    del bad["d2t"]
+    _expect_error(tmp_path / "a", target, cfg, bad, r"missing draft weight.*d2t",
+                  exc=DraftHeadError)
+    bad = dict(sd, d2t=sd["d2t"] + VOCAB)
+    _expect_error(tmp_path / "b", target, cfg, bad, r"d2t maps draft ids outside",
+                  exc=DraftHeadError)
+    _expect_error(tmp_path / "c", target, dict(cfg, draft_vocab_size=VOCAB + 1), sd,
+                  r"draft_vocab_size: 257", exc=DraftHeadError)
+
+
+def test_draft_vocab_refuses_eagle3_heads_and_bad_ids(tmp_path):
+    from tandem.spec.vocab import restrict_head_vocab
+
+    cfg, sd = eagle3_checkpoint()
+    write(tmp_path, cfg, sd, "safetensors")
+    with pytest.raises(DraftHeadError, match="only EAGLE-1/2"):
+        restrict_head_vocab(tmp_path, torch.arange(8), tmp_path / "out")
+    with pytest.raises(ValueError, match="strictly increasing"):
+        restrict_head_vocab(_full_dir(tmp_path), torch.tensor([3, 1]), tmp_path / "out2")

@@ -39,7 +39,7 @@ CONFIGS = {
     "tree4x2n9": SpecConfig(num_steps=4, topk=2),
 }
 ARCHS = ("llama", "qwen3", "mixtral")
-KINDS = ("eagle", "eagle3")
+KINDS = ("eagle", "eagle3", "eagle-subset")
 BATCH_SIZES = (1, 3, 8)
 
 CASES = [pytest.param(arch, kind, name, bs, id=f"{arch}-{kind}-{name}-bs{bs}")
