@@ -65,6 +65,7 @@ from tandem.spec.accept import launch_greedy_accept  # noqa: E402
 from tandem.spec.slices import verify_slices  # noqa: E402
 
 DEV = torch.device("cuda")
+DRAFT_VOCAB = -1  # --draft-vocab
 RESULTS: dict = {"notes": [
     "Random (dummy) weights accept (almost) no drafts: speedups are computed as "
     "tau * t_plain / t_round from the measured costs at assumed tau = 2, 3, 4.",
@@ -524,7 +525,15 @@ def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: t
     t0 = time.perf_counter()
     model, head = build_target_and_head(cfg)
     res["build_s"] = time.perf_counter() - t0
-    for name, spec in (("chain4", CHAIN), ("tree", TREE)):
+    runs = [("chain4", CHAIN, head), ("tree", TREE, head)]
+    # The same chain with the head restricted to a draft vocabulary (tandem draft-vocab): each
+    # draft step reads draft_vocab lm_head rows instead of the whole vocabulary.
+    dv = DRAFT_VOCAB if DRAFT_VOCAB >= 0 else (8192 if model.cfg.vocab_size < 100_000 else 32768)
+    if 0 < dv < model.cfg.vocab_size:
+        sub = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle", draft_vocab_size=dv),
+                         model, DTYPES[cfg.dtype], DEV, cfg.max_model_len)
+        runs.append((f"chain4_dv{dv // 1024}k", CHAIN, sub))
+    for name, spec, head in runs:
         prompts = _prompts(4, model.cfg.vocab_size, 8, 60, seed=2)
 
         def check(spec=spec, prompts=prompts, model=model, head=head):
@@ -562,9 +571,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--skip-fp32", action="store_true")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic")
+    ap.add_argument("--draft-vocab", type=int, default=-1,
+                    help="also time the chain with a head over this many draft tokens "
+                         "(-1: 8192 below a 100k vocabulary, else 32768; 0: skip)")
     args = ap.parse_args()
-    global DEV
+    global DEV, DRAFT_VOCAB
     DEV = torch.device(args.device)
+    DRAFT_VOCAB = args.draft_vocab
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     try:
@@ -632,7 +645,7 @@ def print_table() -> None:
             if isinstance(row, dict) and "batch" in row:
                 sp = row.get("speedup") or {}
                 spl = row.get("speedup_loop") or {}
-                print(f"{model_name:<13} {key.split('_')[0]:<7} {row['batch']:>3} "
+                print(f"{model_name:<13} {key.rsplit('_bs', 1)[0]:<11} {row['batch']:>3} "
                       + " ".join(_f(row.get(c)) for c in cols) + "   "
                       + "/".join(_f(sp.get(t), "{:.2f}") for t in ("2", "3", "4")) + "  loop "
                       + "/".join(_f(spl.get(t), "{:.2f}") for t in ("2", "3", "4")))
