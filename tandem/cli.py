@@ -501,7 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["eagle", "eagle3"], default="eagle3",
                    help="Head architecture. Default: %(default)s")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
-                   help="EAGLE-3 draft vocabulary. Default: %(default)s")
+                   help="Draft vocabulary: an EAGLE-3 head's own lm_head; an EAGLE-1/2 head "
+                        "drafts over this many most frequent answer tokens (the vocabulary "
+                        "size = all). Default: %(default)s")
     p.add_argument("--num-prompts", type=int, default=2000, help="Default: %(default)s")
     p.add_argument("--max-new-tokens", type=int, default=256,
                    help="Answer length per prompt. Default: %(default)s")

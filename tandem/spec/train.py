@@ -252,4 +252,12 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
             "steps": step, "train_seconds": round(time.perf_counter() - started, 1),
             "tokens_this_run": num_tokens}
     export_head(head, out / "head", meta)
+    vocab = engine.model_cfg.vocab_size
+    if cfg.kind == "eagle" and cfg.draft_vocab_size < vocab:
+        # An EAGLE-1/2 head learns over the whole vocabulary and drafts over the most frequent
+        # answer tokens (see vocab.py): the same restriction `tandem draft-vocab` applies.
+        from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
+
+        restrict_head_vocab(out / "head", frequent_tokens(samples, cfg.draft_vocab_size, vocab),
+                            out / "head")
     return out / "head"

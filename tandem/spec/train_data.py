@@ -12,6 +12,7 @@ import ast
 import json
 import random
 import sysconfig
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,9 +69,12 @@ def _stdlib_snippets(rng: random.Random, limit: int) -> tuple[list[str], list[st
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
+        lines = source.splitlines()
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef):
-                seg = ast.get_source_segment(source, node) or ""
+                # Whole lines, dedented (ast.get_source_segment rescans the source per call:
+                # quadratic over the standard library).
+                seg = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
                 if 3 <= seg.count("\n") <= 25 and len(funcs) < limit:
                     funcs.append(seg)
             if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)):

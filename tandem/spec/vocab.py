@@ -64,7 +64,8 @@ def restrict_head_vocab(head_dir: Path, ids: torch.Tensor, out_dir: Path) -> Pat
 
     save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    for extra in head_dir.iterdir():  # README and the like travel along
+    same = head_dir.resolve() == out_dir.resolve()
+    for extra in [] if same else head_dir.iterdir():  # README and the like travel along
         if extra.is_file() and extra.suffix in (".md", ".txt"):
             shutil.copy(extra, out_dir / extra.name)
     return out_dir

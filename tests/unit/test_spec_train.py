@@ -1,0 +1,51 @@
+"""`tandem train-eagle` end to end on the real SmolLM2 (tiny budget): the target answers
+prompts (stored, resumable), the head trains, the exported head loads with `load_head`, an
+EAGLE-1/2 head drafts over the requested vocabulary, and a second run resumes instead of
+starting over."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tandem.engine import EngineConfig, LLMEngine
+from tandem.spec import load_head
+from tandem.spec.train import TrainConfig, train
+from tandem.spec.train_data import HELD_OUT_QUESTIONS, build_prompts, is_held_out, read_samples
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_train_exports_a_loadable_subset_head_and_resumes(smollm2_dir, tmp_path):
+    torch.set_num_threads(1)
+    eng = LLMEngine.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                             num_pages=256, max_num_batched_tokens=512))
+    cfg = TrainConfig(out_dir=str(tmp_path), kind="eagle", draft_vocab_size=512, num_prompts=3,
+                      max_new_tokens=6, gen_batch_size=3, max_seq_len=96, batch_size=3,
+                      epochs=1, save_every=1)
+    head_dir = train(eng, cfg, progress=False)
+    samples = read_samples(tmp_path / "samples.jsonl")
+    assert len(samples) == 3 and all(0 < len(s.answer_ids) <= 6 for s in samples)
+    raw = json.loads((head_dir / "config.json").read_text())
+    assert raw["draft_vocab_size"] == 512 and raw["tandem_training"]["steps"] == 1
+    head = load_head(head_dir, eng.model, torch.float32, torch.device("cpu"), 128)
+    assert head.subset_vocab and head.draft_rows.shape == (512, eng.model_cfg.hidden_size)
+    answered = {t for s in samples for t in s.answer_ids}
+    ids = set((torch.arange(512) + head.d2t).tolist())
+    assert answered <= ids  # every token the target emitted is draftable
+    # A second run finds the answers and the checkpoint: nothing is generated or trained again.
+    before = (tmp_path / "samples.jsonl").read_text()
+    train(eng, cfg, progress=False)
+    assert (tmp_path / "samples.jsonl").read_text() == before
+    assert json.loads((head_dir / "config.json").read_text())["tandem_training"][
+        "tokens_this_run"] == 0
+
+
+def test_no_training_prompt_touches_a_held_out_subject():
+    prompts = build_prompts(100_000)
+    assert len(prompts) > 10_000
+    assert not any(is_held_out(p) for p in prompts)
+    assert all(is_held_out(q) for q in HELD_OUT_QUESTIONS)
+    assert not set(prompts) & set(HELD_OUT_QUESTIONS)
