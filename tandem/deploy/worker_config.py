@@ -31,6 +31,9 @@ class WorkerConfig:
     endpoint: EndpointConfig | None = None  # deadlines; None = production defaults
     faults: FailureInjection | None = None  # test knob: break transfers on purpose
     torch_threads: int = 0  # 0 = torch's default; Ray CPU workers sharing cores want 1
+    # Prefill only: push target layer l's pages while layer l+1 computes, in the forward that
+    # completes a prompt (prefill_node/layerwise.py); off = push after the whole prefill.
+    layerwise_push: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -40,6 +43,8 @@ class WorkerConfig:
                              f"{', '.join(TRANSFER_BACKENDS)}")
         if self.aux_slots <= 0:
             raise ValueError(f"aux_slots: must be positive, got {self.aux_slots}")
+        if not isinstance(self.layerwise_push, bool):
+            raise ValueError(f"layerwise_push: must be true or false, got {self.layerwise_push!r}")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s: must be positive, got {self.transfer_timeout_s}")
 

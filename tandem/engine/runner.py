@@ -8,6 +8,7 @@ belongs to the `KVPool` it was given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,10 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [n] int64, rows of the token dim that need logits
     capture_layers: tuple[int, ...] = ()  # layers whose input residual stream is returned
+    # Called with i after decoder layer i ran, i.e. once layer i's K/V of every token of this
+    # forward is written (on CUDA: enqueued on the current stream -- a hook that hands the
+    # memory to another reader must synchronize first). Eager forwards only; None = no-op.
+    after_layer: Callable[[int], None] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -50,7 +55,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         plan = self.backend.plan(batch.attn)
         return self.forward_planned(batch.input_ids, batch.positions, plan,
-                                    batch.logits_indices, batch.capture_layers)
+                                    batch.logits_indices, batch.capture_layers,
+                                    batch.after_layer)
 
     @torch.inference_mode()
     def idle_forward(self, device: torch.device) -> None:
@@ -62,6 +68,7 @@ class ModelRunner:
     def forward_planned(
         self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Any,
         logits_indices: torch.Tensor | None, capture_layers: tuple[int, ...] = (),
+        after_layer: Callable[[int], None] | None = None,
     ) -> ForwardOutput:
         """The forward after planning (what `DecodeGraphRunner` captures). input_ids,
         positions [T] int64; logits_indices [n] int64, or None for logits of every row."""
@@ -74,7 +81,7 @@ class ModelRunner:
             dp_counts=dp.all_gather_counts(input_ids.shape[0], input_ids.device)
             if dp.size > 1 else None,
         )
-        out = self.model(input_ids, positions, ctx, capture_layers)
+        out = self.model(input_ids, positions, ctx, capture_layers, after_layer=after_layer)
         rows = out.hidden if logits_indices is None else out.hidden[logits_indices]
         logits = self.model.compute_logits(rows)
         return ForwardOutput(logits=logits, hidden=out.hidden, aux_hidden=out.aux_hidden)

@@ -7,6 +7,8 @@ repeatedly and every other method between steps. For each request it:
   2. hands its pages + seed to the KV sender (`send`, bounded batches, completion notification),
   3. frees the pages once the sender reports a terminal state (never earlier: the backend may
      still be reading them), and reports a `PrefillResult`.
+With `cfg.layerwise_push`, step 2 starts inside the forward that completes the prompt: target
+layer l's pages leave right after layer l ran (layerwise.py); the rest follows the hand-off.
 
 With TP, every rank runs this worker (deploy/group_loop.py): rank r pushes the KV heads it holds
 to decode rank r with its own sender. Send outcomes arrive per rank at different times; the ranks
@@ -24,6 +26,7 @@ from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, 
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
+from tandem.prefill_node.layerwise import LayerwisePusher
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +61,16 @@ class PrefillWorker:
                  sync: RankSync = SOLO) -> None:
         self.cfg, self.sync = cfg, sync
         self.engine = build_engine(cfg, parallel)
-        self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
-        self.sender = PrefillSender(
-            cfg.transfer_backend, kv_layout(self.engine, self._aux),
-            compat_info(self.engine, cfg), config=cfg.endpoint, faults=cfg.faults)
         self._dest: dict[int, Destination] = {}  # room -> where its KV goes (still prefilling)
+        self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
+        layout = kv_layout(self.engine, self._aux)
+        self.sender = PrefillSender(cfg.transfer_backend, layout, compat_info(self.engine, cfg),
+                                    config=cfg.endpoint, faults=cfg.faults)
+        self.pusher: LayerwisePusher | None = None
+        if cfg.layerwise_push:
+            self.pusher = LayerwisePusher(self.sender, layout, self._dest.get,
+                                          device=self.engine.device)
+            self.engine.prefill_layer_hook = self.pusher.hook_for
         self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
         self._results: list[PrefillResult] = []
         self._sessions: set[int] = set()
@@ -106,6 +114,12 @@ class PrefillWorker:
         for h in self.engine.take_handoffs():
             room = int(h.req_id)
             dest = self._dest.pop(room, None)
+            early = self.pusher is not None and self.pusher.started(room)
+            if early and (dest is None or h.finished):
+                # No transfer wanted after all (layerwise.py `drop`). A finished request's pages
+                # are free already; reads still in flight cannot harm them (read-only), and
+                # they land in decode pages that stay leased until the room's end.
+                self.pusher.drop(room, abort=dest is None)  # type: ignore[union-attr]
             if dest is None:  # aborted while its last chunk ran
                 if h.page_ids:
                     self.engine.free_pages(h.page_ids)
@@ -118,10 +132,14 @@ class PrefillWorker:
             self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
                                            first_text=h.first_text)
             try:
-                self.sender.send(dest, h.page_ids, h.seed_bytes())
+                if early:
+                    self.pusher.complete(room, h.page_ids, h.seed_bytes())  # type: ignore[union-attr]
+                else:
+                    self.sender.send(dest, h.page_ids, h.seed_bytes())
             except TransferError as exc:  # terminal on this rank at once
                 local.append((room, False, str(exc), exc.kind.value))
-        for outcome in self.sender.poll():
+        early_outcomes = self.pusher.take_outcomes() if self.pusher is not None else []
+        for outcome in early_outcomes + self.sender.poll():
             err = outcome.error
             ok = outcome.state == TransferState.DONE
             local.append((outcome.room, ok, "" if ok else str(err) if err else outcome.state.value,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.request import Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ForwardOutput
-from tandem.engine.scheduler import StepPlan
+from tandem.engine.scheduler import ScheduledChunk, StepPlan
 from tandem.spec.accept import accept, launch_greedy_accept
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
@@ -86,6 +87,11 @@ class SpecEngine(LLMEngine):
         self.seeds: dict[str, DraftSeed] = {}  # owned here: one per decoding request
         self.handoff_only: set[str] = set()  # prefill-only requests still prefilling
         self.handoffs: dict[str, PrefillHandoff] = {}  # prefilled, waiting to be taken
+        # Set by a prefill worker for layer-wise KV push: given the chunks of prefill-only
+        # requests whose prompt completes in the coming prefill forward, it returns that
+        # forward's per-layer hook (ForwardBatch.after_layer), or None for no hook.
+        self.prefill_layer_hook: Callable[[tuple[ScheduledChunk, ...]],
+                                          Callable[[int], None] | None] | None = None
         self.spec_stats = SpecStats()
         self.capture = head.cfg.feature_layers
         # CUDA graphs for chain draft steps and verify: on whenever decode graphs are (CUDA,
@@ -158,9 +164,12 @@ class SpecEngine(LLMEngine):
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
         batch = self._build_batch(plan, len(plan.chunks))  # eager: no graph padding
+        completing = tuple(c for c in plan.chunks if c.samples and c.req_id in self.handoff_only)
+        hook = self.prefill_layer_hook
         batch = ForwardBatch(input_ids=batch.input_ids, positions=batch.positions,
                              attn=batch.attn, logits_indices=batch.logits_indices,
-                             capture_layers=self.capture)
+                             capture_layers=self.capture,
+                             after_layer=hook(completing) if hook and completing else None)
         out = self.runner.forward(batch)
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [self.scheduler.requests[c.req_id] for c in sampling]

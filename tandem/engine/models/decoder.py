@@ -121,9 +121,11 @@ class DecoderLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
         capture_layers: tuple[int, ...] = (),
         input_embeds: torch.Tensor | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> DecoderOutput:
         """input_ids [T] int64, positions [T] int64 -> hidden [T, H]. `capture_layers` names
-        layers whose input residual stream is returned (EAGLE-3 features)."""
+        layers whose input residual stream is returned (EAGLE-3 features). `after_layer(i)` runs
+        once layer i returned: its K/V is in the pool (enqueued, on CUDA), see ForwardBatch."""
         x = self.embed(input_ids) if input_embeds is None else input_embeds
         residual: torch.Tensor | None = None
         aux = []
@@ -131,6 +133,8 @@ class DecoderLM(nn.Module):
             if i in capture_layers:
                 aux.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, ctx)
+            if after_layer is not None:
+                after_layer(i)
         hidden, _ = self.norm.add_and_norm(x, residual) if residual is not None else (
             self.norm(x), x)
         return DecoderOutput(hidden=hidden, aux_hidden=tuple(aux))

@@ -1,0 +1,126 @@
+"""`LayerwisePusher`: the prefill worker's layer-wise KV push (WorkerConfig.layerwise_push).
+
+In the prefill forward that completes a prompt (its last chunk; earlier chunks' pages are
+already complete in every layer), target layer l's pages leave as soon as layer l ran, so the
+transfer of a long prompt hides behind the rest of its prefill instead of following it:
+
+    hook_for(chunks)   before the forward: `start` each completing request's transfer (BEGIN)
+    after layer l      pump the sender; for every room whose grant (GO) arrived, push target
+                       layers [first not pushed .. l] (a late GO catches up on earlier layers)
+    complete(room)     after the forward + draft prefill (the hand-off): the target layers still
+                       missing, every draft layer, then `finish` with the EAGLE seed
+
+A room whose GO never arrived during the forward therefore degrades to push-after-prefill. The
+pages pushed are the same either way, so the decode side receives bit-identical KV: layer l's
+pages are never written again by this request once layer l ran (draft prefill writes only the
+draft group, pushed in `complete`).
+
+Memory ordering: on the CPU a layer's K/V is in memory when the layer returns (synchronous
+ops), so the backend may read it at once. On CUDA the layer's kernels are only enqueued when
+the hook runs; the hook synchronizes the current stream before the first push of a layer, so
+the backend (RDMA/NVLink reading device memory outside the stream) never sees stale KV. That
+costs one host sync per layer, only in a forward that has something to push.
+
+Owns: the table of rooms started early and how many target layers each has pushed, and the
+send outcomes its pumping collected (the worker takes them with the sender's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.scheduler import ScheduledChunk
+from tandem.kvtransfer import (Destination, KVLayout, KVSender, SendOutcome, TransferError,
+                               TransferState)
+
+
+@dataclass(slots=True)
+class _Early:
+    """A room whose transfer started before its forward (same page ids as its hand-off)."""
+
+    page_ids: tuple[int, ...]
+    num_pushed: int = 0  # target layers [0, num_pushed) are queued at the sender
+    error: TransferError | None = None  # start/push failed: reported at the hand-off
+
+
+class LayerwisePusher:
+    def __init__(self, sender: KVSender, layout: KVLayout,
+                 dest_of: Callable[[int], Destination | None], *, device: torch.device,
+                 target_group: str = "target") -> None:
+        self.sender, self.layout, self.dest_of = sender, layout, dest_of  # layout: the sender's
+        self.target_group, self.device = target_group, device
+        self._early: dict[int, _Early] = {}  # room -> its transfer, until complete()/drop()
+        self._outcomes: list[SendOutcome] = []  # collected by the hook's pumping
+        self.num_layers_early = 0  # target layers pushed inside a forward (all rooms, total)
+
+    def hook_for(self, chunks: Sequence[ScheduledChunk]) -> Callable[[int], None] | None:
+        """The `after_layer` hook of a forward in which `chunks` complete their prompts."""
+        rooms: list[int] = []
+        for c in chunks:
+            room = int(c.req_id)
+            dest = self.dest_of(room)
+            if dest is None or room in self._early:
+                continue
+            entry = self._early[room] = _Early(page_ids=c.page_ids)
+            try:
+                self.sender.start(dest, c.page_ids)
+            except TransferError as exc:
+                entry.error = exc
+                continue
+            rooms.append(room)
+        if not rooms:
+            return None
+        return lambda layer: self._after_layer(rooms, layer)
+
+    def _after_layer(self, rooms: list[int], layer: int) -> None:
+        self._outcomes += self.sender.poll()  # GO arrives through the pump
+        ready = [r for r in rooms if self._early[r].error is None
+                 and self.sender.state(r) is TransferState.TRANSFERRING]
+        if not ready:
+            return
+        if self.device.type == "cuda":  # the layer's KV writes are only enqueued: land them
+            torch.cuda.current_stream(self.device).synchronize()
+        for room in ready:
+            entry = self._early[room]
+            try:
+                self.sender.push_layers(room, self.target_group,
+                                        range(entry.num_pushed, layer + 1))
+            except TransferError as exc:
+                entry.error = exc
+                continue
+            self.num_layers_early += layer + 1 - entry.num_pushed
+            entry.num_pushed = layer + 1
+
+    def started(self, room: int) -> bool:
+        return room in self._early
+
+    def complete(self, room: int, page_ids: Sequence[int], aux_payload: bytes) -> None:
+        """The hand-off of a room started early: push what is left and finish. Raises the
+        TransferError its start/pushes met (the room is terminal at the sender then)."""
+        entry = self._early.pop(room)
+        if tuple(page_ids) != entry.page_ids:  # the scheduler detaches the chunk's pages
+            raise AssertionError(f"room {room}: hand-off pages differ from the started ones")
+        if entry.error is not None:
+            raise entry.error
+        for region in self.layout.regions:
+            first = entry.num_pushed if region.name == self.target_group else 0
+            if first < region.num_layers:
+                self.sender.push_layers(room, region.name, range(first, region.num_layers))
+        self.sender.finish(room, aux_payload)
+
+    def drop(self, room: int, *, abort: bool) -> None:
+        """A room started early needs no transfer after all. `abort`: end it now (the request
+        was aborted; decode was told by the router). Otherwise (its first token finished it)
+        it is left to decode: the router aborts decode for a request prefill finished, and
+        that ABORT ends the room here (the deadline otherwise); aborting from this side could
+        reach decode first and surface as a transfer error for a request that succeeded.
+        The outcome comes back through poll() and concerns no one."""
+        if self._early.pop(room, None) is not None and abort:
+            self.sender.abort(room)
+
+    def take_outcomes(self) -> list[SendOutcome]:
+        out, self._outcomes = self._outcomes, []
+        return out
