@@ -1,9 +1,9 @@
 """`CompatInfo`: what prefill and decode must agree on before any request moves (DESIGN §3
 "Compatibility at handshake"), its digest, and the field-by-field check that names every difference.
 
-The check raises `TransferError(HANDSHAKE)` (imported lazily from contract to avoid a cycle) except
-for a differing `tp_size`, which is a valid deployment that needs head re-slicing: that raises
-`NotImplementedError` until re-slicing exists (each region already records its head range).
+The check raises `TransferError(HANDSHAKE)` (imported lazily from contract to avoid a cycle). A
+differing `tp_size` alone is a valid deployment when the KV heads re-slice (reslice.py): both sides
+name the model's `num_kv_heads` and each side's heads split (or replicate) evenly over its ranks.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ class CompatInfo:
     page_size: int  # tokens per KV page
     kv_layout: str  # byte layout inside a page, e.g. "NHD" (tokens, heads, head_dim)
     tp_size: int
-    tp_rank: int  # each prefill rank pairs with the decode rank of the same index
+    tp_rank: int  # with equal TP sizes, prefill rank r pairs with decode rank r only
     draft_model: str  # "" when no draft
     draft_hidden_size: int  # 0 when no draft
     topk: int  # draft top-k carried in the seed (1 = chain)
     feature_layers: tuple[int, ...]  # target layers whose features feed the draft (EAGLE-3)
+    # The model's KV heads (all ranks together); 0 = not stated, then only equal TP sizes pair.
+    num_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
@@ -41,7 +43,7 @@ class CompatInfo:
 
     @classmethod
     def from_wire(cls, d: dict) -> CompatInfo:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def digest(self) -> str:
         """16 hex chars over every field (canonical JSON), for logs and quick equality."""
@@ -75,8 +77,14 @@ def check_compat(
         parts = [f"{name}: {local_role}={a!r} {remote_role}={b!r}" for name, a, b in hard]
         raise TransferError(ErrorKind.HANDSHAKE,
                             "incompatible peers, refused before any request: " + "; ".join(parts))
-    # Only the TP layout differs: a legal deployment that needs head re-slicing.
-    raise NotImplementedError(
-        f"tp_size: {local_role}={local.tp_size} {remote_role}={remote.tp_size}: transfer between "
-        "different TP sizes needs KV head re-slicing, which is not implemented yet"
-    )
+    # Only the TP layout differs: legal exactly when the KV heads re-slice between the sizes.
+    from tandem.kvtransfer.reslice import reslice_problem
+
+    why = ("num_kv_heads is not stated by both sides" if not local.num_kv_heads
+           else reslice_problem(local.num_kv_heads, *((local.tp_size, remote.tp_size)
+                                                      if local_role == "prefill"
+                                                      else (remote.tp_size, local.tp_size))))
+    if why:
+        raise TransferError(ErrorKind.HANDSHAKE,
+                            f"tp_size: {local_role}={local.tp_size} {remote_role}={remote.tp_size}"
+                            f" cannot re-slice KV heads ({why})")

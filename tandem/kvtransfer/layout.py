@@ -179,7 +179,15 @@ def layout_mismatches(src: KVLayout, dst: KVLayout) -> list[str]:
         return out
     for s in src.regions:
         d = dst.region(s.name)
-        for f in ("num_layers", "page_bytes"):
+        fs = ["num_layers"]
+        if s.num_heads and d.num_heads and s.num_heads != d.num_heads:
+            # Different TP sizes: pages hold different head counts; a head's bytes must agree.
+            if s.page_bytes * d.num_heads != d.page_bytes * s.num_heads:
+                out.append(f"{s.name}.page_bytes per head: prefill={s.page_bytes}/{s.num_heads} "
+                           f"decode={d.page_bytes}/{d.num_heads}")
+        else:
+            fs.append("page_bytes")
+        for f in fs:
             if getattr(s, f) != getattr(d, f):
                 out.append(f"{s.name}.{f}: prefill={getattr(s, f)} decode={getattr(d, f)}")
     if src.aux.slot_bytes != dst.aux.slot_bytes:

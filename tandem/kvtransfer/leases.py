@@ -4,7 +4,7 @@ into them, and the one place that gives them back.
 Invariant (DESIGN §3 "No leaks", §2 step 5): for every reserved room, `release(Release)` is called
 exactly once, and only when no transfer can still write into its pages or slot, i.e. when
   (a) no writer was ever granted (the room never left RESERVED: nobody was told GO), or
-  (b) the granted writer gave its final word (FINAL, or the completion notification): a sender
+  (b) every granted writer gave its final word (FINAL, or the completion notification): a sender
       sends it only after every write it posted has finished or was cancelled, or
   (c) the lease deadline passed AND the writer was fenced (`fence`: the endpoint tore the
       connection down, so the sender cannot write any more; with Mooncake, whose API cannot cut a
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.kvtransfer.contract import ErrorKind, TransferError, TransferState, advance
 
@@ -47,11 +47,25 @@ class _Claim:
     state: TransferState
     deadline: float  # monotonic: the transfer must be DONE by then
     lease_deadline: float  # monotonic: after this the writer is fenced
-    writer: str | None = None  # peer id granted GO
-    num_pages: int = 0  # pages the writer announced in BEGIN
+    # peer id granted GO -> it gave its final word (quiesced). Several with different TP sizes
+    # (each prefill rank holding some of this decode rank's heads), one otherwise.
+    writers: dict[str, bool] = field(default_factory=dict)
+    num_pages: int = 0  # pages the writers announced in BEGIN (all the same)
     granted_at: float = 0.0
-    writer_quiesced: bool = False
     error: TransferError | None = None
+
+    @property
+    def writer(self) -> str | None:
+        """The first writer granted (None: nobody was told GO)."""
+        return next(iter(self.writers), None)
+
+    @property
+    def writer_quiesced(self) -> bool:
+        return all(self.writers.values())
+
+    def live_writers(self) -> list[str]:
+        """Granted writers that may still write."""
+        return [w for w, quiet in self.writers.items() if not quiet]
 
 
 class ReceiveTable:
@@ -84,7 +98,7 @@ class ReceiveTable:
         return frozenset(self._held_pages)
 
     def rooms_of(self, writer: str) -> list[int]:
-        return [r for r, c in self._claims.items() if c.writer == writer]
+        return [r for r, c in self._claims.items() if writer in c.writers]
 
     # -- transitions --------------------------------------------------------------------------
     def reserve(self, room: int, page_ids: Sequence[int], aux_slot: int, *, timeout_s: float,
@@ -104,16 +118,24 @@ class ReceiveTable:
         self._held_slots[aux_slot] = room
 
     def grant(self, room: int, writer: str, num_pages: int) -> None:
-        """RESERVED -> TRANSFERRING: `writer` may now write the first `num_pages` pages."""
+        """RESERVED -> TRANSFERRING: `writer` may now write the first `num_pages` pages. A
+        further writer of a TRANSFERRING room joins it (different TP sizes: several senders)."""
         c = self._claims[room]
+        if c.state is TransferState.TRANSFERRING and writer not in c.writers:
+            if num_pages != c.num_pages:
+                raise ValueError(f"room {room}: writer {writer} announces {num_pages} pages, "
+                                 f"another {c.num_pages}")
+            c.writers[writer] = False
+            return
         c.state = advance(c.state, TransferState.TRANSFERRING, room=room)
-        c.writer, c.num_pages, c.granted_at = writer, num_pages, self._clock()
+        c.writers[writer] = False
+        c.num_pages, c.granted_at = num_pages, self._clock()
 
     def complete(self, room: int) -> _Claim:
         """TRANSFERRING -> DONE on a verified completion notification (the writer's final word)."""
         c = self._claims[room]
         c.state = advance(c.state, TransferState.DONE, room=room)
-        c.writer_quiesced = True
+        c.writers = dict.fromkeys(c.writers, True)
         self._maybe_release(c, "done")
         return c
 
@@ -125,19 +147,20 @@ class ReceiveTable:
         c.state = advance(c.state, target, room=room)
         c.error = error
         self._maybe_release(c, "never_granted")
-        return c.writer if c.writer and not c.writer_quiesced else None
+        live = c.live_writers()
+        return live[0] if live else None
 
     def writer_final(self, room: int, writer: str, error: TransferError | None) -> bool:
         """The granted writer's final word for a room (FINAL failed/aborted, or a late
         completion after decode gave up). Returns True if this made the room terminal now."""
         c = self._claims.get(room)
-        if c is None or c.writer != writer:
+        if c is None or writer not in c.writers:
             return False  # stale or foreign: never let another peer release our pages
         became_terminal = False
         if not c.state.terminal:
             self.fail(room, error or TransferError(ErrorKind.BACKEND, "sender failed", room=room))
             became_terminal = True
-        c.writer_quiesced = True
+        c.writers[writer] = True
         self._maybe_release(c, "writer_final")
         return became_terminal
 
@@ -162,7 +185,7 @@ class ReceiveTable:
                 self.fail(room, TransferError(ErrorKind.PEER_DEAD,
                                               f"writer {writer} fenced", room=room))
                 newly_failed.append(room)
-            c.writer_quiesced = True
+            c.writers[writer] = True
             self._maybe_release(c, "lease_fenced")
         return newly_failed
 
@@ -171,14 +194,14 @@ class ReceiveTable:
         for c in list(self._claims.values()):
             if not c.state.terminal:
                 c.state = TransferState.ABORTED
-            c.writer_quiesced = True
+            c.writers = dict.fromkeys(c.writers, True)
             self._maybe_release(c, "closed")
 
     # -- the only way out ---------------------------------------------------------------------
     def _maybe_release(self, c: _Claim, reason: str) -> None:
         if not c.state.terminal:
             return
-        if c.writer is not None and not c.writer_quiesced:
+        if not c.writer_quiesced:
             return  # a granted writer may still be writing: hold (lease)
         del self._claims[c.room]
         for p in c.page_ids:

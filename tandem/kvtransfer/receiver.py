@@ -7,6 +7,11 @@ answers handshakes and grants, verifies completions, enforces deadlines and leas
 A room is `Received` only if: the granted writer's FINAL(done) arrived (after all its writes), it
 wrote exactly the pages it announced, its byte count equals pages x (every layer of every group),
 and the aux slot decodes (magic, checksum) to the same room (DESIGN §3 "Transfer completeness").
+
+With different TP sizes (reslice.py) a room has one writer per prefill rank holding some of this
+rank's KV heads: each is granted on its BEGIN, each FINAL(done) is checked against the bytes of
+its own head slice, only the primary writer's completion carries the aux slot, and the room is
+`Received` when every expected writer completed. Any writer's failure fails the room.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from tandem.kvtransfer.contract import (Destination, EndpointInfo, ErrorKind, Re
 from tandem.kvtransfer.endpoint import EndpointBase, EndpointConfig
 from tandem.kvtransfer.layout import KVLayout, layout_mismatches
 from tandem.kvtransfer.leases import ReceiveTable, Release
+from tandem.kvtransfer.reslice import (HeadSlice, geometry, slice_bytes_per_page, slice_for_peer,
+                                       slices_to_decode)
 from tandem.kvtransfer.wire import Message, MsgKind, decode_message
 
 
@@ -31,6 +38,8 @@ from tandem.kvtransfer.wire import Message, MsgKind, decode_message
 class _Writer:
     peer_id: str
     session: int  # the prefill endpoint's session
+    piece: HeadSlice | None  # heads it sends this rank (different TP); None: every head
+    prefill_tp: int  # its worker's TP size
     fenced: bool = False  # disconnected after a lease expiry: must connect() again
 
 
@@ -48,6 +57,8 @@ class DecodeReceiver(EndpointBase):
         self.table = ReceiveTable(release, clock=clock)
         self._writers: dict[str, _Writer] = {}
         self._events: list[ReceiveEvent] = []
+        # room -> prefill ranks whose FINAL(done) arrived, and the verified seed (primary's)
+        self._parts: dict[int, tuple[set[int], bytes | None]] = {}
 
     # -- per-room API ---------------------------------------------------------------------------
     def expect(self, room: int, page_ids: Sequence[int], aux_slot: int, *,
@@ -72,10 +83,9 @@ class DecodeReceiver(EndpointBase):
         """Decode gives up on `room` (client cancel, deadline). Its pages come back through the
         release callback once the writer confirmed it stopped, or at the lease."""
         if room in self.table and not self.table.state(room).terminal:  # type: ignore[union-attr]
-            writer = self.table.fail(room, TransferError(ErrorKind.ABORTED, "aborted by decode",
-                                                         room=room))
+            self.table.fail(room, TransferError(ErrorKind.ABORTED, "aborted by decode", room=room))
             self._metrics.record_failure(ErrorKind.ABORTED)
-            if writer is not None:
+            for writer in self.table.claim(room).live_writers() if room in self.table else ():
                 self._send(writer, Message(kind=MsgKind.ABORT, room=room))
         self._pump()
 
@@ -108,6 +118,10 @@ class DecodeReceiver(EndpointBase):
         self.backend.send_message(peer_id, msg.encode())
 
     def _failed(self, room: int, error: TransferError) -> None:
+        self._parts.pop(room, None)
+        # Other senders of a re-sliced room still writing: stop them (one failure fails all).
+        for writer in self.table.claim(room).live_writers() if room in self.table else ():
+            self._send(writer, Message(kind=MsgKind.ABORT, room=room))
         self._metrics.record_failure(error.kind)
         self._events.append(ReceiveFailed(room=room, error=error))
 
@@ -148,6 +162,11 @@ class DecodeReceiver(EndpointBase):
                 raise TransferError(ErrorKind.HANDSHAKE, f"backend: decode={self.backend.name!r} "
                                     f"prefill={info.backend!r}")
             check_compat(self.compat, info.compat, local_role="decode", remote_role="prefill")
+            try:
+                piece = slice_for_peer(self.compat, self.layout, info.compat, remote_layout,
+                                       local_is_prefill=False)
+            except ValueError as e:
+                raise TransferError(ErrorKind.HANDSHAKE, str(e)) from e
             mismatches = layout_mismatches(remote_layout, self.layout)
             if mismatches:
                 raise TransferError(ErrorKind.HANDSHAKE,
@@ -160,7 +179,8 @@ class DecodeReceiver(EndpointBase):
         if reason:
             self._send(reply_to, Message(kind=MsgKind.REFUSE, reason=reason))
             return
-        self._writers[peer_id] = _Writer(peer_id=peer_id, session=info.session)
+        self._writers[peer_id] = _Writer(peer_id=peer_id, session=info.session, piece=piece,
+                                         prefill_tp=info.compat.tp_size)
         self._send(peer_id, Message(kind=MsgKind.WELCOME, session=self.session,
                                     body={"layout": self.layout.to_wire()}))
 
@@ -171,6 +191,12 @@ class DecodeReceiver(EndpointBase):
             reason = f"stale decode session {msg.session} (now {self.session})"
         elif state is None:
             reason = "unknown room (never reserved, expired or aborted)"
+        elif state is TransferState.TRANSFERRING and writer.piece is not None:
+            claim = self.table.claim(room)  # a further sender of a re-sliced room
+            if writer.peer_id in claim.writers:
+                reason = "this writer already began the room"
+            elif msg.num_pages != claim.num_pages:
+                reason = f"{msg.num_pages} pages, another sender announced {claim.num_pages}"
         elif state is not TransferState.RESERVED:
             reason = f"room is {state.value}"
         elif msg.num_pages > len(self.table.claim(room).page_ids):
@@ -183,7 +209,7 @@ class DecodeReceiver(EndpointBase):
 
     def _on_final(self, writer: _Writer, msg: Message) -> None:
         room = msg.room
-        if room not in self.table or self.table.claim(room).writer != writer.peer_id:
+        if room not in self.table or writer.peer_id not in self.table.claim(room).writers:
             return  # stale (already released) or not this writer's room
         claim = self.table.claim(room)
         if msg.outcome != "done":
@@ -199,23 +225,45 @@ class DecodeReceiver(EndpointBase):
             self.table.writer_final(room, writer.peer_id, None)
             return
         try:
-            payload = self._verify_done(room, msg, claim.num_pages)
+            payload = self._verify_done(room, msg, claim.num_pages, writer.piece)
         except TransferError as e:
             self.table.writer_final(room, writer.peer_id, e)
             self._failed(room, e)
             return
+        if writer.piece is not None:
+            done, seed = self._parts.setdefault(room, (set(), None))
+            done.add(writer.piece.prefill_rank)
+            seed = payload if writer.piece.primary else seed
+            self._parts[room] = (done, seed)
+            expected = {p.prefill_rank for p in slices_to_decode(
+                self.compat.tp_rank, self.compat.tp_size, writer.prefill_tp, self.compat.num_kv_heads)}
+            claim.writers[writer.peer_id] = True  # its final word: it writes no more
+            if done != expected:
+                return  # other senders' heads still to come
+            del self._parts[room]
+            assert seed is not None
+            payload = seed
         latency = self.clock() - claim.granted_at
         self.table.complete(room)  # releases with outcome DONE: the pages now hold the request
         self._metrics.record_done(msg.nbytes + HEADER_BYTES + len(payload), latency)
         self._events.append(Received(room=room, page_ids=claim.page_ids[: claim.num_pages],
                                      aux_payload=payload))
 
-    def _verify_done(self, room: int, msg: Message, granted_pages: int) -> bytes:
-        expected = granted_pages * self.layout.bytes_per_page
+    def _verify_done(self, room: int, msg: Message, granted_pages: int,
+                     piece: HeadSlice | None) -> bytes | None:
+        """The seed (None from a re-sliced non-primary writer, which writes no slot) once the
+        writer's page and byte counts match what it had to send."""
+        if piece is None:
+            expected = granted_pages * self.layout.bytes_per_page
+        else:
+            expected = granted_pages * sum(r.num_layers * slice_bytes_per_page(geometry(r), piece)
+                                           for r in self.layout.regions)
         if msg.num_pages != granted_pages or msg.nbytes != expected:
             raise TransferError(ErrorKind.CORRUPT, f"completion says {msg.num_pages} pages / "
                                 f"{msg.nbytes} B, expected {granted_pages} pages / {expected} B "
                                 "(every layer of every group)", room=room)
+        if piece is not None and not piece.primary:
+            return None
         slot = self.layout.aux.slot_addr(self.table.claim(room).aux_slot)
         return check_aux(ctypes.string_at(slot, self.layout.aux.slot_bytes), room)
 
@@ -231,20 +279,19 @@ class DecodeReceiver(EndpointBase):
         for room in timed_out:
             err = TransferError(ErrorKind.TIMEOUT, "KV + seed not received before the deadline "
                                 f"({self.table.claim(room).state.value})", room=room)
-            writer = self.table.fail(room, err)
-            self._failed(room, err)
-            if writer is not None:
-                self._send(writer, Message(kind=MsgKind.ABORT, room=room))
+            self.table.fail(room, err)
+            self._failed(room, err)  # tells the writers (ABORT)
         fenced: set[str] = set()
         for claim in lease_over:
-            if claim.writer is None or claim.writer in fenced or claim.room not in self.table:
-                continue
-            # Lease over and the writer never confirmed it stopped: cut it off, then release.
-            fenced.add(claim.writer)
-            self.backend.disconnect(claim.writer)
-            w = self._writers.get(claim.writer)
-            if w is not None:
-                w.fenced = True
-            for room in self.table.fence(claim.writer):
-                self._failed(room, TransferError(ErrorKind.PEER_DEAD, f"writer {claim.writer} "
-                                                 "fenced at lease expiry", room=room))
+            for peer in claim.live_writers():
+                if peer in fenced or claim.room not in self.table:
+                    continue
+                # Lease over and the writer never confirmed it stopped: cut it off, release.
+                fenced.add(peer)
+                self.backend.disconnect(peer)
+                w = self._writers.get(peer)
+                if w is not None:
+                    w.fenced = True
+                for room in self.table.fence(peer):
+                    self._failed(room, TransferError(ErrorKind.PEER_DEAD, f"writer {peer} "
+                                                     "fenced at lease expiry", room=room))

@@ -177,3 +177,47 @@ def merge_contiguous(src_addrs: np.ndarray, dst_addrs: np.ndarray,
     return coalesce.Entries(src_addrs=src_a[heads].astype(np.uint64),
                             dst_addrs=dst_a[heads].astype(np.uint64),
                             lengths=np.add.reduceat(ln, heads).astype(np.uint64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints: what one prefill rank sends one decode rank
+
+
+def geometry(region) -> RegionGeometry:
+    """The planner's view of a `layout.KVRegion`."""
+    return RegionGeometry(base_ptr=region.base_ptr, num_pages=region.num_pages,
+                          page_bytes=region.page_bytes, head_start=region.head_start,
+                          num_heads=region.num_heads)
+
+
+def slice_between(prefill, decode) -> HeadSlice | None:
+    """The heads prefill rank `prefill` (a CompatInfo) sends decode rank `decode`: None with equal
+    TP sizes (rank r sends rank r every head: whole pages, as before re-slicing); raises
+    ValueError when the pair exchanges nothing."""
+    if prefill.tp_size == decode.tp_size:
+        return None
+    hkv = prefill.num_kv_heads
+    for piece in slices_to_decode(decode.tp_rank, decode.tp_size, prefill.tp_size, hkv):
+        if piece.prefill_rank == prefill.tp_rank:
+            return piece
+    raise ValueError(f"tp_rank: prefill rank {prefill.tp_rank} of {prefill.tp_size} holds none "
+                     f"of the KV heads decode rank {decode.tp_rank} of {decode.tp_size} takes "
+                     "from it (no transfer between them)")
+
+
+def slice_for_peer(local, local_layout, remote, remote_layout, *,
+                   local_is_prefill: bool = True) -> HeadSlice | None:
+    """`slice_between` for an endpoint pair, after checking that every head-split region of
+    both layouts holds the heads the engine's HeadLayout gives its rank (ValueError if not)."""
+    prefill, decode = (local, remote) if local_is_prefill else (remote, local)
+    piece = slice_between(prefill, decode)
+    if piece is None:
+        return None
+    for compat, layout in ((local, local_layout), (remote, remote_layout)):
+        want = kv_head_range(compat.tp_rank, compat.tp_size, compat.num_kv_heads)
+        for r in layout.regions:
+            if r.num_heads and (r.head_start, r.num_heads) != want:
+                raise ValueError(f"{r.name}: rank {compat.tp_rank} of {compat.tp_size} holds KV "
+                                 f"heads [{r.head_start}, +{r.num_heads}), expected "
+                                 f"[{want[0]}, +{want[1]}) of {compat.num_kv_heads}")
+    return piece

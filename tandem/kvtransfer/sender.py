@@ -10,6 +10,13 @@ completion only after all bytes. On any failure the room turns terminal at once 
 learns), but the decode side is told FINAL only after every posted write finished or was
 cancelled (its pages stay leased until then); if writes hang past `drain_timeout_s`, the peer is
 fenced (disconnected) instead.
+
+Different TP sizes (reslice.py): one room may go to several decode ranks, one leg (`_Send`) per
+decode endpoint, each started with its own Destination; `push_layers`/`finish`/`abort`/`state`
+act on every leg of the room, and the room's outcome is reported once every leg is terminal (a
+failed leg aborts its siblings). A leg carries its head slice; only the decode rank's primary
+sender writes the aux slot (FINAL rides on it); another leg sends FINAL(done) as a message once
+all of its writes completed - the same ordering the aux write relies on.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from tandem.kvtransfer.endpoint import EndpointBase, EndpointConfig
 from tandem.kvtransfer.faults import FailureInjection, FaultDice, FaultKind
 from tandem.kvtransfer.layout import (CopyBatch, KVLayout, layout_mismatches, plan_layers,
                                       split_batches, validate_pages)
+from tandem.kvtransfer.reslice import HeadSlice, geometry, plan_slice_entries, slice_for_peer
 from tandem.kvtransfer.wire import Message, MsgKind, decode_message
 
 
@@ -40,6 +48,7 @@ class _Peer:
     peer_id: str
     session: int
     layout: KVLayout  # the receiver's (base pointers included)
+    compat: CompatInfo  # the receiver's (its TP size and rank pick the head slice)
     alive: bool = True
 
 
@@ -53,6 +62,7 @@ class _Send:
     deadline: float  # monotonic s: terminal by then (Destination.timeout_s after start)
     started_at: float  # monotonic s
     fault: FaultKind | None  # injected misbehaviour of this transfer (tests only)
+    piece: HeadSlice | None  # heads this leg moves (different TP sizes); None: every head
     state: TransferState = TransferState.RESERVED
     pushed: dict[str, set[int]] = field(default_factory=dict)  # group -> layers queued
     queued: deque[CopyBatch] = field(default_factory=deque)  # waiting for GO / DELAY
@@ -82,7 +92,10 @@ class PrefillSender(EndpointBase):
         self._dice = FaultDice(faults)
         self._peers: dict[int, _Peer] = {}  # receiver session -> peer
         self._hello: dict[str, Message] = {}  # peer id -> WELCOME/REFUSE awaiting connect()
-        self._sends: dict[int, _Send] = {}
+        self._sends: dict[tuple[int, int], _Send] = {}  # (room, decode session) -> live leg
+        self._rooms: dict[int, list[_Send]] = {}  # room -> every leg, until all retired
+        self._room_error: dict[int, TransferError] = {}  # room -> its first leg failure
+        self._reported: set[int] = set()  # rooms whose outcome went out
         self._recent: OrderedDict[int, tuple[TransferState, TransferError | None]] = OrderedDict()
         self._free_staging = list(range(layout.aux.num_slots))
         self._outcomes: list[SendOutcome] = []
@@ -109,8 +122,12 @@ class PrefillSender(EndpointBase):
             mismatches = mismatches or [f"session: info={receiver.session} welcome={reply.session}"]
             raise TransferError(ErrorKind.HANDSHAKE,
                                 "incompatible KV layout: " + "; ".join(mismatches))
+        try:  # different TP sizes: this rank must hold heads the decode rank takes from it
+            slice_for_peer(self.compat, self.layout, receiver.compat, remote)
+        except ValueError as e:
+            raise TransferError(ErrorKind.HANDSHAKE, str(e)) from e
         self._peers[receiver.session] = _Peer(peer_id=peer_id, session=receiver.session,
-                                              layout=remote)
+                                              layout=remote, compat=receiver.compat)
         prepare = getattr(self.backend, "prepare_regions", None)
         if prepare is not None:  # optional: NIXL prepares descriptor lists once per peer
             prepare(peer_id, [(r, remote.region(r.name)) for r in self.layout.regions])
@@ -124,14 +141,18 @@ class PrefillSender(EndpointBase):
         if not peer.alive:
             raise TransferError(ErrorKind.PEER_DEAD, f"decode {peer.peer_id} is gone or fenced; "
                                 "connect() again", room=dest.room)
-        if dest.room in self._sends:
+        legs = self._rooms.get(dest.room, [])
+        if any(leg.dest.receiver_session == dest.receiver_session or leg.pushed
+               or leg.state.terminal for leg in legs):
             raise TransferError(ErrorKind.INVALID, "room already being sent", room=dest.room)
         validate_pages(self.layout, peer.layout, src_page_ids, dest.page_ids, room=dest.room)
         now = self.clock()
         s = _Send(room=dest.room, dest=dest, peer=peer, num_pages=len(src_page_ids),
                   runs=coalesce.page_runs(src_page_ids, dest.page_ids), deadline=now + dest.timeout_s,
-                  started_at=now, fault=self._dice.draw())
-        self._sends[dest.room] = s
+                  started_at=now, fault=self._dice.draw(),
+                  piece=slice_for_peer(self.compat, self.layout, peer.compat, peer.layout))
+        self._sends[(dest.room, peer.session)] = s
+        self._rooms.setdefault(dest.room, []).append(s)
         self._recent.pop(dest.room, None)
         self.backend.send_message(peer.peer_id, Message(
             kind=MsgKind.BEGIN, room=dest.room, session=peer.session,
@@ -139,51 +160,67 @@ class PrefillSender(EndpointBase):
         self._pump()
 
     def push_layers(self, room: int, group: str, layers: range) -> None:
-        s = self._live(room)
-        done = s.pushed.setdefault(group, set())
-        if done.intersection(layers):
-            twice = sorted(done.intersection(layers))
-            raise TransferError(ErrorKind.INVALID, f"{group} layers {twice} pushed twice",
-                                room=room)
-        src, dst = self.layout.region(group), s.peer.layout.region(group)
-        s.queued.extend(plan_layers(src, dst, s.runs, layers,
-                                    max_entries=self.max_batch_entries))
-        done.update(layers)
+        for s in self._live(room):
+            done = s.pushed.setdefault(group, set())
+            if done.intersection(layers):
+                twice = sorted(done.intersection(layers))
+                raise TransferError(ErrorKind.INVALID, f"{group} layers {twice} pushed twice",
+                                    room=room)
+            src, dst = self.layout.region(group), s.peer.layout.region(group)
+            if s.piece is None:
+                s.queued.extend(plan_layers(src, dst, s.runs, layers,
+                                            max_entries=self.max_batch_entries))
+            else:
+                if layers.start < 0 or layers.stop > src.num_layers or layers.step != 1:
+                    raise TransferError(ErrorKind.INVALID, f"{group}: layers {layers} outside "
+                                        f"range(0, {src.num_layers})", room=room)
+                entries = plan_slice_entries(geometry(src), geometry(dst), s.runs, layers,
+                                             self.compat.page_size, s.piece)
+                s.queued.extend(split_batches(entries, src.device, dst.device,
+                                              max_entries=self.max_batch_entries)
+                                if len(entries) else [])
+            done.update(layers)
         self._pump()
 
     def finish(self, room: int, aux_payload: bytes) -> None:
-        s = self._live(room)
+        legs = self._live(room)
         if HEADER_BYTES + len(aux_payload) > self.layout.aux.slot_bytes:
             raise TransferError(ErrorKind.INVALID, f"aux payload {len(aux_payload)} B does not fit "
                                 f"a {self.layout.aux.slot_bytes} B slot", room=room)
-        if s.aux_payload is not None:
+        if any(s.aux_payload is not None for s in legs):
             raise TransferError(ErrorKind.INVALID, "finish() called twice", room=room)
-        s.aux_payload = bytes(aux_payload)
+        for s in legs:
+            s.aux_payload = bytes(aux_payload)
         self._pump()
 
-    def send(self, dest: Destination, src_page_ids: Sequence[int], aux_payload: bytes) -> None:
-        self.start(dest, src_page_ids)
+    def send(self, dest: Destination | Sequence[Destination], src_page_ids: Sequence[int],
+             aux_payload: bytes) -> None:
+        """`dest`: one Destination, or one per decode rank this rank feeds (different TP)."""
+        dests = [dest] if isinstance(dest, Destination) else list(dest)
+        for d in dests:
+            self.start(d, src_page_ids)
+        dest = dests[0]
         for region in self.layout.regions:
             self.push_layers(dest.room, region.name, range(region.num_layers))
         self.finish(dest.room, aux_payload)
 
     def abort(self, room: int) -> None:
-        s = self._sends.get(room)
-        if s is not None and not s.state.terminal:
-            self._terminate(s, TransferError(ErrorKind.ABORTED, "aborted by prefill", room=room))
+        for s in self._rooms.get(room, []):
+            if not s.state.terminal:
+                self._terminate(s, TransferError(ErrorKind.ABORTED, "aborted by prefill",
+                                                 room=room))
         self._pump()
 
     def state(self, room: int) -> TransferState:
-        if room in self._sends:
-            return self._sends[room].state
+        if room in self._rooms:
+            return self._room_state(room)[0]
         if room in self._recent:
             return self._recent[room][0]
         raise TransferError(ErrorKind.INVALID, "unknown room", room=room)
 
     def wait(self, room: int, timeout_s: float | None = None) -> None:
         self._wait_until(lambda: self.state(room).terminal, timeout_s, f"wait(room {room})")
-        s = self._sends.get(room)
-        state, error = (s.state, s.error) if s is not None else self._recent[room]
+        state, error = (self._room_state(room) if room in self._rooms else self._recent[room])
         if state is not TransferState.DONE:
             assert error is not None
             raise error
@@ -217,14 +254,44 @@ class PrefillSender(EndpointBase):
         for s in list(self._sends.values()):
             self._progress(s)
 
-    def _live(self, room: int) -> _Send:
-        s = self._sends.get(room)
-        if s is None:
+    def _live(self, room: int) -> list[_Send]:
+        legs = self._rooms.get(room)
+        if not legs:
             raise TransferError(ErrorKind.INVALID, "unknown room: start() first", room=room)
-        if s.state.terminal:
-            assert s.error is not None or s.state is TransferState.DONE
-            raise s.error or TransferError(ErrorKind.INVALID, "room already done", room=room)
-        return s
+        for s in legs:
+            if s.state.terminal:
+                assert s.error is not None or s.state is TransferState.DONE
+                raise s.error or TransferError(ErrorKind.INVALID, "room already done", room=room)
+        return legs
+
+    def _room_state(self, room: int) -> tuple[TransferState, TransferError | None]:
+        """A room's state over its legs: failed if any failed, DONE when all are, else the
+        least advanced leg's state."""
+        legs = self._rooms[room]
+        if room in self._room_error:
+            err = self._room_error[room]
+            return (TransferState.ABORTED if err.kind is ErrorKind.ABORTED
+                    else TransferState.FAILED), err
+        if all(s.state is TransferState.DONE for s in legs):
+            return TransferState.DONE, None
+        if any(s.state is TransferState.RESERVED for s in legs):
+            return TransferState.RESERVED, None
+        return TransferState.TRANSFERRING, None
+
+    def _leg_terminal(self, s: _Send) -> None:
+        """A leg reached a terminal state: a failure aborts the sibling legs; the room's outcome
+        goes out once, when every leg is terminal."""
+        if s.error is not None and s.room not in self._room_error:
+            self._room_error[s.room] = s.error
+            for other in self._rooms[s.room]:
+                if not other.state.terminal:
+                    self._terminate(other, TransferError(s.error.kind, s.error.message,
+                                                         room=s.room))
+        legs = self._rooms[s.room]
+        if s.room not in self._reported and all(leg.state.terminal for leg in legs):
+            self._reported.add(s.room)
+            state, error = self._room_state(s.room)
+            self._outcomes.append(SendOutcome(room=s.room, state=state, error=error))
 
     def _on_event(self, ev: PeerEvent) -> None:
         if ev.message is None:  # the backend lost this peer
@@ -239,8 +306,9 @@ class PrefillSender(EndpointBase):
         elif msg.kind is MsgKind.BYE:
             self._peer_gone(ev.peer_id, TransferError(ErrorKind.PEER_DEAD, "decode closed"))
         elif msg.kind in (MsgKind.GO, MsgKind.DENY, MsgKind.ABORT):
-            s = self._sends.get(msg.room)
-            if s is None or s.peer.peer_id != ev.peer_id:
+            s = next((leg for leg in self._sends.values()
+                      if leg.room == msg.room and leg.peer.peer_id == ev.peer_id), None)
+            if s is None:
                 if msg.kind is MsgKind.ABORT and msg.room in self._recent:
                     self._say_final(ev.peer_id, msg.room, *self._recent[msg.room])
                 return
@@ -322,6 +390,17 @@ class PrefillSender(EndpointBase):
                              for r in self.layout.regions)
         if layers_missing or self.clock() < s.post_after:
             return  # layers still to come: the final word waits for every one of them
+        if s.piece is not None and not s.piece.primary:
+            # Not this decode rank's aux writer: every write of ours completed, so FINAL(done)
+            # as a message arrives after our data, as the aux write's notification would.
+            self.backend.send_message(s.peer.peer_id, Message(
+                kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
+                nbytes=s.kv_bytes).encode())
+            s.state = advance(s.state, TransferState.DONE, room=s.room)
+            s.final_said = True
+            self._metrics.record_done(s.kv_bytes, self.clock() - s.started_at)
+            self._leg_terminal(s)
+            return
         if not self._free_staging:
             return  # every staging slot is busy with another final write: try next poll
         s.staging_slot = self._free_staging.pop()
@@ -357,7 +436,7 @@ class PrefillSender(EndpointBase):
             s.state = advance(s.state, TransferState.DONE, room=s.room)
             s.final_said = True  # the notification was our final word
             self._metrics.record_done(s.kv_bytes + nbytes, self.clock() - s.started_at)
-            self._outcomes.append(SendOutcome(room=s.room, state=s.state, error=None))
+            self._leg_terminal(s)
         elif r.status is WriteStatus.FAILED and not s.state.terminal:
             assert r.error is not None
             self._terminate(s, TransferError(r.error.kind, r.error.message, room=s.room))
@@ -373,7 +452,7 @@ class PrefillSender(EndpointBase):
             s.final_handle = None
             self._free_staging.append(s.staging_slot)  # type: ignore[arg-type]
         self._metrics.record_failure(error.kind)
-        self._outcomes.append(SendOutcome(room=s.room, state=s.state, error=error))
+        self._leg_terminal(s)
 
     def _say_final(self, peer_id: str, room: int, state: TransferState,
                    error: TransferError | None) -> None:
@@ -386,8 +465,13 @@ class PrefillSender(EndpointBase):
                                                    reason=reason[:200]).encode())
 
     def _retire(self, s: _Send) -> None:
-        del self._sends[s.room]
-        self._recent[s.room] = (s.state, s.error)
+        del self._sends[(s.room, s.peer.session)]
+        if any((leg.room, leg.peer.session) in self._sends for leg in self._rooms[s.room]):
+            return  # siblings still draining: the room stays until its last leg retires
+        self._recent[s.room] = self._room_state(s.room)
+        del self._rooms[s.room]
+        self._room_error.pop(s.room, None)
+        self._reported.discard(s.room)
         while len(self._recent) > self.config.recent_outcomes:
             self._recent.popitem(last=False)
 

@@ -63,9 +63,18 @@ def test_compat_digest_and_field_named_refusal():
 def test_tp_layout_checks():
     with pytest.raises(TransferError, match="tp_rank: prefill=0 decode=1"):
         check_compat(_compat(), _compat(tp_rank=1), local_role="prefill", remote_role="decode")
-    with pytest.raises(NotImplementedError, match="re-slicing"):
+    # Different TP sizes: allowed exactly when both state num_kv_heads and the heads re-slice.
+    with pytest.raises(TransferError, match="tp_size: prefill=2 decode=4.*num_kv_heads"):
         check_compat(_compat(), _compat(tp_size=4, tp_rank=3), local_role="prefill",
                      remote_role="decode")
+    check_compat(_compat(num_kv_heads=4), _compat(tp_size=4, tp_rank=3, num_kv_heads=4),
+                 local_role="prefill", remote_role="decode")
+    with pytest.raises(TransferError, match="tp_size: prefill=2 decode=3.*decode.tp"):
+        check_compat(_compat(num_kv_heads=4), _compat(tp_size=3, tp_rank=2, num_kv_heads=4),
+                     local_role="prefill", remote_role="decode")
+    with pytest.raises(TransferError, match="num_kv_heads: prefill=4 decode=8"):
+        check_compat(_compat(num_kv_heads=4), _compat(tp_size=2, num_kv_heads=8),
+                     local_role="prefill", remote_role="decode")
     with pytest.raises(TransferError, match="dtype"):  # a real mismatch wins over TP re-slicing
         check_compat(_compat(), _compat(tp_size=4, dtype="fp8"), local_role="prefill",
                      remote_role="decode")
