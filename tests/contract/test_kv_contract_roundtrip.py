@@ -105,11 +105,13 @@ def test_layout_mismatch_is_refused_by_decode(pair):
     assert "target.page_bytes: prefill=128 decode=64" in res[2]
 
 
-def test_unequal_tp_is_not_implemented(pair):
+def test_unequal_tp_without_num_kv_heads_is_refused(pair):
+    """Different TP sizes re-slice only when both sides state the model's KV heads."""
     spec = LayoutSpec(groups=(("target", 1, 64),), num_pages=4)
     _, res = make_link(pair.local(), pair.worker, spec,
                        sender_compat=compat_wire(tp_size=2, tp_rank=1))
-    assert res[0] == "not_implemented" and "re-slicing" in res[1]
+    assert res[:2] == ("error", "handshake") and "tp_size: prefill=2" in res[2]
+    assert "num_kv_heads" in res[2]
 
 
 @pytest.mark.parametrize("fault,needle", [("wrong_room", "holds room"),
