@@ -4,6 +4,9 @@ Layer-wise: after "computing" layer l of a group, its pages are queued at once, 
 layer l+1 computes; the completion still waits for every layer + the aux seed. Push-after-compute:
 everything is queued once the whole prefill finished. `exposed_s` is the transfer time the
 request still waits for after compute: what layer-wise push is meant to shrink.
+
+The real thing -- pushes driven by the prefill forward's per-layer hook -- is
+prefill_node/layerwise.py (WorkerConfig.layerwise_push), measured by bench/layerwise_push.py.
 """
 
 from __future__ import annotations
