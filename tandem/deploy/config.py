@@ -32,6 +32,8 @@ class GroupConfig:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources (pinning)
     torch_threads: int = 1
+    # Prefill only: push layer l's KV while layer l+1 computes (prefill_node/layerwise.py).
+    layerwise_push: bool = False
     # Test knobs (not read from YAML): break this group's transfers on purpose.
     faults: FailureInjection | None = None
 
@@ -51,6 +53,9 @@ class GroupConfig:
             raise ConfigError(f"ep: must be 1 or equal to tp ({self.tp}), got {self.ep}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ConfigError("num_cpus/num_gpus: must be >= 0")
+        if not isinstance(self.layerwise_push, bool):
+            raise ConfigError(f"layerwise_push: must be true or false, got "
+                              f"{self.layerwise_push!r}")
 
     @property
     def world_size(self) -> int:
@@ -76,6 +81,9 @@ class DeployConfig:
         if self.prefill.dp != 1:
             raise ConfigError(f"prefill.dp: must be 1, got {self.prefill.dp} (DP attention is a "
                               "decode-side layout; each request is prefilled by one worker)")
+        if self.decode.layerwise_push:
+            raise ConfigError("decode.layerwise_push: a prefill-side option (set it under "
+                              "prefill:)")
         if self.prefill.tp != self.decode.tp:
             # Prefill rank r pushes exactly the KV heads decode rank r holds (with decode DP:
             # rank r of the DP rank that took the request, which holds every KV head at tp 1).

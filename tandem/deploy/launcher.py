@@ -111,7 +111,7 @@ def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
                             transfer_backend=cfg.transfer_backend,
                             transfer_timeout_s=cfg.transfer_timeout_s,
                             torch_threads=group.torch_threads, endpoint=cfg.endpoint,
-                            faults=group.faults)
+                            faults=group.faults, layerwise_push=group.layerwise_push)
 
     followers: list[object] = []
     started: list[list[object]] = []

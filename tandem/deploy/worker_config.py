@@ -92,4 +92,5 @@ def compat_info(engine: SpecEngine, cfg: WorkerConfig) -> CompatInfo:
         page_size=cfg.engine.page_size, kv_layout="NHD", tp_size=tp.size, tp_rank=tp.rank,
         draft_model=f"{head.kind}:{draft_id}", draft_hidden_size=head.hidden_size,
         topk=engine.spec.topk, feature_layers=head.feature_layers,
+        num_kv_heads=mc.num_kv_heads,  # lets the handshake judge KV head re-slicing
     )

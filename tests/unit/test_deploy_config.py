@@ -26,6 +26,8 @@ def test_bundled_configs_parse(name):
     ({"spec": {"num_steps": 0}}, "spec.num_steps"),
     ({"spec": {"topk": 2, "num_draft_tokens": 99}}, "num_draft_tokens"),
     ({"engine": "bf16"}, "engine: expected a mapping"),
+    ({"prefill": {"layerwise_push": "yes"}}, "prefill.*layerwise_push: must be true or false"),
+    ({"decode": {"layerwise_push": True}}, "decode.layerwise_push: a prefill-side option"),
 ])
 def test_bad_config_names_the_key(raw, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -35,3 +37,8 @@ def test_bad_config_names_the_key(raw, needle):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_deploy(tmp_path / "nope.yaml")
+
+
+def test_layerwise_push_reaches_the_prefill_worker_config():
+    cfg = parse_deploy({"prefill": {"layerwise_push": True}})
+    assert cfg.prefill.layerwise_push and not cfg.decode.layerwise_push
