@@ -8,7 +8,8 @@ to its `GroupLoop`, which applies it on every rank (deploy/group_loop.py). The o
 the process group and follow. Values that differ per rank (endpoints, destinations) cross the
 router as one blob (`ranks.encode_per_rank`), also when tp is 1; with DP, a reserve's blob
 names the one DP rank that took the request (`ranks.encode_dp_destination`), and the prefill
-worker pushes to that rank (`ranks.route_to_decode`).
+worker pushes to that rank (`ranks.route_to_decode`). Prefill and decode TP sizes may differ when
+the KV heads re-slice: each prefill rank then pushes its heads to the decode ranks that hold them.
 
 The launcher wraps these classes with `ray.remote`; nothing here imports Ray, so the classes
 can also be used in-process.
@@ -181,9 +182,12 @@ class PrefillActor(_ActorBase):
         fut = loop.create_future()
         self._waiters[room] = fut
         try:
-            endpoints, dests = route_to_decode(decode_endpoint, destination, self.ranks.tp)
-            await self._call("connect", PerRank(tuple(endpoints)))
-            await self._call("submit", room, prompt_ids, params, PerRank(tuple(dests)))
+            # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
+            # sizes the re-sliced set, possibly none) and their destinations.
+            routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
+            await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
+            await self._call("submit", room, prompt_ids, params,
+                             PerRank(tuple(r.destinations for r in routes)))
         except Exception as exc:
             self._waiters.pop(room, None)
             return PrefillResult(room=room, ok=False, error=str(exc),

@@ -84,12 +84,14 @@ class DeployConfig:
         if self.decode.layerwise_push:
             raise ConfigError("decode.layerwise_push: a prefill-side option (set it under "
                               "prefill:)")
-        if self.prefill.tp != self.decode.tp:
-            # Prefill rank r pushes exactly the KV heads decode rank r holds (with decode DP:
-            # rank r of the DP rank that took the request, which holds every KV head at tp 1).
+        if self.decode.dp > 1 and self.prefill.tp != self.decode.tp:
+            # A DP rank (tp 1) holds every KV head; prefill of tp 1 pushes them all to it.
             raise ConfigError(
-                f"decode.tp: {self.decode.tp} differs from prefill.tp {self.prefill.tp}; KV "
-                "transfer needs equal TP sizes (KV head re-slicing is not implemented)")
+                f"decode.tp: {self.decode.tp} per DP rank differs from prefill.tp "
+                f"{self.prefill.tp}; with decode DP the prefill worker must have tp 1")
+        # prefill.tp != decode.tp without DP is fine when the model's KV heads split evenly
+        # over both sizes (re-sliced, kvtransfer/reslice.py); the head count is unknown here:
+        # the launcher checks it at startup (`launcher.check_kv_reslice`).
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:

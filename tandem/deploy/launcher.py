@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tandem.deploy.actors import QUIET_ENV, DecodeActor, PrefillActor
 from tandem.deploy.config import DeployConfig, GroupConfig
 from tandem.deploy.worker_config import WorkerConfig
+from tandem.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,26 @@ def _join(workers: list[list[object]], timeout_s: float) -> None:
     ray.get(refs, timeout=timeout_s)
 
 
+def check_kv_reslice(prefill_endpoint: bytes, decode_endpoint: bytes) -> None:
+    """ConfigError naming `prefill.tp` / `decode.tp` unless KV moves between the two workers:
+    equal TP sizes, or the model's KV heads (stated in every endpoint's CompatInfo) split evenly
+    over both sizes. Checked at startup so a bad pairing fails `launch`, not the first request."""
+    import json
+
+    from tandem.kvtransfer import EndpointInfo
+    from tandem.kvtransfer.reslice import reslice_problem
+
+    p, d = (EndpointInfo.decode(json.loads(blob)[0].encode()).compat
+            for blob in (prefill_endpoint, decode_endpoint))
+    if p.tp_size == d.tp_size:
+        return
+    why = (reslice_problem(p.num_kv_heads, p.tp_size, d.tp_size) if p.num_kv_heads
+           else "prefill.tp: the workers do not state num_kv_heads")
+    if why:
+        raise ConfigError(f"{why}; prefill.tp {p.tp_size} and decode.tp {d.tp_size} cannot "
+                          "re-slice the model's KV heads")
+
+
 def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
     """Start every worker and wait until all answer; raises with the failing worker's error."""
     import ray
@@ -131,6 +152,10 @@ def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
         refs = [h.endpoint.remote() for h in [*prefill.values(), *decode.values()]]
         values = ray.get(refs, timeout=startup_timeout_s)
         dep.endpoints = {n: v for n, v in zip(names, values) if n in decode}
+        for n, v in zip(names, values):  # every prefill worker can feed every decode worker
+            if n in prefill:
+                for blob in dep.endpoints.values():
+                    check_kv_reslice(v, blob)
     except Exception:
         dep.shutdown()
         raise

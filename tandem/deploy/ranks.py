@@ -159,11 +159,10 @@ def encode_per_rank(parts: list[bytes]) -> bytes:
 
 
 def decode_per_rank(blob: bytes, size: int, what: str) -> list[bytes]:
+    """The `size` per-rank parts of `blob` (ValueError when it holds another number)."""
     parts = [p.encode() for p in json.loads(blob)]
     if len(parts) != size:
-        raise ValueError(f"{what}: the peer worker has {len(parts)} TP ranks, this one has "
-                         f"{size}: KV transfer needs equal TP sizes on prefill and decode "
-                         "(head re-slicing is not implemented)")
+        raise ValueError(f"{what}: the blob holds {len(parts)} ranks, expected {size}")
     return parts
 
 
@@ -173,22 +172,49 @@ def encode_dp_destination(dp_rank: int, parts: list[bytes]) -> bytes:
     return json.dumps({"dp_rank": dp_rank, "ranks": [p.decode() for p in parts]}).encode()
 
 
-def route_to_decode(decode_endpoint: bytes, destination: bytes, tp: int
-                    ) -> tuple[list[bytes], list[bytes]]:
-    """What the prefill worker's `tp` ranks push to: (endpoints, destinations), one per rank.
-    The endpoint blob lists every decode rank (DP-major); a DP destination names its DP rank, so
-    prefill rank r pairs with rank r of that DP rank's slice of the endpoints."""
+@dataclass(frozen=True, slots=True)
+class PrefillRoute:
+    """Where one prefill rank pushes a request: (decode endpoint, destination) per decode rank
+    it feeds, decode-rank order. Empty: a rank whose KV heads lower ranks already send."""
+
+    endpoints: tuple[bytes, ...]  # encoded EndpointInfo, one per decode rank fed
+    destinations: tuple[bytes, ...]  # encoded Destination, same order
+
+
+def route_to_decode(decode_endpoint: bytes, destination: bytes, tp: int) -> list[PrefillRoute]:
+    """What each of the prefill worker's `tp` ranks pushes to (one route per prefill rank).
+
+    The request's decode ranks: every rank of the endpoint blob, or with DP attention the tp
+    ranks of the DP rank its destination names (the endpoint blob lists every rank, DP-major).
+    Equal TP sizes: prefill rank r feeds decode rank r. Different sizes: the KV heads re-slice
+    (kvtransfer/reslice.py), the model's head count read from the decode endpoints' CompatInfo;
+    ValueError naming `prefill.tp` / `decode.tp` when they cannot."""
     raw = json.loads(destination)
-    if not isinstance(raw, dict):  # no DP: rank r to rank r
-        return (decode_per_rank(decode_endpoint, tp, "decode endpoint"),
-                decode_per_rank(destination, tp, "destination"))
-    dests = decode_per_rank(json.dumps(raw["ranks"]).encode(), tp, "destination")
     endpoints = [p.encode() for p in json.loads(decode_endpoint)]
-    start = int(raw["dp_rank"]) * tp
-    if not 0 <= start < len(endpoints) or start + tp > len(endpoints):
-        raise ValueError(f"destination: DP rank {raw['dp_rank']} is not among the decode "
-                         f"worker's {len(endpoints)} ranks")
-    return endpoints[start : start + tp], dests
+    if isinstance(raw, dict):  # DP: the slice of endpoints of the DP rank that took it
+        dests = [p.encode() for p in raw["ranks"]]
+        start = int(raw["dp_rank"]) * len(dests)
+        if not 0 <= start < len(endpoints) or start + len(dests) > len(endpoints):
+            raise ValueError(f"destination: DP rank {raw['dp_rank']} is not among the decode "
+                             f"worker's {len(endpoints)} ranks")
+        endpoints = endpoints[start : start + len(dests)]
+    else:
+        dests = decode_per_rank(destination, len(endpoints), "destination")
+    if len(dests) == tp:  # rank r to rank r: every head, whole pages
+        return [PrefillRoute(endpoints=(e,), destinations=(d,)) for e, d in zip(endpoints, dests)]
+    from tandem.kvtransfer import EndpointInfo
+    from tandem.kvtransfer.reslice import reslice_problem, slices_from_prefill
+
+    num_kv_heads = EndpointInfo.decode(endpoints[0]).compat.num_kv_heads
+    why = (reslice_problem(num_kv_heads, tp, len(dests)) if num_kv_heads
+           else "the decode endpoints do not state num_kv_heads")
+    if why:
+        raise ValueError(f"{why} (prefill.tp {tp}, decode.tp {len(dests)}: KV heads cannot "
+                         "re-slice)")
+    return [PrefillRoute(
+        endpoints=tuple(endpoints[s.decode_rank] for s in pieces),
+        destinations=tuple(dests[s.decode_rank] for s in pieces))
+        for pieces in (slices_from_prefill(p, tp, len(dests), num_kv_heads) for p in range(tp))]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,14 +11,18 @@ With `cfg.layerwise_push`, step 2 starts inside the forward that completes the p
 layer l's pages leave right after layer l ran (layerwise.py); the rest follows the hand-off.
 
 With TP, every rank runs this worker (deploy/group_loop.py): rank r pushes the KV heads it holds
-to decode rank r with its own sender. Send outcomes arrive per rank at different times; the ranks
-all-gather them each step, and a request's pages are freed (on every rank, in the same step) and
-its result reported only once every rank's transfer is terminal: DONE on all, else a failure.
+with its own sender to decode rank r, or, when the decode worker's TP size differs, to every
+decode rank taking heads from it (one `send` to several destinations; a rank whose heads lower
+ranks already send has none and counts as done at once, see deploy/ranks.route_to_decode).
+Send outcomes arrive per rank at different times; the ranks all-gather them each step, and a
+request's pages are freed (on every rank, in the same step) and its result reported only once
+every rank's transfer is terminal: DONE on all, else a failure.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.deploy.ranks import SOLO, RankSync
@@ -61,14 +65,15 @@ class PrefillWorker:
                  sync: RankSync = SOLO) -> None:
         self.cfg, self.sync = cfg, sync
         self.engine = build_engine(cfg, parallel)
-        self._dest: dict[int, Destination] = {}  # room -> where its KV goes (still prefilling)
+        # room -> where its KV goes, one Destination per decode rank fed (still prefilling)
+        self._dest: dict[int, tuple[Destination, ...]] = {}
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
         layout = kv_layout(self.engine, self._aux)
         self.sender = PrefillSender(cfg.transfer_backend, layout, compat_info(self.engine, cfg),
                                     config=cfg.endpoint, faults=cfg.faults)
         self.pusher: LayerwisePusher | None = None
         if cfg.layerwise_push:
-            self.pusher = LayerwisePusher(self.sender, layout, self._dest.get,
+            self.pusher = LayerwisePusher(self.sender, layout, self._single_dest,
                                           device=self.engine.device)
             self.engine.prefill_layer_hook = self.pusher.hook_for
         self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
@@ -78,22 +83,33 @@ class PrefillWorker:
     def endpoint(self) -> bytes:
         return self.sender.info().encode()
 
-    def connect(self, decode_endpoint: bytes) -> None:
-        """Handshake with a decode endpoint (once per decode endpoint; idempotent)."""
-        info = EndpointInfo.decode(decode_endpoint)
-        if info.session not in self._sessions:
-            self.sender.connect(info)
-            self._sessions.add(info.session)
+    def connect(self, decode_endpoint: bytes | Sequence[bytes]) -> None:
+        """Handshake with a decode endpoint, or each of several (different TP sizes); once per
+        decode endpoint (idempotent)."""
+        for blob in [decode_endpoint] if isinstance(decode_endpoint, bytes) else decode_endpoint:
+            info = EndpointInfo.decode(blob)
+            if info.session not in self._sessions:
+                self.sender.connect(info)
+                self._sessions.add(info.session)
 
     def submit(self, room: int, prompt_ids: list[int], params: SamplingParams,
-               destination: bytes) -> None:
-        dest = Destination.decode(destination)
-        if dest.room != room:
-            raise ValueError(f"destination: for room {dest.room}, not {room}")
-        if dest.receiver_session not in self._sessions:
-            raise ValueError("destination: its decode endpoint was never connected")
+               destination: bytes | Sequence[bytes]) -> None:
+        """`destination`: one per decode rank this rank feeds (none: it sends nothing)."""
+        blobs = [destination] if isinstance(destination, bytes) else list(destination)
+        dests = tuple(Destination.decode(b) for b in blobs)
+        for dest in dests:
+            if dest.room != room:
+                raise ValueError(f"destination: for room {dest.room}, not {room}")
+            if dest.receiver_session not in self._sessions:
+                raise ValueError("destination: its decode endpoint was never connected")
         self.engine.add_prefill_request(prompt_ids, params, str(room))
-        self._dest[room] = dest
+        self._dest[room] = dests
+
+    def _single_dest(self, room: int) -> Destination | None:
+        """The layer-wise pusher's view: it starts one destination per room, so a room fed to
+        several decode ranks (or none) is pushed after its prefill instead."""
+        dests = self._dest.get(room)
+        return dests[0] if dests is not None and len(dests) == 1 else None
 
     def abort(self, room: int) -> None:
         if room in self._dest:
@@ -113,14 +129,14 @@ class PrefillWorker:
             self.engine.step()
         for h in self.engine.take_handoffs():
             room = int(h.req_id)
-            dest = self._dest.pop(room, None)
+            dests = self._dest.pop(room, None)
             early = self.pusher is not None and self.pusher.started(room)
-            if early and (dest is None or h.finished):
+            if early and (dests is None or h.finished):
                 # No transfer wanted after all (layerwise.py `drop`). A finished request's pages
                 # are free already; reads still in flight cannot harm them (read-only), and
                 # they land in decode pages that stay leased until the room's end.
-                self.pusher.drop(room, abort=dest is None)  # type: ignore[union-attr]
-            if dest is None:  # aborted while its last chunk ran
+                self.pusher.drop(room, abort=dests is None)  # type: ignore[union-attr]
+            if dests is None:  # aborted while its last chunk ran
                 if h.page_ids:
                     self.engine.free_pages(h.page_ids)
                 continue
@@ -131,11 +147,14 @@ class PrefillWorker:
                 continue
             self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
                                            first_text=h.first_text)
+            if not dests:  # re-sliced: every head of this rank goes from a lower rank
+                local.append((room, True, "", ""))
+                continue
             try:
                 if early:
                     self.pusher.complete(room, h.page_ids, h.seed_bytes())  # type: ignore[union-attr]
                 else:
-                    self.sender.send(dest, h.page_ids, h.seed_bytes())
+                    self.sender.send(dests, h.page_ids, h.seed_bytes())
             except TransferError as exc:  # terminal on this rank at once
                 local.append((room, False, str(exc), exc.kind.value))
         early_outcomes = self.pusher.take_outcomes() if self.pusher is not None else []

@@ -153,7 +153,7 @@ def test_dp_config_errors_name_the_field():
         parse_deploy({"decode": {"dp": 0}})
     with pytest.raises(ConfigError, match=r"^decode\.ep: must be 1 or equal to dp \(2\)"):
         parse_deploy({"decode": {"dp": 2, "ep": 3}})
-    # Prefill tp 2 cannot push to DP ranks of tp 1 (no head re-slicing).
+    # Prefill tp 2 cannot push to DP ranks of tp 1 (DP decode takes a tp-1 prefill only).
     with pytest.raises(ConfigError, match=r"^decode\.tp"):
         DeployConfig(prefill=GroupConfig(tp=2), decode=GroupConfig(dp=2))
     cfg = parse_deploy({"decode": {"dp": 2, "ep": 2}})
@@ -169,12 +169,13 @@ def test_route_to_decode_picks_the_dp_rank():
 
     endpoints = encode_per_rank([b'{"e":0}', b'{"e":1}'])
     dest = encode_dp_destination(1, [b'{"d":1}'])
-    assert route_to_decode(endpoints, dest, 1) == ([b'{"e":1}'], [b'{"d":1}'])
+    (route,) = route_to_decode(endpoints, dest, 1)
+    assert (route.endpoints, route.destinations) == ((b'{"e":1}',), (b'{"d":1}',))
     with pytest.raises(ValueError, match="DP rank 2"):
         route_to_decode(endpoints, encode_dp_destination(2, [b'{"d":1}']), 1)
     # Without DP: rank r to rank r, as before.
-    assert route_to_decode(encode_per_rank([b'{"e":0}']), encode_per_rank([b'{"d":0}']), 1) == (
-        [b'{"e":0}'], [b'{"d":0}'])
+    (route,) = route_to_decode(encode_per_rank([b'{"e":0}']), encode_per_rank([b'{"d":0}']), 1)
+    assert (route.endpoints, route.destinations) == ((b'{"e":0}',), (b'{"d":0}',))
 
 
 def test_choose_dp_rank_least_reserved_pages_ties_to_lowest():
