@@ -4,11 +4,18 @@ In the prefill forward that completes a prompt (its last chunk; earlier chunks' 
 already complete in every layer), target layer l's pages leave as soon as layer l ran, so the
 transfer of a long prompt hides behind the rest of its prefill instead of following it:
 
-    hook_for(chunks)   before the forward: `start` each completing request's transfer (BEGIN)
-    after layer l      pump the sender; for every room whose grant (GO) arrived, push target
-                       layers [first not pushed .. l] (a late GO catches up on earlier layers)
+    hook_for(chunks)   before the forward: `start` each completing request's transfer to each
+                       of its destinations (BEGIN per decode rank it feeds)
+    after layer l      pump the sender; for every room whose grant (GO) arrived from every
+                       destination, push target layers [first not pushed .. l] (a late GO
+                       catches up on earlier layers)
     complete(room)     after the forward + draft prefill (the hand-off): the target layers still
                        missing, every draft layer, then `finish` with the EAGLE seed
+
+Several destinations (prefill and decode TP sizes differ, the KV heads re-slice): the sender
+keeps one leg per decode rank, and `push_layers`/`finish`/`state` act on the room, i.e. on every
+leg; a room is granted once no leg waits for GO any more (`state` is the least advanced leg's),
+and `start` refuses a new leg after the first push, so every leg starts before the forward.
 
 A room whose GO never arrived during the forward therefore degrades to push-after-prefill. The
 pages pushed are the same either way, so the decode side receives bit-identical KV: layer l's
@@ -42,33 +49,39 @@ class _Early:
     """A room whose transfer started before its forward (same page ids as its hand-off)."""
 
     page_ids: tuple[int, ...]
+    num_dests: int  # decode ranks fed: legs at the sender, all started before the forward
     num_pushed: int = 0  # target layers [0, num_pushed) are queued at the sender
     error: TransferError | None = None  # start/push failed: reported at the hand-off
 
 
 class LayerwisePusher:
     def __init__(self, sender: KVSender, layout: KVLayout,
-                 dest_of: Callable[[int], Destination | None], *, device: torch.device,
+                 dests_of: Callable[[int], Sequence[Destination]], *, device: torch.device,
                  target_group: str = "target") -> None:
-        self.sender, self.layout, self.dest_of = sender, layout, dest_of  # layout: the sender's
+        # dests_of(room): one Destination per decode rank the room goes to; empty: not early
+        self.sender, self.layout, self.dests_of = sender, layout, dests_of  # layout: the sender's
         self.target_group, self.device = target_group, device
         self._early: dict[int, _Early] = {}  # room -> its transfer, until complete()/drop()
         self._outcomes: list[SendOutcome] = []  # collected by the hook's pumping
-        self.num_layers_early = 0  # target layers pushed inside a forward (all rooms, total)
+        # (target layer, destination) pairs pushed inside a forward, all rooms in total
+        self.num_layers_early = 0
 
     def hook_for(self, chunks: Sequence[ScheduledChunk]) -> Callable[[int], None] | None:
         """The `after_layer` hook of a forward in which `chunks` complete their prompts."""
         rooms: list[int] = []
         for c in chunks:
             room = int(c.req_id)
-            dest = self.dest_of(room)
-            if dest is None or room in self._early:
+            dests = self.dests_of(room)
+            if not dests or room in self._early:
                 continue
-            entry = self._early[room] = _Early(page_ids=c.page_ids)
+            entry = self._early[room] = _Early(page_ids=c.page_ids, num_dests=len(dests))
             try:
-                self.sender.start(dest, c.page_ids)
+                for dest in dests:
+                    self.sender.start(dest, c.page_ids)
             except TransferError as exc:
                 entry.error = exc
+                if dest is not dests[0]:  # end the legs already started: no push will follow
+                    self.sender.abort(room)
                 continue
             rooms.append(room)
         if not rooms:
@@ -91,7 +104,8 @@ class LayerwisePusher:
             except TransferError as exc:
                 entry.error = exc
                 continue
-            self.num_layers_early += layer + 1 - entry.num_pushed
+            # Counted per destination: each leg queued these layers (its own head slice).
+            self.num_layers_early += (layer + 1 - entry.num_pushed) * entry.num_dests
             entry.num_pushed = layer + 1
 
     def started(self, room: int) -> bool:

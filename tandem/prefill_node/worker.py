@@ -8,7 +8,8 @@ repeatedly and every other method between steps. For each request it:
   3. frees the pages once the sender reports a terminal state (never earlier: the backend may
      still be reading them), and reports a `PrefillResult`.
 With `cfg.layerwise_push`, step 2 starts inside the forward that completes the prompt: target
-layer l's pages leave right after layer l ran (layerwise.py); the rest follows the hand-off.
+layer l's pages leave right after layer l ran (layerwise.py), to every decode rank the request
+goes to; the rest follows the hand-off.
 
 With TP, every rank runs this worker (deploy/group_loop.py): rank r pushes the KV heads it holds
 with its own sender to decode rank r, or, when the decode worker's TP size differs, to every
@@ -73,7 +74,7 @@ class PrefillWorker:
                                     config=cfg.endpoint, faults=cfg.faults)
         self.pusher: LayerwisePusher | None = None
         if cfg.layerwise_push:
-            self.pusher = LayerwisePusher(self.sender, layout, self._single_dest,
+            self.pusher = LayerwisePusher(self.sender, layout, self._dests_of,
                                           device=self.engine.device)
             self.engine.prefill_layer_hook = self.pusher.hook_for
         self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
@@ -105,11 +106,10 @@ class PrefillWorker:
         self.engine.add_prefill_request(prompt_ids, params, str(room))
         self._dest[room] = dests
 
-    def _single_dest(self, room: int) -> Destination | None:
-        """The layer-wise pusher's view: it starts one destination per room, so a room fed to
-        several decode ranks (or none) is pushed after its prefill instead."""
-        dests = self._dest.get(room)
-        return dests[0] if dests is not None and len(dests) == 1 else None
+    def _dests_of(self, room: int) -> tuple[Destination, ...]:
+        """The layer-wise pusher's view: every decode rank the room goes to (none: this rank
+        sends nothing, or the room was aborted)."""
+        return self._dest.get(room, ())
 
     def abort(self, room: int) -> None:
         if room in self._dest:
@@ -178,8 +178,8 @@ class PrefillWorker:
                     continue
                 if ok:
                     entry.done.add(rank)
-                else:
-                    entry.failed[rank] = (error, kind)
+                else:  # the first failure is the cause (an abort of the other legs follows)
+                    entry.failed.setdefault(rank, (error, kind))
                 touched.append(room)
         for room in dict.fromkeys(touched):  # first-touch order: the same on every rank
             entry = self._sending[room]

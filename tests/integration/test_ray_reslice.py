@@ -67,9 +67,41 @@ async def _collect(dispatcher, i, prompt, params):
     return tuple(toks), errors
 
 
+def _prefill_ranks(dep) -> list:
+    """Every rank of the prefill worker (its leader first)."""
+    followers = [f for f, h in zip(dep.followers, ray.get([f.health.remote()
+                                                          for f in dep.followers]))
+                 if h.role == "prefill"]
+    return [*dep.prefill.values(), *followers]
+
+
+def _slow_prefill_layers(dep, seconds: float) -> None:
+    """Make each target layer of every prefill rank take `seconds` more, so decode's grant (GO)
+    arrives while the completing forward still runs -- as it does for a long prompt -- and
+    layer-wise pushes happen inside it (test_layerwise_push.slow_layers, inside the actors)."""
+
+    def slow(actor, seconds):
+        import time as _time
+
+        for layer in actor.worker.engine.model.layers:
+            def forward(*args, _inner=layer.forward):
+                _time.sleep(seconds)
+                return _inner(*args)
+
+            layer.forward = forward
+
+    ray.get([h.__ray_call__.remote(slow, seconds) for h in _prefill_ranks(dep)])
+
+
+def _layers_pushed_early(dep) -> list[int]:
+    """Per prefill rank: (target layer, destination) pairs pushed inside a forward."""
+    return ray.get([h.__ray_call__.remote(lambda actor: actor.worker.pusher.num_layers_early)
+                    for h in _prefill_ranks(dep)])
+
+
 @pytest.mark.timeout(90)
 # Layer-wise push: with 2 + 1 each prefill rank pushes its heads inside the forward; with 1 + 2
-# the one prefill rank feeds two decode ranks and pushes after the prefill instead.
+# the one prefill rank feeds two decode ranks and pushes every layer to both inside it.
 @pytest.mark.parametrize("prefill_tp,decode_tp,layerwise", [
     (1, 2, False), (2, 1, False), (2, 1, True), (1, 2, True),
     (4, 2, False)])  # prefill ranks 1 and 3 hold replicas: they send nothing
@@ -87,6 +119,8 @@ def test_ray_reslice_equals_colocated_tp1(tmp_path, ray_session, prefill_tp, dec
     dep = launch(cfg, startup_timeout_s=60)
     try:
         print(f"{prefill_tp} + {decode_tp} ranks up in {time.monotonic() - t0:.1f} s")
+        if layerwise:
+            _slow_prefill_layers(dep, 0.05)
         disp = DisaggregatedDispatcher(
             dep.prefill, dep.decode, dep.endpoints,
             ModelInfo(name="default", vocab_size=256, max_model_len=512,
@@ -114,6 +148,9 @@ def test_ray_reslice_equals_colocated_tp1(tmp_path, ray_session, prefill_tp, dec
             (h.role, h.num_pages, h.num_slots) for h in hs]
         decode = [h for h in hs if h.role == "decode"]
         assert len(decode) == decode_tp and decode[0].num_rounds > 0  # speculation really ran
+        if layerwise:  # every prefill rank pushed layers inside its forward, not after it
+            early = _layers_pushed_early(dep)
+            assert len(early) == prefill_tp and all(n > 0 for n in early), early
     finally:
         dep.shutdown()
 
