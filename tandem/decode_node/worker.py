@@ -26,7 +26,8 @@ requests, pages, seed slots and receivers; `sync` then spans the DP ranks:
   step:    a rank admits what landed on its own receiver (no agreement needed); the ranks agree
            whether any of them has work, and then every rank steps its engine, whose phases join
            up (an idle rank runs empty target forwards, see `LLMEngine.dp_join`); the step's
-           outputs of every rank are all-gathered so rank 0 can stream them.
+           outputs of every rank are all-gathered so rank 0 can stream them, with every rank's
+           load and acceptance counts, so rank 0 reports the worker's sums.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from tandem.engine.llm import validate_prompt
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import DecodeReceiver, Received, ReceiveFailed, Release, TransferState
+from tandem.spec.engine import SpecStats
 from tandem.spec.handoff import decode_seed
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,36 @@ def _fields(load: PoolLoad) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecTotals:
+    """Acceptance counts of one rank's engine (a copy of its SpecStats), or summed over a
+    worker's DP ranks: counts add up, the means are recomputed from the sums."""
+
+    num_rounds: int = 0  # request-rounds
+    num_tokens: int = 0  # tokens committed by those rounds (accepted drafts + 1 each)
+    accepted_at: tuple[int, ...] = ()  # [k] rounds accepting >= j+1 drafts
+
+    @staticmethod
+    def of(stats: SpecStats) -> SpecTotals:
+        return SpecTotals(stats.num_rounds, stats.num_tokens, tuple(stats.accepted_at))
+
+    def __add__(self, other: SpecTotals) -> SpecTotals:
+        # A rank that never verified has no positions yet: missing positions count 0.
+        width = max(len(self.accepted_at), len(other.accepted_at))
+        mine = self.accepted_at + (0,) * (width - len(self.accepted_at))
+        theirs = other.accepted_at + (0,) * (width - len(other.accepted_at))
+        return SpecTotals(self.num_rounds + other.num_rounds, self.num_tokens + other.num_tokens,
+                          tuple(x + y for x, y in zip(mine, theirs)))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.num_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    def per_position(self) -> tuple[float, ...]:
+        """P(draft j accepted), j = 1 .. k."""
+        return tuple(a / self.num_rounds if self.num_rounds else 0.0 for a in self.accepted_at)
+
+
+@dataclass(frozen=True, slots=True)
 class _ReserveBid:
     """One DP rank's answer to "can you take this request" (what reserve all-gathers)."""
 
@@ -118,6 +150,7 @@ class _StepReport:
     outputs: tuple[DecodeOutput, ...]
     busy: bool
     load: PoolLoad
+    spec: SpecTotals  # this rank's acceptance counts so far (the front reports the sum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +182,7 @@ class DecodeWorker:
         self._outputs: list[DecodeOutput] = []
         self._group_busy = False  # DP: whether any rank was busy after the last step
         self._group_load: PoolLoad | None = None  # DP: every rank's load after the last step
+        self._group_spec: SpecTotals | None = None  # DP: every rank's acceptance, summed
 
     def endpoint(self) -> bytes:
         return self.receiver.info().encode()
@@ -233,11 +267,22 @@ class DecodeWorker:
         out, self._outputs = self._outputs, []
         if self._dp_sync.size > 1:  # rank 0 streams every rank's outputs
             reports = self._dp_sync.all_gather(
-                _StepReport(outputs=tuple(out), busy=self._busy_here(), load=self.pool_load()))
+                _StepReport(outputs=tuple(out), busy=self._busy_here(), load=self.pool_load(),
+                            spec=self.spec_totals()))
             out = [o for r in reports for o in r.outputs]
             self._group_busy = any(r.busy for r in reports)
             self._group_load = sum((r.load for r in reports[1:]), reports[0].load)
+            self._group_spec = sum((r.spec for r in reports[1:]), reports[0].spec)
         return out
+
+    def spec_totals(self) -> SpecTotals:
+        """This rank's acceptance counts (the requests its engine verified)."""
+        return SpecTotals.of(self.engine.spec_stats)
+
+    def group_spec_totals(self) -> SpecTotals:
+        """Summed over the DP ranks as of the last step (this rank's own without DP): each DP
+        rank verifies only its own requests."""
+        return self._group_spec or self.spec_totals()
 
     def pool_load(self) -> PoolLoad:
         """This rank's pages, seed slots and running requests."""

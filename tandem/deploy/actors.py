@@ -268,14 +268,16 @@ class DecodeActor(_ActorBase):
                 eng.allocator.num_usable * eng.cfg.page_size - slack)
 
     async def health(self) -> WorkerHealth:
-        """The leader of a DP worker reports pages, slots and running requests summed over its
-        DP ranks (what placement should see); a follower, its own. Acceptance: this rank's."""
+        """The leader of a DP worker reports pages, slots, running requests and acceptance
+        counts summed over its DP ranks (what placement and the router's stats should see);
+        a follower, its own."""
         self._loop()
-        st = self.worker.engine.spec_stats
-        load = self.worker.group_load() if self.ranks.rank == 0 else self.worker.pool_load()
+        front = self.ranks.rank == 0
+        st = self.worker.group_spec_totals() if front else self.worker.spec_totals()
+        load = self.worker.group_load() if front else self.worker.pool_load()
         h = self._health(self.worker, {
             "mean_acceptance_length": st.mean_acceptance_length,
-            "per_position": tuple(st.per_position()), "num_rounds": st.num_rounds,
+            "per_position": st.per_position(), "num_rounds": st.num_rounds,
             "num_free_slots": load.num_free_slots, "num_slots": load.num_slots})
         return dataclasses.replace(h, num_free_pages=load.num_free_pages,
                                    num_pages=load.num_pages, num_running=load.num_running)

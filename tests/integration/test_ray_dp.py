@@ -3,8 +3,9 @@ dp=2 ranks (2 actors in one placement group, gloo), the decode front (rank 0) gi
 reserve to the least loaded DP rank, the prefill worker pushing KV to that rank over Mooncake;
 speculation on, greedy float32 -- token-identical to the colocated single-rank SpecEngine.
 One request alone (rank 1 idle, joining every verify with an empty forward), then a burst that
-both ranks serve, with requests ending at different rounds. Afterwards every page and seed
-slot is back on every rank. Config errors name the field."""
+both ranks serve, with requests ending at different rounds, whose acceptance counts the front
+reports summed over both ranks. Afterwards every page and seed slot is back on every rank.
+Config errors name the field."""
 
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ def deployment(tmp_path_factory):
         ray.shutdown()
 
 
-def _run(disp, prompts, params, room0: int):
+def _run(disp, prompts, params, room0: int, rounds: list[int] | None = None):
+    """Each request's tokens; `rounds` gets each request's speculative rounds (one streamed
+    chunk per round after the first token, from its final chunk's stats)."""
     async def one(i, prompt, sp):
         req = RoutedRequest(request_id=f"r{room0 + i}", room=room0 + i, model="default",
                             prompt_ids=tuple(prompt), params=sp,
@@ -77,6 +80,8 @@ def _run(disp, prompts, params, room0: int):
         toks = []
         async for chunk in disp.submit(req):
             toks.extend(chunk.token_ids)
+            if chunk.finished and rounds is not None:
+                rounds.append(chunk.spec.num_rounds if chunk.spec else 0)
         return tuple(toks)
 
     async def run_all():
@@ -137,11 +142,30 @@ def test_dp2_disaggregated_equals_colocated(deployment):
     cfg, dep, disp = deployment
     prompts, params = _requests(6, seed=0)
     colocated = SpecEngine.from_config(cfg.engine, cfg.spec).generate(prompts, params)
-    before = [h.num_rounds for h in _decode_ranks(dep)]
-    assert _run(disp, prompts, params, 9300) == [c.output_ids for c in colocated]
+    before = _decode_ranks(dep)
+    rounds: list[int] = []
+    assert _run(disp, prompts, params, 9300, rounds) == [c.output_ids for c in colocated]
     hs = _decode_ranks(dep)
     _assert_all_free(dep, hs)
-    assert all(h.num_rounds > b for h, b in zip(hs, before))  # both ranks served requests
+    # The front reports acceptance summed over its DP ranks: its rounds grew by every request's
+    # rounds, i.e. by rank 1's (its own health) plus rank 0's -- and both ranks ran some.
+    front, rank1 = (hs[0].num_rounds - before[0].num_rounds,
+                    hs[1].num_rounds - before[1].num_rounds)
+    assert front == sum(rounds) and 0 < rank1 < front, (front, rank1, rounds)
+    assert len(hs[0].per_position) == 3 and 1.0 <= hs[0].mean_acceptance_length <= 4.0
+
+
+def test_spec_totals_sum_counts_and_recompute_means():
+    """What the front reports under DP: counts add (a rank without rounds has no positions
+    yet), tau and per-position rates come from the sums, not from averaging the ranks' means."""
+    from tandem.decode_node.worker import SpecTotals
+
+    rank0 = SpecTotals(num_rounds=3, num_tokens=9, accepted_at=(3, 2, 1))
+    rank1 = SpecTotals(num_rounds=1, num_tokens=1, accepted_at=(0, 0, 0))
+    total = rank0 + rank1 + SpecTotals()
+    assert total == SpecTotals(num_rounds=4, num_tokens=10, accepted_at=(3, 2, 1))
+    assert total.mean_acceptance_length == 2.5  # not (3 + 1) / 2
+    assert total.per_position() == (0.75, 0.5, 0.25)
 
 
 def test_dp_config_errors_name_the_field():
