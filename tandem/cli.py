@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Requests decoded together. Default: %(default)s")
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="Tokens per forward (chunked-prefill budget). Default: %(default)s")
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="Reuse the KV pages of prompt prefixes computed before")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -51,6 +53,7 @@ def engine_config_from_args(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         page_size=args.page_size, num_pages=args.num_pages, kv_cache_bytes=args.kv_cache_mib << 20,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -25,6 +25,7 @@ from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import WeightLoadError, build_model, resolve_model
 from tandem.engine.models.decoder import DecoderLM
 from tandem.engine.parallel import ParallelContext, ParallelGroup
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import Completion, FinishReason, RequestOutput
 from tandem.engine.runner import ForwardBatch, ForwardOutput, ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, target_probs
@@ -33,7 +34,7 @@ __all__ = [
     "AttentionMetadata", "BatchLayout", "Completion", "ConfigError", "DecoderLM",
     "EngineConfig", "FinishReason", "ForwardBatch", "ForwardOutput", "KVGroupSpec", "KVPool",
     "KVRegionInfo", "LLMEngine", "ModelConfig", "ModelRunner", "OutOfPages", "PageAllocator",
-    "PageError", "ParallelContext", "ParallelGroup", "RequestOutput", "Sampler",
+    "PageError", "ParallelContext", "ParallelGroup", "PrefixCache", "RequestOutput", "Sampler",
     "SamplingParams", "SeqSlice", "WeightLoadError", "build_metadata", "build_model",
     "causal_mask", "create_backend", "resolve_model", "target_probs", "tree_mask",
     "validate_prompt",

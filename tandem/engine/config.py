@@ -245,6 +245,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context
     seed: int = 0
     cuda_graphs: bool = True  # replay pure-decode steps from CUDA graphs (CUDA + FlashInfer only)
+    # Reuse the KV pages of prompt prefixes computed before (prefix_cache.py); off by default.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -260,5 +262,8 @@ class EngineConfig:
             raise ConfigError(f"num_pages: need at least 2 pages, got {self.num_pages}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching: must be true or false, "
+                              f"got {self.enable_prefix_caching!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len: must be positive, got {self.max_model_len}")

@@ -28,6 +28,7 @@ from tandem.engine.kv_cache import KVGroupSpec, KVPool, PageAllocator
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.models.decoder import DecoderLM
 from tandem.engine.parallel import ParallelContext
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import Completion, FinishReason, Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams
@@ -42,6 +43,12 @@ class EngineStats:
     num_free_pages: int
     num_running: int
     num_waiting: int
+    # Prefix caching (zeros when off): pages the cache maps (those no request holds are not
+    # counted free but are reclaimed on demand), and totals of prompt tokens looked up at
+    # admission / served from the cache -- hit rate = hit / query.
+    num_cached_pages: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_len: int) -> None:
@@ -73,6 +80,10 @@ def attention_shape_for(model: DecoderLM, dtype: torch.dtype) -> AttentionShape:
 
 
 class LLMEngine:
+    # Tokens after a KV page that the page's content depends on (prefix_cache.py): none for
+    # the target's KV; a speculative engine's draft KV looks one token ahead.
+    PREFIX_LOOKAHEAD = 0
+
     def __init__(
         self, engine_cfg: EngineConfig, model: DecoderLM, tokenizer: object | None = None,
         extra_kv_groups: Sequence[KVGroupSpec] = (),
@@ -98,8 +109,11 @@ class LLMEngine:
                 self.runner, graph_batch_sizes(engine_cfg.max_num_seqs),
                 max_pages_per_seq=-(-self.max_model_len // engine_cfg.page_size))
             self.graphs.capture()
+        self.prefix_cache = (PrefixCache(self.allocator, engine_cfg.page_size,
+                                         self.PREFIX_LOOKAHEAD)
+                             if engine_cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
-                                   engine_cfg.max_num_batched_tokens)
+                                   engine_cfg.max_num_batched_tokens, self.prefix_cache)
         self.sampler = Sampler()
         self._detok: dict[str, object] = {}
         self._ids = itertools.count()
@@ -187,7 +201,10 @@ class LLMEngine:
         return EngineStats(num_pages=self.allocator.num_usable,
                            num_free_pages=self.allocator.num_free,
                            num_running=len(self.scheduler.running),
-                           num_waiting=len(self.scheduler.waiting))
+                           num_waiting=len(self.scheduler.waiting),
+                           num_cached_pages=self.prefix_cache.num_pages if self.prefix_cache else 0,
+                           num_prefix_query_tokens=self.scheduler.num_prefix_query_tokens,
+                           num_prefix_hit_tokens=self.scheduler.num_prefix_hit_tokens)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -307,5 +324,5 @@ def _completion(req: Request) -> Completion:
         req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids),
         text=req.text, finish_reason=req.finish_reason,
         ttft_s=(req.first_token_time or now) - req.arrival_time,
-        latency_s=now - req.arrival_time,
+        latency_s=now - req.arrival_time, num_cached_tokens=req.num_cached_tokens,
     )

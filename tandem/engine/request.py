@@ -37,6 +37,12 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # Prefix caching (scheduler.py): the chained keys of the prompt's cacheable pages (computed
+    # at first admission), how many leading pages of `page_ids` the cache already has (matched
+    # or inserted), and the prompt tokens served from the cache at admission (metrics).
+    prefix_keys: list[bytes] | None = None
+    num_prefix_pages: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -73,3 +79,4 @@ class Completion:
     finish_reason: FinishReason
     ttft_s: float  # arrival -> first token
     latency_s: float  # arrival -> finish
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

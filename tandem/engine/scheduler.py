@@ -8,6 +8,13 @@ then chunks of prefilling requests, then newly admitted requests, until the toke
 out. When a decode cannot get a page, the most recently admitted request is preempted: its
 pages go back and it recomputes from scratch later (outputs kept).
 
+Prefix caching (optional `PrefixCache`): a request admitted from the queue first takes the
+longest cached chain of its prompt's full pages (a reference each) and starts with
+num_computed = the matched tokens -- never all of them: its last token is always computed, so
+the step has its logits (and a speculative engine its target feature). Each commit hands the
+request's newly completed full prompt pages to the cache. When pages run short, cached pages
+no request holds are evicted before anyone is preempted.
+
 The scheduler owns the request table and the queues (the only writer of `Request` objects).
 """
 
@@ -16,7 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tandem.engine.kv_cache import PageAllocator
+from tandem.engine.kv_cache import PageAllocator, PageError
+from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import FinishReason, Request
 
 
@@ -42,14 +50,18 @@ class StepPlan:
 class Scheduler:
     def __init__(
         self, allocator: PageAllocator, page_size: int, max_num_seqs: int,
-        max_num_batched_tokens: int,
+        max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None,
     ) -> None:
-        self.allocator, self.page_size = allocator, page_size
+        self.allocator, self.page_size, self.prefix_cache = allocator, page_size, prefix_cache
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last is preempted first
         self.num_preemptions = 0  # total, for metrics
+        # Prefix caching, totals for metrics (hit rate = hit / query): prompt tokens looked up
+        # at admission, and those served from the cache.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def add(self, req: Request) -> None:
         if req.req_id in self.requests:
@@ -105,11 +117,20 @@ class Scheduler:
         # Admit waiting requests while budget, slots and pages allow (never preempt for them).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
-            need = self.pages_needed(req.num_computed + n) - len(req.page_ids)
-            if not self.allocator.can_alloc(need):
+            hit = self._match(req)
+            num_start = max(req.num_computed, len(hit) * self.page_size)
+            n = min(req.num_tokens - num_start, budget)
+            need = self.pages_needed(num_start + n) - len(req.page_ids) - len(hit)
+            if not self._can_make_room(need, hit):
                 break
+            if hit:
+                self.allocator.share(hit)  # before evicting: the hit pages are not evictable
+                req.page_ids.extend(hit)
+                req.num_computed = num_start
+                req.num_prefix_pages = len(hit)
+            self._make_room(need)
             req.page_ids.extend(self.allocator.alloc(need))
+            self._count_hit(req, len(hit))
             self.waiting.popleft()
             self.running.append(req)
             chunks.append(self._chunk(req, n))
@@ -117,8 +138,44 @@ class Scheduler:
             budget -= n
         return StepPlan(chunks=tuple(chunks), preempted=tuple(preempted))
 
+    def _match(self, req: Request) -> list[int]:
+        """Cached pages for a request about to be admitted with no KV yet (new or preempted)."""
+        if self.prefix_cache is None or req.page_ids:
+            return []
+        if req.prefix_keys is None:
+            req.prefix_keys = self.prefix_cache.page_keys(req.prompt_ids)
+        # Leave at least the last token to compute: its logits sample the next token.
+        return self.prefix_cache.match(req.prefix_keys, (req.num_tokens - 1) // self.page_size)
+
+    def _count_hit(self, req: Request, num_hit_pages: int) -> None:
+        if self.prefix_cache is None or req.num_preemptions:  # count each prompt once
+            return
+        req.num_cached_tokens = num_hit_pages * self.page_size
+        self.num_prefix_query_tokens += len(req.prompt_ids)
+        self.num_prefix_hit_tokens += req.num_cached_tokens
+
+    def _can_make_room(self, need: int, hit: list[int]) -> bool:
+        """Whether `need` pages can be had without preempting (evicting idle cached pages
+        other than `hit`, which the request is about to take)."""
+        if self.allocator.can_alloc(need):
+            return True
+        if self.prefix_cache is None:
+            return False
+        idle_hits = sum(1 for p in hit if self.allocator.refcount(p) == 1)
+        return need <= self.allocator.num_free + self.prefix_cache.num_evictable() - idle_hits
+
+    def _make_room(self, need: int) -> bool:
+        """Evict idle cached pages until `need` pages are free; whether they are."""
+        if not self.allocator.can_alloc(need) and self.prefix_cache is not None:
+            self.prefix_cache.evict(need - self.allocator.num_free)
+        return self.allocator.can_alloc(need)
+
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed
+        if self.prefix_cache is not None:  # the pages this chunk writes must be its own alone
+            for p in req.page_ids[start // self.page_size : self.pages_needed(start + n)]:
+                if self.allocator.refcount(p) != 1:
+                    raise PageError(f"page {p}: '{req.req_id}' would write a shared page")
         return ScheduledChunk(
             req_id=req.req_id, page_ids=tuple(req.page_ids), num_cached=start,
             token_ids=tuple(req.all_ids[start : start + n]), samples=start + n == req.num_tokens,
@@ -136,7 +193,7 @@ class Scheduler:
         """Give `req` pages for `n` more tokens, preempting later requests if needed. False if
         `req` itself had to be preempted."""
         need = max(0, self.pages_needed(req.num_computed + n) - len(req.page_ids))
-        while not self.allocator.can_alloc(need):
+        while not self._make_room(need):
             victim = next((r for r in reversed(self.running) if r.req_id not in scheduled), None)
             if victim is None:
                 return False  # everyone else is already in this step; try again next step
@@ -151,6 +208,7 @@ class Scheduler:
         self.allocator.free(req.page_ids)
         req.page_ids.clear()
         req.num_computed = 0
+        req.num_prefix_pages = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)
@@ -159,7 +217,23 @@ class Scheduler:
     def commit(self, plan: StepPlan) -> None:
         """The step's forward ran: the scheduled tokens' K/V are now in the cache."""
         for c in plan.chunks:
-            self.requests[c.req_id].num_computed = c.num_cached + len(c.token_ids)
+            req = self.requests[c.req_id]
+            req.num_computed = c.num_cached + len(c.token_ids)
+            self._cache_full_pages(req)
+
+    def _cache_full_pages(self, req: Request) -> None:
+        """Hand the request's newly completed full prompt pages to the prefix cache. In a
+        speculative engine the step's draft prefill writes the draft KV of these pages after
+        this commit, but no lookup can happen before the next `schedule`, when it is done."""
+        if self.prefix_cache is None or req.prefix_keys is None:
+            return  # handed-in requests (add_running) are never cached
+        num_full = min(req.num_computed // self.page_size, len(req.prefix_keys))
+        if num_full <= req.num_prefix_pages:
+            return
+        for k in range(req.num_prefix_pages, num_full):
+            self.prefix_cache.insert(req.prefix_keys[k], req.page_ids[k])
+        req.num_prefix_pages = num_full
+        self.prefix_cache.touch(req.page_ids[:num_full])
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Remove a request (finished or aborted) and return its pages."""

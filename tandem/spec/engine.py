@@ -79,6 +79,10 @@ def target_features(out: ForwardOutput, head: EagleHead) -> torch.Tensor:
 
 
 class SpecEngine(LLMEngine):
+    # The draft KV at position p is computed from (f_p, x_{p+1}) and shares the target's page
+    # ids: a cached page must also match the token after it (engine/prefix_cache.py).
+    PREFIX_LOOKAHEAD = 1
+
     def __init__(self, engine_cfg: EngineConfig, spec: SpecConfig, model, head: EagleHead,
                  tokenizer: object | None = None) -> None:
         super().__init__(engine_cfg, model, tokenizer, extra_kv_groups=[draft_kv_group(head)])
