@@ -44,3 +44,36 @@ def worker_config(name: str, model_dir: Path, head_dir: Path, backend: str,
                                        num_pages=num_pages),
         spec=spec, transfer_backend=backend, endpoint=FAST_ENDPOINT, transfer_timeout_s=10.0,
         **kw)
+
+
+def random_requests(n: int, seed: int, new_tokens: tuple[int, int] = (4, 12)):
+    """n random prompts over the tiny vocabulary (2-24 tokens) with greedy params of a random
+    length in `new_tokens` (inclusive)."""
+    import random
+
+    from tandem.engine import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 24))] for _ in range(n)]
+    params = [SamplingParams(max_new_tokens=rng.randint(*new_tokens), ignore_eos=True)
+              for _ in range(n)]
+    return prompts, params
+
+
+async def collect(dispatcher, i: int, prompt, params, room_base: int):
+    """Submit request i (room room_base + i, placed on prefill-0 / decode-0) and gather its
+    stream: (token ids, error messages)."""
+    import time
+
+    from tandem.router.dispatch import Placement, RoutedRequest
+
+    req = RoutedRequest(request_id=f"r{i}", room=room_base + i, model="default",
+                        prompt_ids=tuple(prompt), params=params,
+                        placement=Placement(prefill_worker="prefill-0", decode_worker="decode-0"),
+                        deadline=time.time() + 60)
+    toks, errors = [], []
+    async for chunk in dispatcher.submit(req):
+        toks.extend(chunk.token_ids)
+        if getattr(chunk, "error", ""):
+            errors.append(chunk.error)
+    return tuple(toks), errors

@@ -214,8 +214,10 @@ class EagleHead(nn.Module):
         full = lm.head_weight()  # [vocab/tp, H]
         if lm.tp.size > 1:
             full = lm.tp.all_gather_last_dim(full.t().contiguous()).t()  # [vocab, H]
-        ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
-        self.draft_rows = full[ids].contiguous()
+        self.draft_rows = full[self._subset_ids()].contiguous()
+
+    def _subset_ids(self) -> torch.Tensor:  # [draft_vocab] int64 target ids of the draft vocab
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         if self.own_embed is not None:
@@ -327,7 +329,7 @@ class EagleHead(nn.Module):
         except WeightShapeError as exc:
             raise DraftHeadError(f"{source}: {exc}") from exc
         if self.subset_vocab:
-            ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+            ids = self._subset_ids()
             if bool(((ids < 0) | (ids >= self.cfg.vocab_size)).any()):
                 raise DraftHeadError(f"{source}: d2t maps draft ids outside the target "
                                      f"vocabulary of {self.cfg.vocab_size}")

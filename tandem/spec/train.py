@@ -20,7 +20,6 @@ import logging
 import math
 import random
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
 from tandem.spec.head import DraftHeadConfig, EagleHead, HeadKind
 from tandem.spec.train_data import Sample, build_prompts, generate_samples, read_samples
 from tandem.spec.ttt import ttt_forward, ttt_loss
+from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,6 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.kind not in ("eagle", "eagle3"):
             raise ValueError(f"kind: '{self.kind}' is not one of eagle, eagle3")
-
-
-def draft_vocab(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor:
-    """[size] int64 target ids, most frequent answer tokens first (ties by id); padded with the
-    lowest unused ids when the data has fewer distinct tokens."""
-    counts = Counter(t for s in samples for t in s.answer_ids)
-    ids = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))][:size]
-    used = set(ids)
-    ids += [t for t in range(vocab_size) if t not in used][: size - len(ids)]
-    return torch.tensor(sorted(ids), dtype=torch.int64)
 
 
 def init_head(engine: LLMEngine, cfg: TrainConfig, vocab_ids: torch.Tensor | None) -> EagleHead:
@@ -186,7 +176,7 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     samples = [s for s in samples if len(s.answer_ids) >= 2]
     log.info("training on %d samples (%d answer tokens)", len(samples),
              sum(len(s.answer_ids) for s in samples))
-    vocab_ids = (draft_vocab(samples, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
+    vocab_ids = (frequent_tokens(samples, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
                  if cfg.kind == "eagle3" else None)
     head = init_head(engine, cfg, vocab_ids)
     params = trainable(head)
@@ -256,8 +246,6 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     if cfg.kind == "eagle" and cfg.draft_vocab_size < vocab:
         # An EAGLE-1/2 head learns over the whole vocabulary and drafts over the most frequent
         # answer tokens (see vocab.py): the same restriction `tandem draft-vocab` applies.
-        from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
-
         restrict_head_vocab(out / "head", frequent_tokens(samples, cfg.draft_vocab_size, vocab),
                             out / "head")
     return out / "head"

@@ -10,11 +10,10 @@ Config errors name the field."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
-from disagg_helpers import tiny_model_and_head
+from disagg_helpers import random_requests, tiny_model_and_head
 
 from tandem.deploy.config import DeployConfig, GroupConfig, parse_deploy
 from tandem.engine import EngineConfig, SamplingParams
@@ -37,11 +36,7 @@ def _config(dirs) -> DeployConfig:
 
 
 def _requests(n: int, seed: int):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 24))] for _ in range(n)]
-    params = [SamplingParams(max_new_tokens=rng.randint(2, 14), ignore_eos=True)
-              for _ in range(n)]
-    return prompts, params
+    return random_requests(n, seed, new_tokens=(2, 14))
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,13 @@ on every rank afterwards."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
 
-from disagg_helpers import tiny_model_and_head
+from disagg_helpers import collect, random_requests, tiny_model_and_head
 from tandem.deploy.config import DeployConfig, GroupConfig
-from tandem.engine import EngineConfig, SamplingParams
-from tandem.router.dispatch import Placement, RoutedRequest
+from tandem.engine import EngineConfig
 from tandem.spec import SpecConfig, SpecEngine
 
 pytestmark = [pytest.mark.slow]
@@ -47,24 +45,11 @@ def _config(dirs, prefill_tp: int, decode_tp: int, layerwise: bool) -> DeployCon
 
 
 def _requests(n: int, seed: int):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 24))] for _ in range(n)]
-    params = [SamplingParams(max_new_tokens=rng.randint(4, 12), ignore_eos=True)
-              for _ in range(n)]
-    return prompts, params
+    return random_requests(n, seed)
 
 
 async def _collect(dispatcher, i, prompt, params):
-    req = RoutedRequest(request_id=f"r{i}", room=9300 + i, model="default",
-                        prompt_ids=tuple(prompt), params=params,
-                        placement=Placement(prefill_worker="prefill-0", decode_worker="decode-0"),
-                        deadline=time.time() + 60)
-    toks, errors = [], []
-    async for chunk in dispatcher.submit(req):
-        toks.extend(chunk.token_ids)
-        if getattr(chunk, "error", ""):
-            errors.append(chunk.error)
-    return tuple(toks), errors
+    return await collect(dispatcher, i, prompt, params, room_base=9300)
 
 
 def _prefill_ranks(dep) -> list:

@@ -5,16 +5,14 @@ speculation on, greedy float32 -- token-identical to the colocated single-rank S
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
 
-from disagg_helpers import tiny_model_and_head
+from disagg_helpers import collect, random_requests, tiny_model_and_head
 from tandem.deploy.config import DeployConfig, GroupConfig
-from tandem.engine import EngineConfig, SamplingParams
+from tandem.engine import EngineConfig
 from tandem.engine.config import ConfigError
-from tandem.router.dispatch import Placement, RoutedRequest
 from tandem.spec import SpecConfig, SpecEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -34,22 +32,12 @@ def _config(dirs, tp: int) -> DeployConfig:
 
 
 def _requests(n: int, seed: int = 0):
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 24))] for _ in range(n)]
-    params = [SamplingParams(max_new_tokens=rng.randint(4, 12), ignore_eos=True)
-              for _ in range(n)]
-    return prompts, params
+    return random_requests(n, seed)
 
 
 async def _collect(dispatcher, i, prompt, params):
-    req = RoutedRequest(request_id=f"r{i}", room=9100 + i, model="default",
-                        prompt_ids=tuple(prompt), params=params,
-                        placement=Placement(prefill_worker="prefill-0", decode_worker="decode-0"),
-                        deadline=time.time() + 60)
-    toks = []
-    async for chunk in dispatcher.submit(req):
-        toks.extend(chunk.token_ids)
-    return tuple(toks)
+    toks, _ = await collect(dispatcher, i, prompt, params, room_base=9100)
+    return toks
 
 
 def test_ep_must_match_tp():
