@@ -4,7 +4,8 @@
 #
 #   PHASE=part0  copy the first half of the GGUF to /tmp/gc (carry .gpucache/part_00)
 #   PHASE=gen    join the GGUF (carry .gpucache/part_01, .gpucache/py, .gpucache/md5), import it,
-#                and let the target answer NUM_PROMPTS prompts (resumable: run again to go on)
+#                and let the target answer NUM_PROMPTS prompts less those EXTRA answered
+#                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train)
 #   PHASE=train  train the head (resumable from ckpt.pt; run again to go on), on this run's
 #                answers plus EXTRA (earlier answers, e.g. "bench/data/smollm2-answers-a.jsonl.gz
 #                bench/data/smollm2-answers-b.jsonl.gz")
@@ -27,6 +28,9 @@ ENGINE="--model /tmp/gc/smollm2 --device ${DEVICE:-cuda} --attention-backend ${A
 TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${MAX_NEW:-256}
   --max-seq-len 640 --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
   --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress"
+# Earlier answers: trained on next to this run's, and their prompts are not answered again.
+EXTRA_ARGS=""
+for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
 case "${PHASE:?set PHASE to part0, gen, train or eval}" in
 part0)
   cp .gpucache/part_00 /tmp/gc/
@@ -43,14 +47,14 @@ from tandem.engine.model_import import import_gguf
 import_gguf(Path('/tmp/gc/smollm2.gguf'), Path('/tmp/gc/smollm2'))"
   fi
   # Continuous batching over 1024 running requests; answers are appended per chunk.
-  timeout "${GEN_TIMEOUT:-540}" python3 -m tandem.cli train-eagle $TRAIN_ARGS $ENGINE \
+  timeout "${GEN_TIMEOUT:-540}" python3 -m tandem.cli train-eagle $TRAIN_ARGS $ENGINE $EXTRA_ARGS \
     --generate-only --gen-batch-size ${GEN_BATCH:-256} --max-num-seqs ${GEN_BATCH:-256} --kv-cache-mib 16000 \
     --max-num-batched-tokens 16384 || echo "generation stopped (run PHASE=gen again to go on)"
   echo "answered: $(wc -l < $WORK/samples.jsonl)"
+  # Bring the answers back (a released machine loses /tmp); files come back at most 16 MiB each.
+  gzip -c $WORK/samples.jsonl | split -b 15000000 -d - "$OUT/samples.jsonl.gz.part_"
   ;;
 train)
-  EXTRA_ARGS=""
-  for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
   timeout "${TRAIN_TIMEOUT:-540}" python3 -m tandem.cli train-eagle $TRAIN_ARGS $ENGINE $EXTRA_ARGS \
     --max-num-seqs 256 --kv-cache-mib 16000 --max-num-batched-tokens 16384 \
     || echo "training stopped (run PHASE=train again to go on)"

@@ -27,7 +27,8 @@ import torch
 
 from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
 from tandem.spec.head import DraftHeadConfig, EagleHead, HeadKind
-from tandem.spec.train_data import Sample, build_prompts, generate_samples, read_samples
+from tandem.spec.train_data import (Sample, build_prompts, generate_samples, read_samples,
+                                     unanswered)
 from tandem.spec.ttt import ttt_forward, ttt_loss
 from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
 
@@ -159,6 +160,14 @@ def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -
     out.mkdir(parents=True, exist_ok=True)
     data_path = out / "samples.jsonl"
     prompts = build_prompts(cfg.num_prompts, cfg.seed)
+    for extra in cfg.extra_samples:
+        if not Path(extra).is_file():
+            raise FileNotFoundError(f"extra_samples: {extra} does not exist")
+    # Prompts the extra sample files answered already are not answered again (same ids).
+    earlier = [s for extra in cfg.extra_samples for s in read_samples(Path(extra))]
+    if earlier:
+        prompts = unanswered(engine.tokenizer, prompts, earlier)
+        log.info("%d prompts not answered in --extra-samples", len(prompts))
     for _ in generate_samples(engine, prompts, data_path, cfg.max_new_tokens,
                               cfg.gen_batch_size, progress):
         pass
@@ -170,8 +179,6 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     data_path = answer_prompts(engine, cfg, progress)
     samples = read_samples(data_path)
     for extra in cfg.extra_samples:
-        if not Path(extra).is_file():
-            raise FileNotFoundError(f"extra_samples: {extra} does not exist")
         samples += read_samples(Path(extra))
     samples = [s for s in samples if len(s.answer_ids) >= 2]
     log.info("training on %d samples (%d answer tokens)", len(samples),

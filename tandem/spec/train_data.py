@@ -184,12 +184,26 @@ def read_samples(path: Path) -> list[Sample]:
     return out
 
 
+def prompt_ids(tok, prompt: str) -> list[int]:
+    """The token ids a self-distillation sample stores for a user prompt: the chat template
+    around one user turn, the last 1,024 tokens."""
+    from tandem.engine.tokenizer import ChatMessage
+
+    return tok.encode_chat([ChatMessage(role="user", content=prompt)])[-1024:]
+
+
+def unanswered(tok, prompts: list[str], answered: list[Sample]) -> list[str]:
+    """`prompts` minus those whose stored ids (`prompt_ids`) some sample in `answered` already
+    has, order kept: a new run on a larger prompt set answers only new prompts."""
+    known = {s.prompt_ids for s in answered}
+    return [p for p in prompts if tuple(prompt_ids(tok, p)) not in known]
+
+
 def generate_samples(engine, prompts: list[str], out_path: Path, max_new_tokens: int,
                      batch_size: int, progress: bool = True) -> Iterator[int]:
     """Answer `prompts` with the target (greedy), appending to `out_path`; skips prompts
     already answered. Yields the number of answered prompts after each batch."""
     from tandem.engine import SamplingParams
-    from tandem.engine.tokenizer import ChatMessage
 
     done = len(read_samples(out_path))
     tok = engine.tokenizer
@@ -201,8 +215,7 @@ def generate_samples(engine, prompts: list[str], out_path: Path, max_new_tokens:
         bar = tqdm(total=len(prompts), initial=done, unit="prompt", desc="self-distill")
     for start in range(done, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        ids = [tok.encode_chat([ChatMessage(role="user", content=p)]) for p in chunk]
-        ids = [i[-1024:] for i in ids]
+        ids = [prompt_ids(tok, p) for p in chunk]
         completions = engine.generate(ids, params)
         with out_path.open("a") as f:
             for p, c in zip(ids, completions):

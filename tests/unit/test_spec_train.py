@@ -49,3 +49,22 @@ def test_no_training_prompt_touches_a_held_out_subject():
     assert not any(is_held_out(p) for p in prompts)
     assert all(is_held_out(q) for q in HELD_OUT_QUESTIONS)
     assert not set(prompts) & set(HELD_OUT_QUESTIONS)
+
+
+def test_a_new_prompt_set_skips_prompts_answered_in_extra_samples():
+    """`unanswered`: a prompt whose stored ids (chat template around it) some extra sample
+    already has is not answered again; the rest keep their order."""
+    from tandem.spec.train_data import Sample, prompt_ids, unanswered
+
+    class Tok:  # the chat template as ids: one id per character, a fixed header and footer
+        def encode_chat(self, messages):
+            return [1, 2] + [ord(c) for c in messages[0].content] + [3]
+
+    tok = Tok()
+    prompts = ["alpha", "beta", "gamma", "delta"]
+    answered = [Sample(prompt_ids=tuple(prompt_ids(tok, "beta")), answer_ids=(5, 6)),
+                Sample(prompt_ids=tuple(prompt_ids(tok, "delta")), answer_ids=(7,)),
+                Sample(prompt_ids=(9, 9), answer_ids=(1,))]
+    assert unanswered(tok, prompts, answered) == ["alpha", "gamma"]
+    assert unanswered(tok, prompts, []) == prompts
+    assert len(prompt_ids(tok, "x" * 5000)) == 1024  # the stored ids keep the last 1,024
