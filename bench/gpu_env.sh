@@ -11,7 +11,28 @@
 #       tar -cJf .devgrpc/grpc.tar.xz -C W/site .        # ~5.5 MiB
 #     The whole .devbundle and .devgrpc together pass the 64 MiB carry limit: carry .devbundle
 #     in one call and `.devbundle/activate.sh` + `.devgrpc` in the next.
-source .devbundle/activate.sh
+#   - or the bundle in two parts that each fit a call next to the tree: .devbundle-fi
+#     (`build_bundle.py --only flashinfer-python,apache-tvm-ffi --out .devbundle-fi`, plus
+#     .devbundle's flashinfer-aot.tar.xz and stash_flashinfer.py) and .devbundle-rest (the full
+#     bundle's site.tar.xz less flashinfer and tvm_ffi, repacked), unpacked into /tmp/devsite and
+#     /tmp/devsite-rest by the first call that carries each.
+if [ -f .devbundle/activate.sh ]; then
+  source .devbundle/activate.sh
+elif [ -f .devbundle-fi/activate.sh ]; then
+  source .devbundle-fi/activate.sh
+elif [ -f /tmp/devsite/.ok ]; then
+  export PYTHONPATH=/tmp/devsite${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ -f .devbundle-rest/site.tar.xz ] && [ ! -f /tmp/devsite-rest/.ok ]; then
+  rm -rf /tmp/devsite-rest && mkdir -p /tmp/devsite-rest \
+    && tar -xJf .devbundle-rest/site.tar.xz -C /tmp/devsite-rest && touch /tmp/devsite-rest/.ok
+fi
+if [ -f /tmp/devsite-rest/.ok ]; then
+  export PYTHONPATH=/tmp/devsite-rest${PYTHONPATH:+:$PYTHONPATH}
+  _cu=$(python3 -c "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13', 'lib'))" 2>/dev/null)
+  [ -n "$_cu" ] && export LD_LIBRARY_PATH=$_cu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+fi
 if [ -f .devgrpc/grpc.tar.xz ] && [ ! -f /tmp/devgrpc/.ok ]; then
   rm -rf /tmp/devgrpc && mkdir -p /tmp/devgrpc && tar -xJf .devgrpc/grpc.tar.xz -C /tmp/devgrpc \
     && touch /tmp/devgrpc/.ok

@@ -180,6 +180,7 @@ class DecodeWorker:
         self._pending: dict[int, _Pending] = {}  # room -> reserved, KV not landed everywhere
         self._released_local: list[int] = []  # rooms released (not DONE) since the last step
         self._outputs: list[DecodeOutput] = []
+        self._admitted = False  # a request was admitted in this step (joint view: every TP rank)
         self._group_busy = False  # DP: whether any rank was busy after the last step
         self._group_load: PoolLoad | None = None  # DP: every rank's load after the last step
         self._group_spec: SpecTotals | None = None  # DP: every rank's acceptance, summed
@@ -251,7 +252,14 @@ class DecodeWorker:
         return self.engine.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[DecodeOutput]:
+        self._admitted = False
         self._agree_on_transfers()
+        if self._admitted and self._dp_sync.size == 1:
+            # The prefill's first token streams now, not after this step's round (one round
+            # of TTFT). Every TP rank admitted the same requests, so all of them skip the
+            # round together; the loop steps again at once (the engine has work).
+            out, self._outputs = self._outputs, []
+            return out
         has_work = self.engine.has_unfinished()
         if self._dp_sync.size > 1:
             # DP attention: while any rank has requests every rank steps its engine (an idle
@@ -370,6 +378,7 @@ class DecodeWorker:
                                               finished=True, finish_reason="error",
                                               error=f"seed: {exc}"))
             return
+        self._admitted = True
         self._outputs.append(DecodeOutput(
             room=room, token_ids=first.new_token_ids, text_delta=first.text_delta,
             finished=first.finished,

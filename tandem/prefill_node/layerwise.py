@@ -17,6 +17,11 @@ keeps one leg per decode rank, and `push_layers`/`finish`/`state` act on the roo
 leg; a room is granted once no leg waits for GO any more (`state` is the least advanced leg's),
 and `start` refuses a new leg after the first push, so every leg starts before the forward.
 
+With `per_layer=False` (the default push-after-prefill, `layerwise_push: false`) the pusher
+only starts each transfer before the forward and pushes every layer in `complete`: the BEGIN ->
+GO round trip then overlaps the prompt's forward instead of following it (no hook runs inside
+the forward, no per-layer sync).
+
 A room whose GO never arrived during the forward therefore degrades to push-after-prefill. The
 pages pushed are the same either way, so the decode side receives bit-identical KV: layer l's
 pages are never written again by this request once layer l ran (draft prefill writes only the
@@ -57,10 +62,11 @@ class _Early:
 class LayerwisePusher:
     def __init__(self, sender: KVSender, layout: KVLayout,
                  dests_of: Callable[[int], Sequence[Destination]], *, device: torch.device,
-                 target_group: str = "target") -> None:
+                 target_group: str = "target", per_layer: bool = True) -> None:
         # dests_of(room): one Destination per decode rank the room goes to; empty: not early
         self.sender, self.layout, self.dests_of = sender, layout, dests_of  # layout: the sender's
         self.target_group, self.device = target_group, device
+        self.per_layer = per_layer  # False: start early, push everything in complete()
         self._early: dict[int, _Early] = {}  # room -> its transfer, until complete()/drop()
         self._outcomes: list[SendOutcome] = []  # collected by the hook's pumping
         # (target layer, destination) pairs pushed inside a forward, all rooms in total
@@ -84,7 +90,7 @@ class LayerwisePusher:
                     self.sender.abort(room)
                 continue
             rooms.append(room)
-        if not rooms:
+        if not rooms or not self.per_layer:
             return None
         return lambda layer: self._after_layer(rooms, layer)
 

@@ -72,11 +72,12 @@ class PrefillWorker:
         layout = kv_layout(self.engine, self._aux)
         self.sender = PrefillSender(cfg.transfer_backend, layout, compat_info(self.engine, cfg),
                                     config=cfg.endpoint, faults=cfg.faults)
-        self.pusher: LayerwisePusher | None = None
-        if cfg.layerwise_push:
-            self.pusher = LayerwisePusher(self.sender, layout, self._dests_of,
-                                          device=self.engine.device)
-            self.engine.prefill_layer_hook = self.pusher.hook_for
+        # Every transfer starts (BEGIN) before the forward that completes its prompt, so the
+        # decode side's grant overlaps the forward; layer-wise push also sends layer l's pages
+        # while layer l+1 computes (layerwise.py).
+        self.pusher = LayerwisePusher(self.sender, layout, self._dests_of,
+                                      device=self.engine.device, per_layer=cfg.layerwise_push)
+        self.engine.prefill_layer_hook = self.pusher.hook_for
         self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
         self._results: list[PrefillResult] = []
         self._sessions: set[int] = set()

@@ -88,3 +88,41 @@ def test_disaggregated_equals_colocated(dirs, backend, spec):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_grant_overlaps_the_forward_and_first_token_streams_at_admission(dirs):
+    """TTFT on the hand-off path. (1) Push-after-prefill (layerwise_push off) still starts the
+    transfer -- BEGIN, answered by the decode side's GO -- before the forward that completes
+    the prompt, so the grant's round trip overlaps the forward instead of following it. (2) The
+    decode step that admits a request returns the prefill's first token at once; the request's
+    first speculative round runs in the next step (before: one whole round later)."""
+    model_dir, head_dir = dirs
+    spec = SpecConfig(num_steps=3)
+    prefill = PrefillWorker(worker_config("prefill-0", model_dir, head_dir, "fake", spec))
+    decode = DecodeWorker(worker_config("decode-0", model_dir, head_dir, "fake", spec))
+    log: list[str] = []
+    forward, start = prefill.engine.runner.forward, prefill.sender.start
+    prefill.engine.runner.forward = lambda *a, **k: (log.append("forward"), forward(*a, **k))[1]
+    prefill.sender.start = lambda *a, **k: (log.append("start"), start(*a, **k))[1]
+    try:
+        dloop = WorkerLoop(decode, lambda outs: None)  # answers the handshake
+        try:
+            prefill.connect(dloop.call(decode.endpoint))
+        finally:
+            dloop.close()
+        prompt, sp = list(range(3, 20)), SamplingParams(max_new_tokens=8, ignore_eos=True)
+        prefill.submit(7, prompt, sp, decode.reserve(7, prompt, sp))
+        outs: list = []
+        for _ in range(500):
+            prefill.step()
+            if outs := decode.step():
+                break
+            time.sleep(0.001)
+        assert log[:2] == ["start", "forward"], log
+        assert len(outs) == 1 and len(outs[0].token_ids) == 1 and not outs[0].finished
+        assert decode.engine.spec_stats.num_rounds == 0  # no round ran before the first token
+        nxt = decode.step()
+        assert decode.engine.spec_stats.num_rounds == 1 and nxt and nxt[0].token_ids
+    finally:
+        prefill.close()
+        decode.close()
