@@ -26,7 +26,7 @@ from tandem.deploy.loop import WorkerLoop
 from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine import EngineConfig, SamplingParams
 from tandem.kvtransfer import EndpointConfig, Received
-from tandem.prefill_node.worker import PrefillResult, PrefillWorker
+from tandem.prefill_node.worker import PrefillWorker
 from tandem.spec import SpecConfig
 
 
@@ -79,8 +79,8 @@ def measure(args: argparse.Namespace, layerwise: bool) -> list[dict]:
             prefill.submit(room, prompt, sp, dloop.call(decode.reserve, room, prompt, sp))
             t0 = time.perf_counter()
             results = []
-            while not results:  # the PrefillResult (the early FirstToken is not waited for)
-                results = [r for r in prefill.step() if isinstance(r, PrefillResult)]
+            while not results:
+                results = prefill.step()
             assert results[0].ok, results[0].error
             while room not in received:
                 time.sleep(0.0005)

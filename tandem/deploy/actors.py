@@ -31,7 +31,7 @@ from tandem.deploy.ranks import (PerRank, RankInfo, encode_dp_destination, encod
                                  join_group, leave_group, rendezvous_address, route_to_decode)
 from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine.sampling import SamplingParams
-from tandem.prefill_node.worker import FirstToken, PrefillResult, PrefillWorker
+from tandem.prefill_node.worker import PrefillResult, PrefillWorker
 
 log = logging.getLogger(__name__)
 
@@ -159,50 +159,40 @@ class PrefillActor(_ActorBase):
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
-        self._waiters: dict[int, asyncio.Queue] = {}  # room -> its prefill() stream
+        self._waiters: dict[int, asyncio.Future] = {}
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
         return PrefillWorker(self.cfg, parallel, sync) if sync else PrefillWorker(self.cfg)
 
-    def _on_outputs(self, results: list[FirstToken | PrefillResult]) -> None:
+    def _on_outputs(self, results: list[PrefillResult]) -> None:
         for r in results:
             self._deliver(self._resolve, r)
 
-    def _resolve(self, r: FirstToken | PrefillResult) -> None:
-        q = self._waiters.get(r.room)
-        if q is not None:
-            q.put_nowait(r)
+    def _resolve(self, r: PrefillResult) -> None:
+        fut = self._waiters.pop(r.room, None)
+        if fut is not None and not fut.done():
+            fut.set_result(r)
 
     async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams,
-                      destination: bytes, decode_endpoint: bytes
-                      ) -> AsyncIterator[FirstToken | PrefillResult]:
-        """Prefill and push one request. A streaming-generator method (the router reads it with
-        `num_returns="streaming"`): a FirstToken as soon as the prompt's forward sampled it
-        (unless that token ended the request), then the PrefillResult once the transfer reached
-        a terminal state (or the first token finished the request)."""
-        self._loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self._waiters[room] = q
+                      destination: bytes, decode_endpoint: bytes) -> PrefillResult:
+        """Prefill and push one request; returns when its transfer reached a terminal state
+        (or the first token already finished it)."""
+        loop = self._loop()
+        fut = loop.create_future()
+        self._waiters[room] = fut
         try:
-            try:
-                # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with
-                # different sizes the re-sliced set, possibly none) and their destinations.
-                routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
-                await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
-                await self._call("submit", room, prompt_ids, params,
-                                 PerRank(tuple(r.destinations for r in routes)))
-            except Exception as exc:
-                kind = "handshake" if "handshake" in str(exc) else "invalid"
-                yield PrefillResult(room=room, ok=False, error=str(exc), error_kind=kind)
-                return
-            while True:
-                r = await q.get()
-                yield r
-                if isinstance(r, PrefillResult):
-                    return
-        finally:
+            # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
+            # sizes the re-sliced set, possibly none) and their destinations.
+            routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
+            await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
+            await self._call("submit", room, prompt_ids, params,
+                             PerRank(tuple(r.destinations for r in routes)))
+        except Exception as exc:
             self._waiters.pop(room, None)
+            return PrefillResult(room=room, ok=False, error=str(exc),
+                                 error_kind="handshake" if "handshake" in str(exc) else "invalid")
+        return await fut
 
     async def abort(self, room: int) -> None:
         await self._call("abort", room)

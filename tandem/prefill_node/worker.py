@@ -50,18 +50,6 @@ class PrefillResult:
     error_kind: str = ""  # TransferError kind, "aborted", or "invalid"
 
 
-@dataclass(frozen=True, slots=True)
-class FirstToken:
-    """The first token of a request whose KV now moves to decode: streamed to the client at
-    once (TTFT = the prefill forward, not the forward + transfer + decode admission). The
-    request's end still comes as a PrefillResult; a failed transfer fails the request after
-    this token."""
-
-    room: int
-    token: int
-    text: str
-
-
 @dataclass(slots=True)
 class _Sending:
     """A request whose KV is being pushed (the same entry on every rank)."""
@@ -136,7 +124,7 @@ class PrefillWorker:
     def busy(self) -> bool:
         return self.engine.has_unfinished() or bool(self._sending)
 
-    def step(self) -> list[FirstToken | PrefillResult]:
+    def step(self) -> list[PrefillResult]:
         local: list[tuple[int, bool, str, str]] = []  # (room, done, error, kind) on this rank
         if self.engine.has_unfinished():
             self.engine.step()
@@ -160,7 +148,6 @@ class PrefillWorker:
                 continue
             self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
                                            first_text=h.first_text)
-            self._results.append(FirstToken(room=room, token=h.first_token, text=h.first_text))
             if not dests:  # re-sliced: every head of this rank goes from a lower rank
                 local.append((room, True, "", ""))
                 continue

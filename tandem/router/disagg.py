@@ -125,14 +125,10 @@ class DisaggregatedDispatcher:
             dest = await self._call(dname, decode.reserve.remote(room, prompt, request.params),
                                     request)
             gen = decode.stream.options(num_returns="streaming").remote(room)
-            # Prefill streams the first token as soon as its forward sampled it (FirstToken),
-            # then its result once the transfer is terminal (PrefillResult).
-            pstream = prefill.prefill.options(num_returns="streaming").remote(
-                room, prompt, request.params, dest, self._endpoints[dname]).__aiter__()
-            prefill_task = asyncio.ensure_future(_next_item(pstream))
+            prefill_task = asyncio.ensure_future(_await_ref(prefill.prefill.remote(
+                room, prompt, request.params, dest, self._endpoints[dname])))
             rounds: list[int] = []
-            outputs = 0  # decode outputs seen (the first one carries the first token)
-            first_sent = False  # the first token went out (from prefill or from decode)
+            outputs = 0
             stream = gen.__aiter__()
             next_chunk = asyncio.ensure_future(stream.__anext__())
             while True:
@@ -143,24 +139,16 @@ class DisaggregatedDispatcher:
                     next_chunk.cancel()
                     raise DeadlineExceeded(f"request '{rid}' passed its deadline")
                 if prefill_task is not None and prefill_task in done:
-                    item = self._prefill_item(pname, prefill_task)
-                    prefill_task = None
-                    # A FirstToken (prefill_node.worker; the router imports no worker code)
-                    if hasattr(item, "token"):
-                        prefill_task = asyncio.ensure_future(_next_item(pstream))
-                        if not first_sent and outputs == 0:
-                            first_sent = True
-                            yield TokenChunk(request_id=rid, token_ids=(item.token,),
-                                             text_delta=item.text)
                     # Once decode has produced output the KV has landed: a late prefill-side
                     # outcome (e.g. an abort racing the sender's DONE) no longer matters.
-                    elif rid in self._aborted:  # abort() raced the prefill: end as aborted
+                    if rid in self._aborted:  # abort() raced the prefill: end as aborted
                         finished = True
                         yield TokenChunk(request_id=rid, token_ids=(), text_delta="",
                                          finish_reason=FinishReason.ABORT)
                         return
-                    elif outputs == 0 and (res := self._prefill_result(pname, item)) is not None:
-                        # the first token ended the request on prefill
+                    res = self._prefill_result(pname, prefill_task) if outputs == 0 else None
+                    prefill_task = None
+                    if res is not None:  # the first token ended the request on prefill
                         next_chunk.cancel()
                         finished = True
                         yield TokenChunk(request_id=rid, token_ids=(res.first_token,),
@@ -181,18 +169,13 @@ class DisaggregatedDispatcher:
                     spec = None
                     if outputs > 0 and o.token_ids:
                         rounds.append(len(o.token_ids))
-                    token_ids, text = tuple(o.token_ids), o.text_delta
-                    if outputs == 0 and first_sent:  # decode's copy of the first token
-                        token_ids, text = (), ""
-                    first_sent = first_sent or bool(token_ids)
                     outputs += 1
                     reason = _FINISH.get(o.finish_reason) if o.finished else None
                     if reason is not None:
                         spec = acceptance_from_rounds(rounds, self._num_steps)
                         finished = True
-                    if token_ids or reason is not None:
-                        yield TokenChunk(request_id=rid, token_ids=token_ids, text_delta=text,
-                                         finish_reason=reason, spec=spec)
+                    yield TokenChunk(request_id=rid, token_ids=tuple(o.token_ids),
+                                     text_delta=o.text_delta, finish_reason=reason, spec=spec)
                     if reason is not None:
                         return
                     next_chunk = asyncio.ensure_future(stream.__anext__())
@@ -204,22 +187,14 @@ class DisaggregatedDispatcher:
             if not finished:  # cancelled, deadline, error: stop it everywhere
                 await self._abort_both(pname, dname, room)
 
-    def _prefill_item(self, pname: str, task: asyncio.Task):
-        """The prefill stream's next item (FirstToken or PrefillResult); raises when the
-        prefill worker failed or its stream ended without a result."""
+    def _prefill_result(self, pname: str, task: asyncio.Task):
+        """None while the request goes on on decode; the result when prefill finished it;
+        raises when prefill or the transfer failed."""
         try:
-            item = task.result()
+            res = task.result()
         except Exception as exc:
             raise WorkerUnavailable(pname, f"prefill worker '{pname}' failed: {exc!r}"[:300]
                                     ) from exc
-        if item is None:
-            raise WorkerUnavailable(pname, f"prefill worker '{pname}' ended the request's "
-                                           "stream without a result")
-        return item
-
-    def _prefill_result(self, pname: str, res):
-        """None while the request goes on on decode; the result when prefill finished it;
-        raises when prefill or the transfer failed."""
         if not res.ok:
             raise WorkerUnavailable(pname, f"prefill/transfer failed on '{pname}': {res.error}")
         return res if res.finished else None
@@ -258,15 +233,6 @@ class DisaggregatedDispatcher:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-
-
-async def _next_item(stream):
-    """The next item of a Ray streaming generator (its object, awaited); None at its end."""
-    try:
-        ref = await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-    return await _await_ref(ref)
 
 
 async def _await_ref(ref):
