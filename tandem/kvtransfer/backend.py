@@ -60,7 +60,9 @@ class BackendOptions:
 class TransferBackend(Protocol):
     """Optional extras a backend may have (the endpoints look them up with getattr):
     `max_batch_entries: int | None` (entries one post_write accepts; absent = 1024, None = no
-    limit) and `prepare_regions(peer_id, [(local KVRegion, remote KVRegion), ...])`, called once
+    limit), `notify_per_write: bool` (a notification on every page write is cheap, so the
+    sender posts the final write without waiting for the page writes; absent = False) and
+    `prepare_regions(peer_id, [(local KVRegion, remote KVRegion), ...])`, called once
     per connected peer so that page writes between those regions can be prepared ahead."""
 
     name: str  # registry name

@@ -4,9 +4,12 @@ Owns: its backend instance, the `ReceiveTable` (page/slot claims and the release
 the set of connected writers (prefill ranks that passed the handshake). Single-threaded; `poll()`
 answers handshakes and grants, verifies completions, enforces deadlines and leases.
 
-A room is `Received` only if: the granted writer's FINAL(done) arrived (after all its writes), it
-wrote exactly the pages it announced, its byte count equals pages x (every layer of every group),
-and the aux slot decodes (magic, checksum) to the same room (DESIGN §3 "Transfer completeness").
+A room is `Received` only if: the granted writer's FINAL(done) arrived (after all its writes) and
+so did the DATA notification of each page write it counts (a backend with cheap notifications
+posts the aux write without waiting for the page writes, so FINAL may come first), it wrote
+exactly the pages it announced, its byte count equals pages x (every layer of every group) and
+the DATA bytes add up to it, and the aux slot decodes (magic, checksum) to the same room (DESIGN
+§3 "Transfer completeness").
 
 With different TP sizes (reslice.py) a room has one writer per prefill rank holding some of this
 rank's KV heads: each is granted on its BEGIN, each FINAL(done) is checked against the bytes of
@@ -59,6 +62,10 @@ class DecodeReceiver(EndpointBase):
         self._events: list[ReceiveEvent] = []
         # room -> prefill ranks whose FINAL(done) arrived, and the verified seed (primary's)
         self._parts: dict[int, tuple[set[int], bytes | None]] = {}
+        # (room, writer) -> (DATA notifications, their bytes) so far; a FINAL(done) that came
+        # before all of its DATA waits in _finals
+        self._data: dict[tuple[int, str], tuple[int, int]] = {}
+        self._finals: dict[tuple[int, str], Message] = {}
 
     # -- per-room API ---------------------------------------------------------------------------
     def expect(self, room: int, page_ids: Sequence[int], aux_slot: int, *,
@@ -84,6 +91,7 @@ class DecodeReceiver(EndpointBase):
         release callback once the writer confirmed it stopped, or at the lease."""
         if room in self.table and not self.table.state(room).terminal:  # type: ignore[union-attr]
             self.table.fail(room, TransferError(ErrorKind.ABORTED, "aborted by decode", room=room))
+            self._forget(room)
             self._metrics.record_failure(ErrorKind.ABORTED)
             for writer in self.table.claim(room).live_writers() if room in self.table else ():
                 self._send(writer, Message(kind=MsgKind.ABORT, room=room))
@@ -117,8 +125,16 @@ class DecodeReceiver(EndpointBase):
     def _send(self, peer_id: str, msg: Message) -> None:
         self.backend.send_message(peer_id, msg.encode())
 
+    def _forget(self, room: int) -> None:
+        """Drop the DATA counts and waiting FINALs of a room that reached its end here."""
+        for key in [k for k in self._data if k[0] == room]:
+            del self._data[key]
+        for key in [k for k in self._finals if k[0] == room]:
+            del self._finals[key]
+
     def _failed(self, room: int, error: TransferError) -> None:
         self._parts.pop(room, None)
+        self._forget(room)
         # Other senders of a re-sliced room still writing: stop them (one failure fails all).
         for writer in self.table.claim(room).live_writers() if room in self.table else ():
             self._send(writer, Message(kind=MsgKind.ABORT, room=room))
@@ -144,6 +160,8 @@ class DecodeReceiver(EndpointBase):
             return
         if msg.kind is MsgKind.BEGIN:
             self._on_begin(writer, msg)
+        elif msg.kind is MsgKind.DATA:
+            self._on_data(writer, msg)
         elif msg.kind is MsgKind.FINAL:
             self._on_final(writer, msg)
         elif msg.kind is MsgKind.BYE:
@@ -207,11 +225,38 @@ class DecodeReceiver(EndpointBase):
         self.table.grant(room, writer.peer_id, msg.num_pages)
         self._send(writer.peer_id, Message(kind=MsgKind.GO, room=room))
 
+    def _on_data(self, writer: _Writer, msg: Message) -> None:
+        """A page write's bytes landed. Completes the room if its FINAL(done) was waiting."""
+        room = msg.room
+        if (room not in self.table or writer.peer_id not in self.table.claim(room).writers
+                or self.table.claim(room).state.terminal):
+            return  # stale (already released, failed, aborted) or not this writer's room
+        key = (room, writer.peer_id)
+        n, nbytes = self._data.get(key, (0, 0))
+        self._data[key] = (n + 1, nbytes + msg.nbytes)
+        final = self._finals.get(key)
+        if final is not None and n + 1 >= final.count:
+            del self._finals[key]
+            self._on_final(writer, final)
+
     def _on_final(self, writer: _Writer, msg: Message) -> None:
         room = msg.room
         if room not in self.table or writer.peer_id not in self.table.claim(room).writers:
             return  # stale (already released) or not this writer's room
         claim = self.table.claim(room)
+        key = (room, writer.peer_id)
+        if msg.outcome == "done" and not claim.state.terminal:
+            n, data_bytes = self._data.get(key, (0, 0))
+            if n < msg.count:  # page writes whose bytes have not been confirmed yet
+                self._finals[key] = msg
+                return
+            self._data.pop(key, None)
+            if msg.count and data_bytes != msg.nbytes:
+                error = TransferError(ErrorKind.CORRUPT, f"completion says {msg.nbytes} B, the "
+                                      f"page writes' notifications {data_bytes} B", room=room)
+                self.table.writer_final(room, writer.peer_id, error)
+                self._failed(room, error)
+                return
         if msg.outcome != "done":
             try:
                 kind = ErrorKind(msg.outcome)
@@ -244,6 +289,7 @@ class DecodeReceiver(EndpointBase):
             assert seed is not None
             payload = seed
         latency = self.clock() - claim.granted_at
+        self._forget(room)
         self.table.complete(room)  # releases with outcome DONE: the pages now hold the request
         self._metrics.record_done(msg.nbytes + HEADER_BYTES + len(payload), latency)
         self._events.append(Received(room=room, page_ids=claim.page_ids[: claim.num_pages],

@@ -4,9 +4,14 @@ Owns: its backend instance, the aux staging slots (its own `layout.aux`, host me
 of active sends, and the memory of recently finished rooms. Single-threaded; `poll()` progresses.
 
 Per room: `start` sends BEGIN and waits (without blocking) for GO; `push_layers` queues page
-batches, posted once GO arrived; `finish` stages the aux seed; when every layer of every group
-has landed, the aux write goes out carrying FINAL(done) as its notification - so decode sees the
-completion only after all bytes. On any failure the room turns terminal at once (the caller
+batches, posted once GO arrived; `finish` stages the aux seed; the aux write goes out carrying
+FINAL(done) as its notification - so decode sees the completion only after all bytes. Where
+the backend's notifications are cheap (`notify_per_write`: NIXL, fake) every page write carries
+DATA(bytes) and the aux write is posted as soon as every layer of every group is posted: FINAL
+counts the DATA writes and decode completes the room once all of them arrived (no completion
+round trip between the last page write and the aux write). Otherwise (Mooncake) the aux write
+waits until every page write completed. The room is DONE on this side when every write of it
+completed. On any failure the room turns terminal at once (the caller
 learns), but the decode side is told FINAL only after every posted write finished or was
 cancelled (its pages stay leased until then); if writes hang past `drain_timeout_s`, the peer is
 fenced (disconnected) instead.
@@ -72,7 +77,10 @@ class _Send:
     staging_slot: int | None = None
     final_handle: object | None = None  # the aux write carrying FINAL(done)
     final_bytes: int = 0
+    final_landed: bool = False  # the aux write completed; DONE once the page writes did too
     kv_bytes: int = 0  # bytes of page writes that completed
+    posted_bytes: int = 0  # bytes of page writes posted
+    num_data: int = 0  # page writes posted with a DATA notification
     error: TransferError | None = None
     drain_deadline: float = float("inf")  # monotonic s: stop waiting for posted writes
     final_said: bool = False  # decode got (or can no longer get) our final word
@@ -99,6 +107,8 @@ class PrefillSender(EndpointBase):
         self._recent: OrderedDict[int, tuple[TransferState, TransferError | None]] = OrderedDict()
         self._free_staging = list(range(layout.aux.num_slots))
         self._outcomes: list[SendOutcome] = []
+        # Cheap notifications: page writes carry DATA and the aux write need not wait for them.
+        self._notify_per_write = bool(getattr(self.backend, "notify_per_write", False))
 
     # -- handshake ----------------------------------------------------------------------------
     def connect(self, receiver: EndpointInfo, *, timeout_s: float | None = None) -> None:
@@ -352,6 +362,8 @@ class PrefillSender(EndpointBase):
             self._maybe_post_final(s)
         if s.final_handle is not None:
             self._poll_final(s)
+        if s.final_landed and not s.inflight and not s.state.terminal:
+            self._done(s)
         if s.state.terminal and not s.final_said:
             if not s.inflight and s.final_handle is None:  # nothing of ours can land any more
                 if s.peer.alive:
@@ -376,16 +388,23 @@ class PrefillSender(EndpointBase):
                 self._terminate(s, TransferError(ErrorKind.BACKEND, "injected failure",
                                                  room=s.room))
                 return
+            data = (Message(kind=MsgKind.DATA, room=s.room, nbytes=batch.nbytes).encode()
+                    if self._notify_per_write else None)
             try:
-                h = self.backend.post_write(s.peer.peer_id, batch, None)
+                h = self.backend.post_write(s.peer.peer_id, batch, data)
             except TransferError as e:
                 self._terminate(s, TransferError(e.kind, e.message, room=s.room))
                 return
             s.inflight.append((h, batch.nbytes))
+            s.posted_bytes += batch.nbytes
+            s.num_data += data is not None
 
     def _maybe_post_final(self, s: _Send) -> None:
-        if s.aux_payload is None or s.queued or s.inflight or s.final_handle is not None:
+        if s.aux_payload is None or s.queued or s.final_handle is not None or s.final_landed:
             return
+        if s.inflight and (not self._notify_per_write or (s.piece is not None
+                                                          and not s.piece.primary)):
+            return  # FINAL must follow the page writes' bytes: wait for their completion
         layers_missing = any(len(s.pushed.get(r.name, ())) < r.num_layers
                              for r in self.layout.regions)
         if layers_missing or self.clock() < s.post_after:
@@ -395,7 +414,7 @@ class PrefillSender(EndpointBase):
             # as a message arrives after our data, as the aux write's notification would.
             self.backend.send_message(s.peer.peer_id, Message(
                 kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
-                nbytes=s.kv_bytes).encode())
+                nbytes=s.posted_bytes, count=s.num_data).encode())
             s.state = advance(s.state, TransferState.DONE, room=s.room)
             s.final_said = True
             self._metrics.record_done(s.kv_bytes, self.clock() - s.started_at)
@@ -411,7 +430,7 @@ class PrefillSender(EndpointBase):
         local = self.layout.aux.slot_addr(s.staging_slot)
         ctypes.memmove(local, bytes(blob), len(blob))
         final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
-                        nbytes=s.kv_bytes)
+                        nbytes=s.posted_bytes, count=s.num_data)
         notify = None if s.fault is FaultKind.DROP_NOTIFICATION else final.encode()
         batch = split_batches([(local, s.peer.layout.aux.slot_addr(s.dest.aux_slot), len(blob))],
                               "cpu", "cpu")[0]
@@ -428,18 +447,21 @@ class PrefillSender(EndpointBase):
         r = self.backend.poll_write(s.final_handle)
         if r.status is WriteStatus.PENDING:
             return
-        nbytes = s.final_bytes
         s.final_handle = None
         self._free_staging.append(s.staging_slot)  # type: ignore[arg-type]
         s.staging_slot = None
         if r.status is WriteStatus.DONE and not s.state.terminal:
-            s.state = advance(s.state, TransferState.DONE, room=s.room)
-            s.final_said = True  # the notification was our final word
-            self._metrics.record_done(s.kv_bytes + nbytes, self.clock() - s.started_at)
-            self._leg_terminal(s)
+            s.final_landed = True  # DONE once every page write completed too (_progress)
         elif r.status is WriteStatus.FAILED and not s.state.terminal:
             assert r.error is not None
             self._terminate(s, TransferError(r.error.kind, r.error.message, room=s.room))
+
+    def _done(self, s: _Send) -> None:
+        """Every write of the leg completed, the aux write with FINAL(done) among them."""
+        s.state = advance(s.state, TransferState.DONE, room=s.room)
+        s.final_said = True  # the notification was our final word
+        self._metrics.record_done(s.kv_bytes + s.final_bytes, self.clock() - s.started_at)
+        self._leg_terminal(s)
 
     def _terminate(self, s: _Send, error: TransferError) -> None:
         target = TransferState.ABORTED if error.kind is ErrorKind.ABORTED else TransferState.FAILED

@@ -8,8 +8,10 @@ must be valid UTF-8, hence ASCII JSON). Per peer pair they are delivered in orde
                                    ◄───      WELCOME(session, layout) | REFUSE(reason)
     BEGIN(room, num_pages)         ───►      room reserved & fits?  -> state TRANSFERRING
                                    ◄───      GO(room) | DENY(room, reason)
-    ...page writes...              ───►
-    aux write + FINAL(done, n, bytes) as the write's notification (arrives after the data)
+    ...page writes...              ───►      (each may carry DATA(room, bytes) as its
+                                                notification, which arrives after its bytes)
+    aux write + FINAL(done, n, bytes, count) as the write's notification (arrives after the
+                                   aux bytes; the room is complete once `count` DATA arrived)
     FINAL(failed|aborted)          ───►      sent only after every posted write finished
                                    ◄───      ABORT(room)   (decode abort or decode deadline)
     BYE                            ◄──►      endpoint closing
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 from tandem.kvtransfer.contract import ErrorKind, TransferError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 class MsgKind(enum.Enum):
@@ -37,6 +39,7 @@ class MsgKind(enum.Enum):
     DENY = "deny"
     ABORT = "abort"
     FINAL = "final"
+    DATA = "data"
     BYE = "bye"
 
 
@@ -46,14 +49,15 @@ class Message:
     room: int = 0
     session: int = 0  # BEGIN: the receiver session it targets; WELCOME: the receiver's session
     num_pages: int = 0  # BEGIN / FINAL(done): pages written
-    nbytes: int = 0  # FINAL(done): KV bytes written (all groups, all layers) + aux bytes
+    nbytes: int = 0  # FINAL(done): KV bytes written (all groups, all layers); DATA: the write's
+    count: int = 0  # FINAL(done): page writes that carried DATA (the receiver waits for them all)
     outcome: str = ""  # FINAL: "done" | "failed" | "aborted"
     reason: str = ""  # REFUSE / DENY / FINAL(failed)
     body: dict = field(default_factory=dict)  # HELLO: {"info", "layout"}; WELCOME: {"layout"}
 
     def encode(self) -> str:
         d: dict = {"v": WIRE_VERSION, "t": self.kind.value}
-        for name in ("room", "session", "num_pages", "nbytes"):
+        for name in ("room", "session", "num_pages", "nbytes", "count"):
             if getattr(self, name):
                 d[name] = getattr(self, name)
         for name in ("outcome", "reason"):
@@ -75,6 +79,7 @@ def decode_message(text: str | bytes) -> Message:
             session=int(d.get("session", 0)),
             num_pages=int(d.get("num_pages", 0)),
             nbytes=int(d.get("nbytes", 0)),
+            count=int(d.get("count", 0)),
             outcome=str(d.get("outcome", "")),
             reason=str(d.get("reason", "")),
             body=dict(d.get("body", {})),

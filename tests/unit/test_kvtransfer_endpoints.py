@@ -178,3 +178,72 @@ def test_layerwise_helper_reports_both_modes(ends):
     for t in (after, layered):
         assert t.compute_s == pytest.approx(0.05) and t.total_s >= t.compute_s
     pump(lambda: sum(isinstance(e, Received) for e in events) == 2)
+
+
+def test_final_does_not_wait_for_page_writes_and_decode_waits_for_their_data(ends):
+    """notify_per_write (fake, NIXL): every page write carries DATA, the aux write with
+    FINAL(done, count) is posted while page writes are still in flight, and decode completes
+    the room only once every counted DATA arrived -- here FINAL lands first and the page
+    writes are held back: nothing is Received until they land, then the bytes are exact."""
+    tx, rx, released, pump, events, (smem, rmem) = ends
+    assert tx.backend.notify_per_write
+    posted, hold = [], {"pages": True}
+    post, poll = tx.backend.post_write, tx.backend.poll_write
+
+    def post_write(peer, batch, notify):
+        h = post(peer, batch, notify)
+        posted.append((h, notify))
+        return h
+
+    def poll_write(h):
+        kind = next(n for x, n in posted if x is h)
+        if hold["pages"] and kind and '"t":"data"' in kind:
+            return _pending()
+        return poll(h)
+
+    tx.backend.post_write, tx.backend.poll_write = post_write, poll_write
+    dest = rx.expect(5, [6, 7], 1)
+    tx.send(dest, [1, 2], b"seed5")
+    pump(lambda: any(n and '"t":"final"' in n for _, n in posted))
+    finals = [n for _, n in posted if n and '"t":"final"' in n]
+    data = [n for _, n in posted if n and '"t":"data"' in n]
+    assert len(finals) == 1 and len(data) >= 1 and f'"count":{len(data)}' in finals[0]
+    for _ in range(100):  # FINAL has landed, the page writes have not: no completion
+        events.extend(rx.poll())
+        tx.poll()
+    assert events == [] and rx.state(5) is TransferState.TRANSFERRING
+    assert tx.state(5) is TransferState.TRANSFERRING  # DONE needs every write completed
+    hold["pages"] = False
+    pump(lambda: events)
+    assert events == [Received(room=5, page_ids=(6, 7), aux_payload=b"seed5")]
+    pump(lambda: tx.state(5) is TransferState.DONE)
+    for src_buf, dst_buf, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
+                                         (smem.bufs[1], rmem.bufs[1], 64, 1)):
+        for layer in range(layers):
+            for s, d in zip((1, 2), (6, 7)):
+                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
+                assert src_buf.raw[so : so + pb] == dst_buf.raw[do : do + pb]
+
+
+def _pending():
+    from tandem.kvtransfer.backend import WritePoll, WriteStatus
+
+    return WritePoll(WriteStatus.PENDING)
+
+
+def test_data_bytes_that_do_not_add_up_fail_the_room(ends):
+    tx, rx, released, pump, events, _ = ends
+    post = tx.backend.post_write
+
+    def post_write(peer, batch, notify):  # one page write misreports its bytes
+        if notify and '"t":"data"' in notify and not getattr(post_write, "done", False):
+            post_write.done = True
+            notify = notify.replace('"nbytes":', '"nbytes":1')
+        return post(peer, batch, notify)
+
+    tx.backend.post_write = post_write
+    dest = rx.expect(8, [2, 3], 0)
+    tx.send(dest, [4, 5], b"s")
+    pump(lambda: events)
+    assert isinstance(events[0], ReceiveFailed) and events[0].error.kind is ErrorKind.CORRUPT
+    assert "notifications" in str(events[0].error)

@@ -93,6 +93,7 @@ class _FakeWrite:
 
 class FakeBackend:
     name = "fake"
+    notify_per_write = True  # a notification rides on the write itself
     max_batch_entries = None  # memmoves: no limit
 
     def __init__(self, options: BackendOptions):

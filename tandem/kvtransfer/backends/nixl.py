@@ -83,6 +83,7 @@ def _block_descs(base: int, block_bytes: int, num_blocks: int, device: str) -> n
 
 class NixlBackend:
     name = "nixl"
+    notify_per_write = True  # a notification rides on the write itself
     max_batch_entries = None  # one transfer per push, however many descriptors
 
     def __init__(self, options: BackendOptions):
