@@ -175,20 +175,35 @@ class PrefillActor(_ActorBase):
             fut.set_result(r)
 
     async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams,
-                      destination: bytes, decode_endpoint: bytes) -> PrefillResult:
+                      destination: bytes | list, decode_endpoint: bytes) -> PrefillResult:
         """Prefill and push one request; returns when its transfer reached a terminal state
-        (or the first token already finished it)."""
+        (or the first token already finished it). `destination`: decode's reserve answer, or
+        `[ObjectRef]` of that answer still on its way (concurrent dispatch: Ray leaves a ref
+        inside a list unresolved, so the prompt's forward starts now and the destination is
+        awaited while it runs)."""
         loop = self._loop()
         fut = loop.create_future()
         self._waiters[room] = fut
+        # Layer-wise push must know its destinations before the forward (its hook starts the
+        # legs then): it waits for the reserve answer first.
+        early = isinstance(destination, list) and not self.cfg.layerwise_push
         try:
+            if early:
+                await self._call("submit", room, prompt_ids, params, None)
+            if isinstance(destination, list):
+                destination = await destination[0]
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.
             routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
             await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
-            await self._call("submit", room, prompt_ids, params,
-                             PerRank(tuple(r.destinations for r in routes)))
-        except Exception as exc:
+            dests = PerRank(tuple(r.destinations for r in routes))
+            if early:
+                await self._call("route", room, dests)  # ignored if it ended meanwhile
+            else:
+                await self._call("submit", room, prompt_ids, params, dests)
+        except Exception as exc:  # bad request, decode refused or failed, handshake
+            if early:
+                await self._call("abort", room)  # the forward (or its held pages) goes
             self._waiters.pop(room, None)
             return PrefillResult(room=room, ok=False, error=str(exc),
                                  error_kind="handshake" if "handshake" in str(exc) else "invalid")

@@ -32,6 +32,7 @@ from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
 from tandem.prefill_node.layerwise import LayerwisePusher
+from tandem.spec.handoff import PrefillHandoff
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class PrefillWorker:
         self.engine = build_engine(cfg, parallel)
         # room -> where its KV goes, one Destination per decode rank fed (still prefilling)
         self._dest: dict[int, tuple[Destination, ...]] = {}
+        # Concurrent dispatch: rooms submitted before decode's destination was known, and the
+        # hand-offs of those whose forward ended first (their pages held until `route`)
+        self._awaiting: set[int] = set()
+        self._parked: dict[int, PrefillHandoff] = {}
+        self._deferred: list[tuple[int, bool, str, str]] = []  # outcomes from `route` calls
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
         layout = kv_layout(self.engine, self._aux)
         self.sender = PrefillSender(cfg.transfer_backend, layout, compat_info(self.engine, cfg),
@@ -95,8 +101,33 @@ class PrefillWorker:
                 self._sessions.add(info.session)
 
     def submit(self, room: int, prompt_ids: list[int], params: SamplingParams,
-               destination: bytes | Sequence[bytes]) -> None:
-        """`destination`: one per decode rank this rank feeds (none: it sends nothing)."""
+               destination: bytes | Sequence[bytes] | None) -> None:
+        """`destination`: one per decode rank this rank feeds (none: it sends nothing). None:
+        not known yet (decode's reserve still runs): the prompt's forward starts now and its
+        hand-off waits for `route` (concurrent dispatch)."""
+        dests = None if destination is None else self._destinations(room, destination)
+        self.engine.add_prefill_request(prompt_ids, params, str(room))
+        if dests is None:
+            self._awaiting.add(room)
+        else:
+            self._dest[room] = dests
+
+    def route(self, room: int, destination: bytes | Sequence[bytes]) -> None:
+        """Where a room submitted without a destination goes. Its transfer starts now if its
+        forward is over (the hand-off waited), else with the forward as usual. A room that
+        ended meanwhile (aborted, or finished by its first token) is ignored."""
+        if room not in self._awaiting:
+            return
+        dests = self._destinations(room, destination)
+        self._awaiting.discard(room)
+        h = self._parked.pop(room, None)
+        if h is None:
+            self._dest[room] = dests
+        else:
+            self._hand_off(room, h, dests, early=False, local=self._deferred)
+
+    def _destinations(self, room: int, destination: bytes | Sequence[bytes]
+                      ) -> tuple[Destination, ...]:
         blobs = [destination] if isinstance(destination, bytes) else list(destination)
         dests = tuple(Destination.decode(b) for b in blobs)
         for dest in dests:
@@ -104,8 +135,7 @@ class PrefillWorker:
                 raise ValueError(f"destination: for room {dest.room}, not {room}")
             if dest.receiver_session not in self._sessions:
                 raise ValueError("destination: its decode endpoint was never connected")
-        self.engine.add_prefill_request(prompt_ids, params, str(room))
-        self._dest[room] = dests
+        return dests
 
     def _dests_of(self, room: int) -> tuple[Destination, ...]:
         """The layer-wise pusher's view: every decode rank the room goes to (none: this rank
@@ -113,7 +143,16 @@ class PrefillWorker:
         return self._dest.get(room, ())
 
     def abort(self, room: int) -> None:
-        if room in self._dest:
+        if room in self._awaiting:  # no destination yet: forward running or hand-off waiting
+            self._awaiting.discard(room)
+            h = self._parked.pop(room, None)
+            if h is None:
+                self.engine.abort(str(room))
+            elif h.page_ids:
+                self.engine.free_pages(h.page_ids)
+            self._results.append(PrefillResult(room=room, ok=False, error="aborted",
+                                               error_kind="aborted"))
+        elif room in self._dest:
             del self._dest[room]
             self.engine.abort(str(room))
             self._results.append(PrefillResult(room=room, ok=False, error="aborted",
@@ -125,11 +164,21 @@ class PrefillWorker:
         return self.engine.has_unfinished() or bool(self._sending)
 
     def step(self) -> list[PrefillResult]:
-        local: list[tuple[int, bool, str, str]] = []  # (room, done, error, kind) on this rank
+        # (room, done, error, kind) on this rank; hand-offs `route` started between steps first
+        local, self._deferred = self._deferred, []
         if self.engine.has_unfinished():
             self.engine.step()
         for h in self.engine.take_handoffs():
             room = int(h.req_id)
+            if room in self._awaiting:
+                if h.finished:  # its first token ended it: nothing to send, wherever
+                    self._awaiting.discard(room)
+                    self._results.append(PrefillResult(
+                        room=room, ok=True, first_token=h.first_token, first_text=h.first_text,
+                        finished=True, finish_reason=h.finish_reason))
+                else:  # decode's destination still to come (route)
+                    self._parked[room] = h
+                continue
             dests = self._dest.pop(room, None)
             early = self.pusher is not None and self.pusher.started(room)
             if early and (dests is None or h.finished):
@@ -146,18 +195,7 @@ class PrefillWorker:
                     room=room, ok=True, first_token=h.first_token, first_text=h.first_text,
                     finished=True, finish_reason=h.finish_reason))
                 continue
-            self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
-                                           first_text=h.first_text)
-            if not dests:  # re-sliced: every head of this rank goes from a lower rank
-                local.append((room, True, "", ""))
-                continue
-            try:
-                if early:
-                    self.pusher.complete(room, h.page_ids, h.seed_bytes())  # type: ignore[union-attr]
-                else:
-                    self.sender.send(dests, h.page_ids, h.seed_bytes())
-            except TransferError as exc:  # terminal on this rank at once
-                local.append((room, False, str(exc), exc.kind.value))
+            self._hand_off(room, h, dests, early=early, local=local)
         early_outcomes = self.pusher.take_outcomes() if self.pusher is not None else []
         for outcome in early_outcomes + self.sender.poll():
             err = outcome.error
@@ -167,6 +205,23 @@ class PrefillWorker:
         self._agree_on_outcomes(local)
         out, self._results = self._results, []
         return out
+
+    def _hand_off(self, room: int, h: PrefillHandoff, dests: tuple[Destination, ...], *, early: bool,
+                  local: list[tuple[int, bool, str, str]]) -> None:
+        """Push a prompt's KV + seed (its forward is over) to `dests`; a failure to start is
+        terminal on this rank at once (into `local`, agreed on in the next outcome round)."""
+        self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
+                                       first_text=h.first_text)
+        if not dests:  # re-sliced: every head of this rank goes from a lower rank
+            local.append((room, True, "", ""))
+            return
+        try:
+            if early:
+                self.pusher.complete(room, h.page_ids, h.seed_bytes())
+            else:
+                self.sender.send(dests, h.page_ids, h.seed_bytes())
+        except TransferError as exc:
+            local.append((room, False, str(exc), exc.kind.value))
 
     def _agree_on_outcomes(self, local: list[tuple[int, bool, str, str]]) -> None:
         """All-gather every rank's terminal transfers; a room whose transfer is terminal on

@@ -122,11 +122,14 @@ class DisaggregatedDispatcher:
         prefill_task: asyncio.Task | None = None
         finished = False
         try:
-            dest = await self._call(dname, decode.reserve.remote(room, prompt, request.params),
-                                    request)
-            gen = decode.stream.options(num_returns="streaming").remote(room)
+            # Concurrent dispatch: prefill starts the prompt's forward now and receives
+            # decode's reserve answer by reference (a ref inside a list stays unresolved), so
+            # the reserve's round trip overlaps the forward instead of preceding it.
+            reserved = decode.reserve.remote(room, prompt, request.params)
             prefill_task = asyncio.ensure_future(_await_ref(prefill.prefill.remote(
-                room, prompt, request.params, dest, self._endpoints[dname])))
+                room, prompt, request.params, [reserved], self._endpoints[dname])))
+            await self._call(dname, reserved, request)  # its refusal is the request's error
+            gen = decode.stream.options(num_returns="streaming").remote(room)
             rounds: list[int] = []
             outputs = 0
             stream = gen.__aiter__()

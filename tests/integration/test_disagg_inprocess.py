@@ -126,3 +126,59 @@ def test_grant_overlaps_the_forward_and_first_token_streams_at_admission(dirs):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_concurrent_dispatch_prefill_starts_before_the_destination_is_known(dirs):
+    """Concurrent dispatch (the router passes decode's reserve answer by reference): a room
+    submitted without a destination runs its forward at once and holds its hand-off (pages
+    kept) until `route`, then moves like any other -- output equal to colocated; a held room
+    that is aborted instead gives its pages back; a room its first token finished needs no
+    route at all."""
+    model_dir, head_dir = dirs
+    spec = SpecConfig(num_steps=3)
+    pcfg = worker_config("prefill-0", model_dir, head_dir, "fake", spec)
+    prefill = PrefillWorker(pcfg)
+    decode = DecodeWorker(worker_config("decode-0", model_dir, head_dir, "fake", spec))
+    prompt, sp = [7, 8, 9, 10, 11, 12], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = SpecEngine.from_config(pcfg.engine, pcfg.spec).generate([prompt], [sp])[0].output_ids
+    try:
+        dloop = WorkerLoop(decode, lambda outs: None)  # answers the handshake
+        try:
+            prefill.connect(dloop.call(decode.endpoint))
+        finally:
+            dloop.close()
+        free = prefill.num_free_pages()
+        prefill.submit(1, prompt, sp, None)
+        prefill.submit(2, prompt, sp, None)
+        prefill.submit(3, prompt, SamplingParams(max_new_tokens=1, ignore_eos=True), None)
+        results = []
+        for _ in range(20):
+            results += prefill.step()
+        assert [(r.room, r.finished) for r in results] == [(3, True)]  # no route needed
+        assert prefill.num_free_pages() < free and not prefill.busy()  # 1 and 2 hold pages
+        held = prefill.num_free_pages()
+        prefill.abort(2)
+        assert prefill.num_free_pages() > held  # room 2's pages are back
+        prefill.route(1, decode.reserve(1, prompt, sp))
+        prefill.route(2, b"ignored: the room was aborted")
+        tokens, done = [], False
+        for _ in range(2000):
+            results += prefill.step()
+            for o in decode.step():
+                tokens.extend(o.token_ids)
+                done = done or o.finished
+            if done:
+                break
+            time.sleep(0.001)
+        assert tuple(tokens) == tuple(want)
+        assert {(r.room, r.ok) for r in results} >= {(2, False), (3, True)}
+        for _ in range(200):  # the transfer's outcome and page release
+            results += prefill.step()
+            decode.step()
+            if any(r.room == 1 for r in results):
+                break
+            time.sleep(0.001)
+        assert prefill.num_free_pages() == prefill.num_pages()
+    finally:
+        prefill.close()
+        decode.close()
