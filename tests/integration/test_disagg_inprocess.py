@@ -62,6 +62,16 @@ def run_disaggregated(prefill: PrefillWorker, decode: DecodeWorker, prompts, par
         dloop.close()
 
 
+def connect_stepped(prefill: PrefillWorker, decode: DecodeWorker) -> None:
+    """Handshake for a test that then steps both workers by hand: decode answers from a loop
+    thread only while the prefill side connects."""
+    dloop = WorkerLoop(decode, lambda outs: None)
+    try:
+        prefill.connect(dloop.call(decode.endpoint))
+    finally:
+        dloop.close()
+
+
 @pytest.mark.parametrize("backend", ["fake", "mooncake", "nixl"])
 @pytest.mark.parametrize("spec", [SpecConfig(num_steps=3),
                                   SpecConfig(num_steps=2, topk=2, num_draft_tokens=4)],
@@ -105,11 +115,7 @@ def test_grant_overlaps_the_forward_and_first_token_streams_at_admission(dirs):
     prefill.engine.runner.forward = lambda *a, **k: (log.append("forward"), forward(*a, **k))[1]
     prefill.sender.start = lambda *a, **k: (log.append("start"), start(*a, **k))[1]
     try:
-        dloop = WorkerLoop(decode, lambda outs: None)  # answers the handshake
-        try:
-            prefill.connect(dloop.call(decode.endpoint))
-        finally:
-            dloop.close()
+        connect_stepped(prefill, decode)
         prompt, sp = list(range(3, 20)), SamplingParams(max_new_tokens=8, ignore_eos=True)
         prefill.submit(7, prompt, sp, decode.reserve(7, prompt, sp))
         outs: list = []
@@ -142,11 +148,7 @@ def test_concurrent_dispatch_prefill_starts_before_the_destination_is_known(dirs
     prompt, sp = [7, 8, 9, 10, 11, 12], SamplingParams(max_new_tokens=6, ignore_eos=True)
     want = SpecEngine.from_config(pcfg.engine, pcfg.spec).generate([prompt], [sp])[0].output_ids
     try:
-        dloop = WorkerLoop(decode, lambda outs: None)  # answers the handshake
-        try:
-            prefill.connect(dloop.call(decode.endpoint))
-        finally:
-            dloop.close()
+        connect_stepped(prefill, decode)
         free = prefill.num_free_pages()
         prefill.submit(1, prompt, sp, None)
         prefill.submit(2, prompt, sp, None)
