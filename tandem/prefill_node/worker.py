@@ -180,12 +180,12 @@ class PrefillWorker:
                     self._parked[room] = h
                 continue
             dests = self._dest.pop(room, None)
-            early = self.pusher is not None and self.pusher.started(room)
+            early = self.pusher.started(room)
             if early and (dests is None or h.finished):
                 # No transfer wanted after all (layerwise.py `drop`). A finished request's pages
                 # are free already; reads still in flight cannot harm them (read-only), and
                 # they land in decode pages that stay leased until the room's end.
-                self.pusher.drop(room, abort=dests is None)  # type: ignore[union-attr]
+                self.pusher.drop(room, abort=dests is None)
             if dests is None:  # aborted while its last chunk ran
                 if h.page_ids:
                     self.engine.free_pages(h.page_ids)
@@ -196,7 +196,7 @@ class PrefillWorker:
                     finished=True, finish_reason=h.finish_reason))
                 continue
             self._hand_off(room, h, dests, early=early, local=local)
-        early_outcomes = self.pusher.take_outcomes() if self.pusher is not None else []
+        early_outcomes = self.pusher.take_outcomes()
         for outcome in early_outcomes + self.sender.poll():
             err = outcome.error
             ok = outcome.state == TransferState.DONE
