@@ -121,6 +121,7 @@ class DisaggregatedDispatcher:
         self._in_flight[rid] = (pname, dname, room)
         prefill_task: asyncio.Task | None = None
         finished = False
+        release_decode = False  # decode reserved pages nothing will be sent into
         try:
             # Concurrent dispatch: prefill starts the prompt's forward now and receives
             # decode's reserve answer by reference (a ref inside a list stays unresolved), so
@@ -153,7 +154,7 @@ class DisaggregatedDispatcher:
                     prefill_task = None
                     if res is not None:  # the first token ended the request on prefill
                         next_chunk.cancel()
-                        finished = True
+                        finished = release_decode = True
                         yield TokenChunk(request_id=rid, token_ids=(res.first_token,),
                                          text_delta=res.first_text,
                                          finish_reason=_FINISH.get(res.finish_reason or "stop"))
@@ -187,7 +188,8 @@ class DisaggregatedDispatcher:
             self._aborted.discard(rid)
             if prefill_task is not None:
                 prefill_task.cancel()
-            if not finished:  # cancelled, deadline, error: stop it everywhere
+            if not finished or release_decode:  # cancelled, deadline, error, or decode's
+                # pages wait for a transfer that will not come: stop it everywhere
                 await self._abort_both(pname, dname, room)
 
     def _prefill_result(self, pname: str, task: asyncio.Task):

@@ -172,3 +172,18 @@ def test_broken_transfer_is_unavailable_and_leaks_nothing(local_ray, dirs, kind)
         assert system.all_free()
     finally:
         system.close()
+
+
+def test_a_request_its_first_token_ends_frees_decode_pages_at_once(local_ray, dirs):
+    """max_tokens=1: prefill's first token ends the request and nothing is sent; the router
+    releases decode's reserved pages right away, not at the transfer deadline (4 s here)."""
+    cfg = _cfg(dirs)
+    prompt = [3, 4, 5, 6]
+    want = SpecEngine.from_config(cfg.engine, cfg.spec).generate(
+        [prompt], SamplingParams(max_new_tokens=1, ignore_eos=True))[0].output_ids
+    system = System(cfg)
+    try:
+        assert system.tokens(prompt, 1) == list(want)
+        assert system.all_free(timeout_s=1.5)
+    finally:
+        system.close()
