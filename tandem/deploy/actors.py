@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -217,12 +218,20 @@ class PrefillActor(_ActorBase):
         return self._health(self.worker)
 
 
+# An aborted room's output queue that no stream() opened within this long is dropped.
+STREAM_UNREAD_S = 60.0
+
+
 class DecodeActor(_ActorBase):
     role = "decode"
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
         self._streams: dict[int, asyncio.Queue] = {}
+        self._opened: set[int] = set()  # rooms whose stream() runs
+        # Rooms aborted here lately: a reserve that arrives after its abort (the router
+        # dispatches both without waiting) is refused instead of holding pages to its deadline
+        self._aborted: OrderedDict[int, None] = OrderedDict()
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> DecodeWorker:
@@ -241,6 +250,8 @@ class DecodeActor(_ActorBase):
         """Every rank's encoded Destination, as one blob (with DP: the taking rank's, tagged
         with its DP rank). Raises ValueError (bad request) or OutOfCapacity."""
         self._loop()
+        if room in self._aborted:
+            raise ValueError(f"room: {room} was aborted before its reserve arrived")
         self._streams[room] = asyncio.Queue()
         try:
             per_rank = await self._call("reserve", room, prompt_ids, params)
@@ -259,6 +270,7 @@ class DecodeActor(_ActorBase):
         q = self._streams.get(room)
         if q is None:
             raise ValueError(f"room: {room} was not reserved on this worker")
+        self._opened.add(room)
         try:
             while True:
                 o = await q.get()
@@ -267,13 +279,23 @@ class DecodeActor(_ActorBase):
                     return
         finally:
             self._streams.pop(room, None)
+            self._opened.discard(room)
 
     async def abort(self, room: int) -> None:
+        self._aborted[room] = None
+        while len(self._aborted) > 4096:
+            self._aborted.popitem(last=False)
         await self._call("abort", room)
         q = self._streams.get(room)
         if q is not None:  # a reserved request that never started still ends its stream
             q.put_nowait(DecodeOutput(room=room, token_ids=(), text_delta="", finished=True,
                                       finish_reason="abort"))
+            if room not in self._opened:  # its stream may never be read: drop it if unread
+                self._loop().call_later(STREAM_UNREAD_S, self._drop_unread, room)
+
+    def _drop_unread(self, room: int) -> None:
+        if room not in self._opened:
+            self._streams.pop(room, None)
 
     async def limits(self) -> tuple[int, int, int]:
         """(vocab_size, max_model_len, max_request_tokens) the router validates against."""

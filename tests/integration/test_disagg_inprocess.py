@@ -3,6 +3,7 @@ in one process, KV and seeds moving over the fake, Mooncake and NIXL backends.""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import random
 import time
@@ -184,3 +185,35 @@ def test_concurrent_dispatch_prefill_starts_before_the_destination_is_known(dirs
     finally:
         prefill.close()
         decode.close()
+
+
+def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams(dirs):
+    """The router sends reserve and prefill together and aborts both on cancel, so decode may
+    see a room's abort before its reserve: that reserve is refused (its pages would otherwise
+    wait for the transfer deadline). An aborted room whose stream was never opened has its
+    output queue dropped (DecodeActor outside Ray: the same object the actor runs)."""
+    from tandem.deploy.actors import DecodeActor
+
+    model_dir, head_dir = dirs
+    actor = DecodeActor(worker_config("decode-0", model_dir, head_dir, "fake",
+                                      SpecConfig(num_steps=3)))
+    prompt, sp = [4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    async def scenario():
+        await actor.abort(5)  # the abort overtook the reserve
+        with pytest.raises(ValueError, match="aborted before its reserve"):
+            await actor.reserve(5, prompt, sp)
+        await actor.reserve(6, prompt, sp)
+        await actor.abort(6)  # reserved, aborted, its stream never opened
+        assert 6 in actor._streams
+        actor._drop_unread(6)  # what the timer does after STREAM_UNREAD_S
+        assert 6 not in actor._streams and 5 not in actor._streams
+
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while actor.worker.num_free_pages() != actor.worker.num_pages():
+            assert time.monotonic() < deadline, "an aborted reserve kept its pages"
+            time.sleep(0.01)
+    finally:
+        asyncio.run(actor.shutdown())
