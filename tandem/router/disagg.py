@@ -36,6 +36,12 @@ from tandem.router.dispatch import (
 
 log = logging.getLogger(__name__)
 
+# Health polls: an answer later than HEALTH_TIMEOUT_S is a missed poll; a worker is marked
+# down after SLOW_POLLS_DOWN missed polls in a row (a busy worker may answer late once), at once
+# when the call fails (the actor died or raised).
+HEALTH_TIMEOUT_S = 5.0
+SLOW_POLLS_DOWN = 3
+
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -56,6 +62,7 @@ class DisaggregatedDispatcher:
         self._aborted: set[str] = set()  # in flight and aborted by abort()
         self._period = health_period_s
         self._poller: asyncio.Task | None = None
+        self._missed: dict[str, int] = {}  # worker -> health polls missed in a row
 
     # ---- snapshots --------------------------------------------------------------------------
 
@@ -79,11 +86,22 @@ class DisaggregatedDispatcher:
     async def _check(self, name: str, handle) -> None:
         role = WorkerRole.PREFILL if name in self._prefill else WorkerRole.DECODE
         try:
-            h = await asyncio.wait_for(_await_ref(handle.health.remote()), timeout=5.0)
+            h = await asyncio.wait_for(_await_ref(handle.health.remote()),
+                                       timeout=HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            missed = self._missed[name] = self._missed.get(name, 0) + 1
+            if missed < SLOW_POLLS_DOWN and self._health[name].healthy:
+                return  # keep the last report: one late answer is not a dead worker
+            self._health[name] = WorkerInfo(
+                name=name, role=role, model=self._model.name, healthy=False,
+                error=f"unreachable: no health answer within {HEALTH_TIMEOUT_S:g} s, "
+                      f"{missed} polls in a row")
+            return
         except Exception as exc:
             self._health[name] = WorkerInfo(name=name, role=role, model=self._model.name,
                                             healthy=False, error=f"unreachable: {exc!r}"[:300])
             return
+        self._missed.pop(name, None)
         self._health[name] = WorkerInfo(
             name=name, role=role, model=self._model.name, healthy=h.healthy, error=h.error,
             address=h.node, num_running=h.num_running, num_waiting=h.num_waiting,
