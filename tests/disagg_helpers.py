@@ -77,3 +77,43 @@ async def collect(dispatcher, i: int, prompt, params, room_base: int):
         if getattr(chunk, "error", ""):
             errors.append(chunk.error)
     return tuple(toks), errors
+
+
+def tiny_dispatcher(dep, num_steps: int = 3):
+    """The router's disaggregated dispatcher over a launched deployment of the tiny model."""
+    from tandem.router.disagg import DisaggregatedDispatcher
+    from tandem.router.dispatch import ModelInfo
+
+    return DisaggregatedDispatcher(
+        dep.prefill, dep.decode, dep.endpoints,
+        ModelInfo(name="default", vocab_size=256, max_model_len=512, max_request_tokens=400),
+        num_steps=num_steps)
+
+
+def run_all(dispatcher, prompts, params, room_base: int):
+    """Every request at once through `dispatcher`: per request (token ids, error messages)."""
+    import asyncio
+
+    async def gather():
+        return await asyncio.gather(*(collect(dispatcher, i, p, sp, room_base)
+                                      for i, (p, sp) in enumerate(zip(prompts, params))))
+
+    return asyncio.run(gather())
+
+
+def health_once_all_free(dep, *, slots: bool = False, timeout_s: float = 15.0) -> list:
+    """Every rank's health report (leaders, then followers) once every rank has all of its
+    pages back (and, with `slots`, every decode seed slot), or at `timeout_s`."""
+    import time
+
+    import ray
+
+    handles = [*dep.prefill.values(), *dep.decode.values(), *dep.followers]
+    end = time.monotonic() + timeout_s
+    while True:
+        hs = ray.get([h.health.remote() for h in handles])
+        back = all(h.num_free_pages == h.num_pages
+                   and (not slots or h.num_free_slots == h.num_slots) for h in hs)
+        if back or time.monotonic() > end:
+            return hs
+        time.sleep(0.2)

@@ -13,7 +13,7 @@ import asyncio
 import time
 
 import pytest
-from disagg_helpers import random_requests, tiny_model_and_head
+from disagg_helpers import random_requests, tiny_dispatcher, tiny_model_and_head
 
 from tandem.deploy.config import DeployConfig, GroupConfig, parse_deploy
 from tandem.engine import EngineConfig, SamplingParams
@@ -42,8 +42,6 @@ def _requests(n: int, seed: int):
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     from tandem.deploy.launcher import init_ray, launch
-    from tandem.router.disagg import DisaggregatedDispatcher
-    from tandem.router.dispatch import ModelInfo
 
     cfg = _config(tiny_model_and_head(tmp_path_factory.mktemp("dp")))
     if ray.is_initialized():
@@ -52,10 +50,7 @@ def deployment(tmp_path_factory):
     dep = None
     try:
         dep = launch(cfg, startup_timeout_s=90)
-        disp = DisaggregatedDispatcher(
-            dep.prefill, dep.decode, dep.endpoints,
-            ModelInfo(name="default", vocab_size=256, max_model_len=512, max_request_tokens=400),
-            num_steps=3)
+        disp = tiny_dispatcher(dep)
         yield cfg, dep, disp
     finally:
         if dep is not None:

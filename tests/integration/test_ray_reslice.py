@@ -6,12 +6,12 @@ on every rank afterwards."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
-from disagg_helpers import collect, random_requests, tiny_model_and_head
+from disagg_helpers import (health_once_all_free, random_requests, run_all,
+                            tiny_dispatcher, tiny_model_and_head)
 from tandem.deploy.config import DeployConfig, GroupConfig
 from tandem.engine import EngineConfig
 from tandem.spec import SpecConfig, SpecEngine
@@ -47,9 +47,6 @@ def _config(dirs, prefill_tp: int, decode_tp: int, layerwise: bool) -> DeployCon
 def _requests(n: int, seed: int):
     return random_requests(n, seed)
 
-
-async def _collect(dispatcher, i, prompt, params):
-    return await collect(dispatcher, i, prompt, params, room_base=9300)
 
 
 def _prefill_ranks(dep) -> list:
@@ -93,8 +90,6 @@ def _layers_pushed_early(dep) -> list[int]:
 def test_ray_reslice_equals_colocated_tp1(tmp_path, ray_session, prefill_tp, decode_tp,
                                           layerwise):
     from tandem.deploy.launcher import launch
-    from tandem.router.disagg import DisaggregatedDispatcher
-    from tandem.router.dispatch import ModelInfo
 
     dirs = tiny_model_and_head(tmp_path)
     cfg = _config(dirs, prefill_tp, decode_tp, layerwise)
@@ -106,28 +101,11 @@ def test_ray_reslice_equals_colocated_tp1(tmp_path, ray_session, prefill_tp, dec
         print(f"{prefill_tp} + {decode_tp} ranks up in {time.monotonic() - t0:.1f} s")
         if layerwise:
             _slow_prefill_layers(dep, 0.05)
-        disp = DisaggregatedDispatcher(
-            dep.prefill, dep.decode, dep.endpoints,
-            ModelInfo(name="default", vocab_size=256, max_model_len=512,
-                      max_request_tokens=400), num_steps=3)
-
-        async def run_all():
-            return await asyncio.gather(*(_collect(disp, i, p, sp) for i, (p, sp)
-                                          in enumerate(zip(prompts, params))))
-
-        got = asyncio.run(run_all())
+        got = run_all(tiny_dispatcher(dep), prompts, params, room_base=9300)
         assert [e for _, e in got] == [[]] * len(prompts)
         assert [t for t, _ in got] == [c.output_ids for c in colocated]
         # Every rank of both workers got every page (and every decode seed slot) back.
-        handles = [*dep.prefill.values(), *dep.decode.values(), *dep.followers]
-        end = time.monotonic() + 15
-        while True:
-            hs = ray.get([h.health.remote() for h in handles])
-            back = all(h.num_free_pages == h.num_pages and h.num_free_slots == h.num_slots
-                       for h in hs)
-            if back or time.monotonic() > end:
-                break
-            time.sleep(0.2)
+        hs = health_once_all_free(dep, slots=True)
         assert all(h.healthy for h in hs), [h.error for h in hs]
         assert [(h.role, h.num_free_pages, h.num_free_slots) for h in hs] == [
             (h.role, h.num_pages, h.num_slots) for h in hs]

@@ -4,12 +4,12 @@ speculation on, greedy float32 -- token-identical to the colocated single-rank S
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
-from disagg_helpers import collect, random_requests, tiny_model_and_head
+from disagg_helpers import (health_once_all_free, random_requests, run_all,
+                            tiny_dispatcher, tiny_model_and_head)
 from tandem.deploy.config import DeployConfig, GroupConfig
 from tandem.engine import EngineConfig
 from tandem.engine.config import ConfigError
@@ -35,10 +35,6 @@ def _requests(n: int, seed: int = 0):
     return random_requests(n, seed)
 
 
-async def _collect(dispatcher, i, prompt, params):
-    toks, _ = await collect(dispatcher, i, prompt, params, room_base=9100)
-    return toks
-
 
 def test_ep_must_match_tp():
     # Unequal prefill/decode TP is allowed now (re-slicing, tests/integration/test_ray_reslice.py).
@@ -57,8 +53,6 @@ def test_per_rank_blob_checks_the_rank_count():
 
 def test_ray_tp2_disaggregated_equals_colocated_tp1(tmp_path):
     from tandem.deploy.launcher import init_ray, launch
-    from tandem.router.disagg import DisaggregatedDispatcher
-    from tandem.router.dispatch import ModelInfo
 
     dirs = tiny_model_and_head(tmp_path)
     cfg = _config(dirs, tp=2)
@@ -78,25 +72,10 @@ def test_ray_tp2_disaggregated_equals_colocated_tp1(tmp_path):
             infos = [EndpointInfo.decode(b) for b in
                      decode_per_rank(dep.endpoints["decode-0"], 2, "decode endpoint")]
             assert [(i.compat.tp_size, i.compat.tp_rank) for i in infos] == [(2, 0), (2, 1)]
-            disp = DisaggregatedDispatcher(
-                dep.prefill, dep.decode, dep.endpoints,
-                ModelInfo(name="default", vocab_size=256, max_model_len=512,
-                          max_request_tokens=400), num_steps=3)
-
-            async def run_all():
-                return await asyncio.gather(*(_collect(disp, i, p, sp) for i, (p, sp)
-                                              in enumerate(zip(prompts, params))))
-
-            got = asyncio.run(run_all())
-            assert list(got) == [c.output_ids for c in colocated]
+            got = run_all(tiny_dispatcher(dep), prompts, params, room_base=9100)
+            assert [t for t, _ in got] == [c.output_ids for c in colocated]
             # Every rank of both workers got every page back.
-            handles = [*dep.prefill.values(), *dep.decode.values(), *dep.followers]
-            end = time.monotonic() + 15
-            while True:
-                hs = ray.get([h.health.remote() for h in handles])
-                if all(h.num_free_pages == h.num_pages for h in hs) or time.monotonic() > end:
-                    break
-                time.sleep(0.2)
+            hs = health_once_all_free(dep)
             assert all(h.healthy for h in hs), [h.error for h in hs]
             assert all(h.num_free_pages == h.num_pages for h in hs)
             # Decode ranks really ran speculative rounds (not a silent fallback).
