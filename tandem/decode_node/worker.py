@@ -180,7 +180,6 @@ class DecodeWorker:
         self._pending: dict[int, _Pending] = {}  # room -> reserved, KV not landed everywhere
         self._released_local: list[int] = []  # rooms released (not DONE) since the last step
         self._outputs: list[DecodeOutput] = []
-        self._admitted = False  # a request was admitted in this step (joint view: every TP rank)
         self._group_busy = False  # DP: whether any rank was busy after the last step
         self._group_load: PoolLoad | None = None  # DP: every rank's load after the last step
         self._group_spec: SpecTotals | None = None  # DP: every rank's acceptance, summed
@@ -252,9 +251,8 @@ class DecodeWorker:
         return self.engine.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[DecodeOutput]:
-        self._admitted = False
-        self._agree_on_transfers()
-        if self._admitted and self._dp_sync.size == 1:
+        admitted = self._agree_on_transfers()
+        if admitted and self._dp_sync.size == 1:
             # The prefill's first token streams now, not after this step's round (one round
             # of TTFT). Every TP rank admitted the same requests, so all of them skip the
             # round together; the loop steps again at once (the engine has work).
@@ -303,9 +301,9 @@ class DecodeWorker:
         """Summed over the DP ranks as of the last step (this rank's own without DP)."""
         return self._group_load or self.pool_load()
 
-    def _agree_on_transfers(self) -> None:
+    def _agree_on_transfers(self) -> bool:
         """Poll this rank's receiver, all-gather every rank's events, act on the joint view
-        (identically on every rank)."""
+        (identically on every rank). Returns whether a request was admitted."""
         landed, failed = [], []
         for ev in self.receiver.poll():
             if isinstance(ev, Received):
@@ -329,12 +327,15 @@ class DecodeWorker:
                 if (pend := self._pending.get(room)) is not None:
                     pend.released.add(rank)
                     touched.append(room)
+        admitted = False
         for room in dict.fromkeys(touched):  # in first-touch order, the same on every rank
-            self._settle(room)
+            admitted |= self._settle(room)
+        return admitted
 
-    def _settle(self, room: int) -> None:
+    def _settle(self, room: int) -> bool:
         """Admit `room` once it landed on every rank; fail it as soon as one rank failed (the
-        pages and slot return only when every rank's receiver is done with them)."""
+        pages and slot return only when every rank's receiver is done with them). Returns
+        whether it was admitted."""
         pend = self._pending[room]
         size = self._tp_sync.size
         if len(pend.landed) == size:  # every rank holds the KV: admit
@@ -342,19 +343,19 @@ class DecodeWorker:
             self._free_slots.append(pend.aux_slot)
             if pend.aborted:
                 self.engine.allocator.free(pend.page_ids)
-                return
-            self._admit(room, pend, pend.payload)
-            return
+                return False
+            return self._admit(room, pend, pend.payload)
         if len(pend.landed | pend.released) < size:
             if pend.error and not pend.aborted:
                 self._report_failure(room, pend)
-            return
+            return False
         # Every rank is done with the pages and at least one rank did not receive: a failure.
         del self._pending[room]
         self._free_slots.append(pend.aux_slot)
         self.engine.allocator.free(pend.page_ids)
         if not pend.aborted:
             self._report_failure(room, pend)
+        return False
 
     def _report_failure(self, room: int, pend: _Pending) -> None:
         """Once per request: the stream ends with an error (its pages may follow later)."""
@@ -365,7 +366,7 @@ class DecodeWorker:
             room=room, token_ids=(), text_delta="", finished=True, finish_reason="error",
             error=pend.error or "KV transfer did not complete on every TP rank"))
 
-    def _admit(self, room: int, pend: _Pending, payload: bytes) -> None:
+    def _admit(self, room: int, pend: _Pending, payload: bytes) -> bool:
         try:
             seed, gen_state = decode_seed(payload, self.engine.device,
                                           self.engine.kv_pool.dtype)
@@ -377,12 +378,12 @@ class DecodeWorker:
             self._outputs.append(DecodeOutput(room=room, token_ids=(), text_delta="",
                                               finished=True, finish_reason="error",
                                               error=f"seed: {exc}"))
-            return
-        self._admitted = True
+            return False
         self._outputs.append(DecodeOutput(
             room=room, token_ids=first.new_token_ids, text_delta=first.text_delta,
             finished=first.finished,
             finish_reason=first.finish_reason.value if first.finish_reason else None))
+        return True
 
     def num_free_pages(self) -> int:
         return self.engine.allocator.num_free

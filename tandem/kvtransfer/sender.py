@@ -415,10 +415,7 @@ class PrefillSender(EndpointBase):
             self.backend.send_message(s.peer.peer_id, Message(
                 kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
                 nbytes=s.posted_bytes, count=s.num_data).encode())
-            s.state = advance(s.state, TransferState.DONE, room=s.room)
-            s.final_said = True
-            self._metrics.record_done(s.kv_bytes, self.clock() - s.started_at)
-            self._leg_terminal(s)
+            self._done(s)  # final_bytes is 0: no aux write
             return
         if not self._free_staging:
             return  # every staging slot is busy with another final write: try next poll
@@ -457,7 +454,8 @@ class PrefillSender(EndpointBase):
             self._terminate(s, TransferError(r.error.kind, r.error.message, room=s.room))
 
     def _done(self, s: _Send) -> None:
-        """Every write of the leg completed, the aux write with FINAL(done) among them."""
+        """Every write of the leg completed (with FINAL(done) on the aux write, or sent as a
+        message by a non-primary leg)."""
         s.state = advance(s.state, TransferState.DONE, room=s.room)
         s.final_said = True  # the notification was our final word
         self._metrics.record_done(s.kv_bytes + s.final_bytes, self.clock() - s.started_at)

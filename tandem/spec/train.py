@@ -154,17 +154,24 @@ def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
-    """Step 1 alone: the target answers `num_prompts` prompts (resumable). Returns the file."""
+def extra_samples(cfg: TrainConfig) -> list[Sample]:
+    """The samples of `cfg.extra_samples` (answered earlier, e.g. by another prompt set)."""
+    for extra in cfg.extra_samples:
+        if not Path(extra).is_file():
+            raise FileNotFoundError(f"extra_samples: {extra} does not exist")
+    return [s for extra in cfg.extra_samples for s in read_samples(Path(extra))]
+
+
+def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True,
+                   earlier: list[Sample] | None = None) -> Path:
+    """Step 1 alone: the target answers `num_prompts` prompts (resumable), less those the
+    extra sample files (`earlier`, read here when not given) answered already (same ids).
+    Returns the file."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data_path = out / "samples.jsonl"
     prompts = build_prompts(cfg.num_prompts, cfg.seed)
-    for extra in cfg.extra_samples:
-        if not Path(extra).is_file():
-            raise FileNotFoundError(f"extra_samples: {extra} does not exist")
-    # Prompts the extra sample files answered already are not answered again (same ids).
-    earlier = [s for extra in cfg.extra_samples for s in read_samples(Path(extra))]
+    earlier = extra_samples(cfg) if earlier is None else earlier
     if earlier:
         prompts = unanswered(engine.tokenizer, prompts, earlier)
         log.info("%d prompts not answered in --extra-samples", len(prompts))
@@ -176,10 +183,9 @@ def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -
 
 def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     out = Path(cfg.out_dir)
-    data_path = answer_prompts(engine, cfg, progress)
-    samples = read_samples(data_path)
-    for extra in cfg.extra_samples:
-        samples += read_samples(Path(extra))
+    earlier = extra_samples(cfg)
+    data_path = answer_prompts(engine, cfg, progress, earlier)
+    samples = read_samples(data_path) + earlier
     samples = [s for s in samples if len(s.answer_ids) >= 2]
     log.info("training on %d samples (%d answer tokens)", len(samples),
              sum(len(s.answer_ids) for s in samples))
