@@ -357,7 +357,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         flags={k: getattr(args, k) for k in DEFAULTS}, out=Path(args.out) if args.out else None,
         plot=not args.no_plot, ray_address=args.ray_address, auth_token=token or None,
         model=args.model, floor_model=args.floor_model, floor_dtype=args.floor_dtype,
-        floor_device=args.floor_device, progress=not args.no_progress,
+        floor_device=args.floor_device, progress=not args.no_progress, trace=args.trace,
         argv=tuple(["tandem", *sys.argv[1:]]))
     return execute(cmd)
 
@@ -452,6 +452,10 @@ def _add_bench_parser(sub) -> None:
                         "bench-results/bench-DATE-TIME.json)")
     g.add_argument("--no-plot", action="store_true", help="Skip the PNG")
     g.add_argument("--no-progress", action="store_true", help="No progress bars")
+    g.add_argument("--trace", action="store_true",
+                   help="--config runs: every process of the deployment marks each request's "
+                        "stages (TANDEM_TRACE, FILE.trace.jsonl next to the results) and the "
+                        "report prints the median time to each stage per level: where TTFT goes")
     p.set_defaults(func=cmd_bench)
 
 

@@ -33,6 +33,7 @@ class BenchCommand:
     floor_dtype: str = "bfloat16"
     floor_device: str | None = None  # None: cuda when available, else cpu
     progress: bool = True
+    trace: bool = False  # request stage marks of --config deployments (engine/trace.py)
     argv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -114,7 +115,8 @@ def execute(cmd: BenchCommand, out: TextIO | None = None) -> int:
     opts = RunnerOptions(out_json=out_json, out_png=out_png, ray_address=cmd.ray_address,
                          auth_token=cmd.auth_token, model=cmd.model,
                          target_floors=_target_floors(cmd) if cmd.targets else None,
-                         progress=cmd.progress)
+                         progress=cmd.progress,
+                         trace=out_json.with_suffix(".trace.jsonl") if cmd.trace else None)
     doc = run_bench(settings, runs, opts, cmd.argv, out)
     failed = [r["name"] for r in doc["runs"] if r["error"]]
     if failed:

@@ -7,6 +7,7 @@ report come at the end.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from tandem.bench.driver import DriverConfig, run_level
 from tandem.bench.floors import Bandwidth, ModelFloors
 from tandem.bench.metrics import summarize
 from tandem.bench.workload import build_requests
+from tandem.engine import trace
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class RunnerOptions:
     model: str = ""  # the request's `model` field (--target runs; empty: the served model)
     target_floors: ModelFloors | None = None  # floors of --target runs (None: n/a)
     progress: bool = True
+    trace: Path | None = None  # TANDEM_TRACE file of the deployments (None: no marks)
 
 
 def _deployment_json(run: RunSpec) -> dict[str, Any] | None:
@@ -57,15 +60,26 @@ def no_floors(reason: str) -> ModelFloors:
 
 
 def _bench_levels(settings: BenchSettings, driver: DriverConfig, floors: ModelFloors,
-                  name: str, levels_out: list[dict[str, Any]], out: TextIO) -> None:
+                  name: str, levels_out: list[dict[str, Any]], out: TextIO,
+                  trace_file: Path | None = None) -> None:
     warmup = build_requests(settings.workload, settings.num_warmup, stream=0)
     for i, level in enumerate(settings.levels):
         reqs = build_requests(settings.workload, settings.requests_at(i), stream=i + 1)
         log.info("%s: %s, %d requests (+%d warm-up)", name, level.label, len(reqs), len(warmup))
         t0 = time.perf_counter()
+        wall0 = time.time()
         records = run_level(driver, level, reqs, warmup, desc=f"{name} {level.label}")
+        if trace_file is not None and trace_file.exists():
+            rows = trace.stage_report(trace_file, window=(wall0, time.time()), skip=len(warmup))
+            stages = {stage: ms for stage, ms, _ in rows}
+            out.write(f"{name} {level.label}: median ms after the router's submit, per stage\n"
+                      f"{trace.format_report(rows)}\n")
+        else:
+            stages = None
         m = summarize(records, settings.slo)
         levels_out.append(results.level_json(level, m, floors, records))
+        if stages is not None:
+            levels_out[-1]["trace_stages_ms"] = stages
         tau = f", tau {m.acceptance.mean_length:.2f}" if m.acceptance else ""
         out.write(f"{name} {level.label}: {m.num_completed}/{m.num_requests} done in "
                   f"{time.perf_counter() - t0:.1f} s, {m.output_throughput:.1f} out tok/s, "
@@ -80,6 +94,10 @@ def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOpti
     doc: dict[str, Any] = {
         "schema": results.SCHEMA, "date": results.now_iso(), "command": list(argv),
         "machine": results.machine_info(), "config": settings.to_json(), "runs": []}
+    if opts.trace is not None:  # set before Ray starts: its workers inherit the environment
+        opts.trace.parent.mkdir(parents=True, exist_ok=True)
+        opts.trace.unlink(missing_ok=True)
+        os.environ[trace.ENV] = str(opts.trace)
     if any(r.deployment is not None for r in runs):
         from tandem.bench import deployments
 
@@ -115,7 +133,8 @@ def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOpti
                 temperature=settings.workload.temperature,
                 request_timeout_s=settings.request_timeout_s, seed=settings.seed,
                 progress=opts.progress)
-            _bench_levels(settings, driver, floors, run.name, entry["levels"], out)
+            _bench_levels(settings, driver, floors, run.name, entry["levels"], out,
+                          opts.trace if run.deployment is not None else None)
         except Exception as exc:  # noqa: BLE001 -- recorded; the next run still goes
             log.exception("%s failed", run.name)
             entry["error"] = f"{type(exc).__name__}: {exc}"

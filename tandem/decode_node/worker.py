@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from tandem.deploy.ranks import SOLO, RankSync
 from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
 from tandem.engine.llm import validate_prompt
+from tandem.engine import trace
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import DecodeReceiver, Received, ReceiveFailed, Release, TransferState
@@ -307,6 +308,7 @@ class DecodeWorker:
         landed, failed = [], []
         for ev in self.receiver.poll():
             if isinstance(ev, Received):
+                trace.mark(ev.room, "decode.landed")
                 landed.append((ev.room, ev.aux_payload))
             elif isinstance(ev, ReceiveFailed):
                 failed.append((ev.room, str(ev.error)))
@@ -379,6 +381,7 @@ class DecodeWorker:
                                               finished=True, finish_reason="error",
                                               error=f"seed: {exc}"))
             return False
+        trace.mark(room, "decode.admitted")
         self._outputs.append(DecodeOutput(
             room=room, token_ids=first.new_token_ids, text_delta=first.text_delta,
             finished=first.finished,

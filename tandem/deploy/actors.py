@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from tandem.deploy.loop import WorkerLoop
 from tandem.deploy.ranks import (PerRank, RankInfo, encode_dp_destination, encode_per_rank,
                                  join_group, leave_group, rendezvous_address, route_to_decode)
 from tandem.deploy.worker_config import WorkerConfig
+from tandem.engine import trace
 from tandem.engine.sampling import SamplingParams
 from tandem.prefill_node.worker import PrefillResult, PrefillWorker
 
@@ -38,6 +40,19 @@ log = logging.getLogger(__name__)
 
 # Quiet transfer libraries and keep UCX on loopback-capable transports (NOTES.md).
 QUIET_ENV = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "RAY_DEDUP_LOGS": "1"}
+
+# A worker process runs two Python threads that both want the GIL: the loop thread, which holds
+# it for long stretches while it steps (and spins while a transfer is pending), and the actor's
+# event loop (Ray calls, stream items). CPython hands the GIL over only once per switch interval,
+# 5 ms by default -- a Ray call or a first token could wait that long. Workers use 0.5 ms.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def tune_process() -> None:
+    """Process settings every worker process applies first (quiet logs, GIL hand-over)."""
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,8 +90,7 @@ class _ActorBase:
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
-        for k, v in QUIET_ENV.items():
-            os.environ.setdefault(k, v)
+        tune_process()
         self.cfg = cfg
         self.ranks = RankInfo(rank=rank, tp=tp, ep=ep, dp=dp)
         self._aio = None  # the actor's event loop, captured on the first async call
@@ -113,10 +127,10 @@ class _ActorBase:
     async def _call(self, method: str, *args) -> list:
         """`worker.method(*args)` on every rank between two steps; the per-rank results."""
         if isinstance(self.loop, GroupLoop):
-            return await asyncio.to_thread(self.loop.call, method, *args)
+            return await asyncio.wrap_future(self.loop.submit(method, *args))
         args = tuple(a.values[0] if isinstance(a, PerRank) else a for a in args)
         fn = getattr(self.worker, method)
-        return [await asyncio.to_thread(self.loop.call, fn, *args)]
+        return [await asyncio.wrap_future(self.loop.submit(fn, *args))]
 
     async def endpoint(self) -> bytes:
         """Every rank's transfer endpoint, as one blob."""
@@ -161,6 +175,7 @@ class PrefillActor(_ActorBase):
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
         self._waiters: dict[int, asyncio.Future] = {}
+        self._connected: set[bytes] = set()  # decode endpoint blobs connected on every rank
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
@@ -182,6 +197,7 @@ class PrefillActor(_ActorBase):
         `[ObjectRef]` of that answer still on its way (concurrent dispatch: Ray leaves a ref
         inside a list unresolved, so the prompt's forward starts now and the destination is
         awaited while it runs)."""
+        trace.mark(room, "prefill.call")
         loop = self._loop()
         fut = loop.create_future()
         self._waiters[room] = fut
@@ -193,13 +209,23 @@ class PrefillActor(_ActorBase):
                 await self._call("submit", room, prompt_ids, params, None)
             if isinstance(destination, list):
                 destination = await destination[0]
+            trace.mark(room, "prefill.dest")
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.
             routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
-            await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
+            if decode_endpoint not in self._connected:  # the handshake, once per endpoint
+                await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
+                self._connected.add(decode_endpoint)
             dests = PerRank(tuple(r.destinations for r in routes))
-            if early:
+            if early and isinstance(self.loop, WorkerLoop):
+                # Applied by the loop thread right after the running forward's sync (not after
+                # the whole step, as a call would be); a bad destination fails the room.
+                self.worker.post_route(room, dests.values[0])
+                self.loop.wake()
+                trace.mark(room, "prefill.routed")
+            elif early:  # TP: every rank applies it at the same point
                 await self._call("route", room, dests)  # ignored if it ended meanwhile
+                trace.mark(room, "prefill.routed")
             else:
                 await self._call("submit", room, prompt_ids, params, dests)
         except Exception as exc:  # bad request, decode refused or failed, handshake
@@ -249,6 +275,7 @@ class DecodeActor(_ActorBase):
     async def reserve(self, room: int, prompt_ids: list[int], params: SamplingParams) -> bytes:
         """Every rank's encoded Destination, as one blob (with DP: the taking rank's, tagged
         with its DP rank). Raises ValueError (bad request) or OutOfCapacity."""
+        trace.mark(room, "decode.reserve")
         self._loop()
         if room in self._aborted:
             raise ValueError(f"room: {room} was aborted before its reserve arrived")
@@ -272,8 +299,12 @@ class DecodeActor(_ActorBase):
             raise ValueError(f"room: {room} was not reserved on this worker")
         self._opened.add(room)
         try:
+            first = True
             while True:
                 o = await q.get()
+                if first:
+                    trace.mark(room, "decode.yield")
+                    first = False
                 yield o
                 if o.finished:
                     return

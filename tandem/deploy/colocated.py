@@ -9,7 +9,6 @@ delegates to `build_colocated_router` and `BackgroundServer`.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -33,12 +32,11 @@ class ColocatedServer:
     """Owns one engine, its router and the gRPC server in front of them."""
 
     def __init__(self, cfg: ColocatedServerConfig) -> None:
-        from tandem.deploy.actors import QUIET_ENV
+        from tandem.deploy.actors import tune_process
         from tandem.router.app import BackgroundServer, build_colocated_router
         from tandem.router.server import ServerConfig
 
-        for k, v in QUIET_ENV.items():
-            os.environ.setdefault(k, v)
+        tune_process()  # the same process settings as the disaggregated workers
         if cfg.torch_threads:
             import torch
 

@@ -15,7 +15,7 @@ Instead every rank runs the whole worker, and we make sure its inputs are identi
        answer handshakes from prefill workers.
 
 Every rank thus issues the same collectives in the same order, and no rank ever waits on a
-collective the others skip. When the worker is idle, rank 0 sleeps between iterations and the
+collective the others skip. When the worker is idle, rank 0 waits between iterations (a call wakes it at once) and the
 others wait in the broadcast. Only rank 0's outputs go out: with TP the others compute the same
 ones; with DP attention the decode worker all-gathers every rank's outputs inside `step()`.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ class GroupLoop:
         self._stopping = False
         self.error: BaseException | None = None  # set if an iteration raised: the loop stops
         self._done = threading.Event()
+        self._wake = threading.Event()  # a call arrived: an idle rank 0 iterates at once
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -66,6 +66,10 @@ class GroupLoop:
     def call(self, method: str, *args: Any) -> list[Any]:
         """Rank 0: apply `worker.method(*args)` on every rank between two steps; returns the
         per-rank results, or raises rank 0's exception (else the first rank's)."""
+        return self.submit(method, *args).result()
+
+    def submit(self, method: str, *args: Any) -> Future:
+        """Rank 0: queue `call`'s work; the Future of its per-rank results."""
         if not self.is_leader:
             raise RuntimeError("GroupLoop.call: only rank 0 takes calls")
         if self.error is not None:
@@ -75,7 +79,8 @@ class GroupLoop:
             if self._stopping:
                 raise RuntimeError("worker loop is shutting down")
             self._pending.append((method, args, fut))
-        return fut.result()
+        self._wake.set()
+        return fut
 
     def _next_tick(self) -> tuple[_Tick, list[Future]]:
         if not self.is_leader:
@@ -96,6 +101,7 @@ class GroupLoop:
         futures: list[Future] = []
         try:
             while True:
+                self._wake.clear()
                 tick, futures = self._next_tick()
                 tick = self.sync.broadcast(tick)  # followers block here until rank 0 speaks
                 if tick.stop:
@@ -111,7 +117,7 @@ class GroupLoop:
                 if outs and self.is_leader and self._on_outputs is not None:
                     self._on_outputs(outs)
                 if not busy and self.is_leader:
-                    time.sleep(self._idle)
+                    self._wake.wait(self._idle)
         except BaseException as exc:  # a crashed iteration (or a dead peer): report, stop
             log.exception("rank %d: group loop failed", self.sync.rank)
             self.error = exc
@@ -132,6 +138,7 @@ class GroupLoop:
         """Rank 0: stop every rank's loop (the stop rides the next broadcast)."""
         with self._lock:
             self._stopping = True
+        self._wake.set()
         self._thread.join(timeout=timeout_s)
 
     def wait_stopped(self, timeout_s: float | None = None) -> bool:

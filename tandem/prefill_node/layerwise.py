@@ -9,6 +9,9 @@ transfer of a long prompt hides behind the rest of its prefill instead of follow
     after layer l      pump the sender; for every room whose grant (GO) arrived from every
                        destination, push target layers [first not pushed .. l] (a late GO
                        catches up on earlier layers)
+    after_target       after the forward's sampling sync, before the draft prefill: start the
+                       rooms whose destination arrived during the forward (concurrent
+                       dispatch), queue every target layer not pushed yet
     complete(room)     after the forward + draft prefill (the hand-off): the target layers still
                        missing, every draft layer, then `finish` with the EAGLE seed
 
@@ -74,6 +77,14 @@ class LayerwisePusher:
 
     def hook_for(self, chunks: Sequence[ScheduledChunk]) -> Callable[[int], None] | None:
         """The `after_layer` hook of a forward in which `chunks` complete their prompts."""
+        rooms = self._start(chunks)
+        if not rooms or not self.per_layer:
+            return None
+        return lambda layer: self._after_layer(rooms, layer)
+
+    def _start(self, chunks: Sequence[ScheduledChunk]) -> list[int]:
+        """Start (BEGIN) the transfer of each chunk's room to each of its destinations; the
+        rooms started (a room without destinations, or already started, is skipped)."""
         rooms: list[int] = []
         for c in chunks:
             room = int(c.req_id)
@@ -90,9 +101,27 @@ class LayerwisePusher:
                     self.sender.abort(room)
                 continue
             rooms.append(room)
-        if not rooms or not self.per_layer:
-            return None
-        return lambda layer: self._after_layer(rooms, layer)
+        return rooms
+
+    def after_target(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """The forward of `chunks` is over and synced (their target KV is final on the
+        device); their draft prefill is still to come. Start the transfers of rooms whose
+        destination arrived during the forward (concurrent dispatch), and queue every target
+        layer not pushed yet: writes of rooms already granted leave now, and the BEGIN -> GO
+        round trip of the others overlaps the draft prefill instead of following it."""
+        self._start([c for c in chunks if int(c.req_id) not in self._early])
+        last = self.layout.region(self.target_group).num_layers
+        for c in chunks:
+            entry = self._early.get(int(c.req_id))
+            if entry is None or entry.error is not None or entry.num_pushed == last:
+                continue
+            try:
+                self.sender.push_layers(int(c.req_id), self.target_group,
+                                        range(entry.num_pushed, last))
+            except TransferError as exc:
+                entry.error = exc
+                continue
+            entry.num_pushed = last
 
     def _after_layer(self, rooms: list[int], layer: int) -> None:
         self._outcomes += self.sender.poll()  # GO arrives through the pump

@@ -23,11 +23,13 @@ every rank's transfer is terminal: DONE on all, else a failure.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import queue
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.deploy.ranks import SOLO, RankSync
 from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
+from tandem.engine import trace
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
@@ -84,6 +86,11 @@ class PrefillWorker:
         self.pusher = LayerwisePusher(self.sender, layout, self._dests_of,
                                       device=self.engine.device, per_layer=cfg.layerwise_push)
         self.engine.prefill_layer_hook = self.pusher.hook_for
+        self.engine.prefill_synced_hook = self._after_target
+        # Destinations posted from another thread (`post_route`); applied by the owner at the
+        # start of a step and right after a prefill forward's sync.
+        self._routes: queue.SimpleQueue[tuple[int, bytes | Sequence[bytes]]] = queue.SimpleQueue()
+        self._bad_routes: list[tuple[int, str]] = []  # (room, error) found inside a step
         self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
         self._results: list[PrefillResult] = []
         self._sessions: set[int] = set()
@@ -107,10 +114,42 @@ class PrefillWorker:
         hand-off waits for `route` (concurrent dispatch)."""
         dests = None if destination is None else self._destinations(room, destination)
         self.engine.add_prefill_request(prompt_ids, params, str(room))
+        trace.mark(room, "prefill.submit")
         if dests is None:
             self._awaiting.add(room)
         else:
             self._dest[room] = dests
+
+    def post_route(self, room: int, destination: bytes | Sequence[bytes]) -> None:
+        """`route`, from any thread (the one method that is): queued, and applied at the start
+        of the next step or -- when it comes during a prompt's forward -- right after that
+        forward's sync, so the transfer starts before the draft prefill instead of after the
+        step. A destination that does not fit ends the room with a failed result. Single-rank
+        workers only: with TP every rank must apply a route at the same point (`route`)."""
+        self._routes.put((room, destination))
+
+    def _apply_routes(self, on_error: Callable[[int, str], None]) -> None:
+        """Apply the posted routes; `on_error(room, error)` for a destination that does not fit."""
+        while True:
+            try:
+                room, destination = self._routes.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.route(room, destination)
+            except ValueError as exc:
+                on_error(room, str(exc))
+
+    def _fail_route(self, room: int, error: str) -> None:
+        self._stop(room, error, "invalid")
+
+    def _after_target(self, chunks) -> None:
+        """The engine's `prefill_synced_hook` (inside its step): start transfers whose
+        destination arrived during this forward, and queue the target KV of those started
+        (pusher.after_target). A room whose destination does not fit ends after the step
+        (never an abort in the middle of the engine's step)."""
+        self._apply_routes(lambda room, error: self._bad_routes.append((room, error)))
+        self.pusher.after_target(chunks)
 
     def route(self, room: int, destination: bytes | Sequence[bytes]) -> None:
         """Where a room submitted without a destination goes. Its transfer starts now if its
@@ -143,6 +182,10 @@ class PrefillWorker:
         return self._dest.get(room, ())
 
     def abort(self, room: int) -> None:
+        self._stop(room, "aborted", "aborted")
+
+    def _stop(self, room: int, error: str, kind: str) -> None:
+        """End `room` wherever it is; a room not sending yet reports (error, kind) at once."""
         if room in self._awaiting:  # no destination yet: forward running or hand-off waiting
             self._awaiting.discard(room)
             h = self._parked.pop(room, None)
@@ -150,26 +193,31 @@ class PrefillWorker:
                 self.engine.abort(str(room))
             elif h.page_ids:
                 self.engine.free_pages(h.page_ids)
-            self._results.append(PrefillResult(room=room, ok=False, error="aborted",
-                                               error_kind="aborted"))
+            self._results.append(PrefillResult(room=room, ok=False, error=error,
+                                               error_kind=kind))
         elif room in self._dest:
             del self._dest[room]
             self.engine.abort(str(room))
-            self._results.append(PrefillResult(room=room, ok=False, error="aborted",
-                                               error_kind="aborted"))
+            self._results.append(PrefillResult(room=room, ok=False, error=error,
+                                               error_kind=kind))
         elif room in self._sending:
             self.sender.abort(room)  # the outcome (and the page release) comes through poll()
 
     def busy(self) -> bool:
-        return self.engine.has_unfinished() or bool(self._sending)
+        return self.engine.has_unfinished() or bool(self._sending) or not self._routes.empty()
 
     def step(self) -> list[PrefillResult]:
+        self._apply_routes(self._fail_route)
         # (room, done, error, kind) on this rank; hand-offs `route` started between steps first
         local, self._deferred = self._deferred, []
         if self.engine.has_unfinished():
             self.engine.step()
+        failed, self._bad_routes = self._bad_routes, []  # routes that failed in the step
+        for room, error in failed:
+            self._fail_route(room, error)
         for h in self.engine.take_handoffs():
             room = int(h.req_id)
+            trace.mark(room, "prefill.forward_end")
             if room in self._awaiting:
                 if h.finished:  # its first token ended it: nothing to send, wherever
                     self._awaiting.discard(room)
@@ -200,6 +248,7 @@ class PrefillWorker:
         for outcome in early_outcomes + self.sender.poll():
             err = outcome.error
             ok = outcome.state == TransferState.DONE
+            trace.mark(outcome.room, "prefill.transfer_end")
             local.append((outcome.room, ok, "" if ok else str(err) if err else outcome.state.value,
                           "" if ok else err.kind.value if err else outcome.state.value))
         self._agree_on_outcomes(local)
@@ -210,6 +259,7 @@ class PrefillWorker:
                   local: list[tuple[int, bool, str, str]]) -> None:
         """Push a prompt's KV + seed (its forward is over) to `dests`; a failure to start is
         terminal on this rank at once (into `local`, agreed on in the next outcome round)."""
+        trace.mark(room, "prefill.hand_off")
         self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
                                        first_text=h.first_text)
         if not dests:  # re-sliced: every head of this rank goes from a lower rank

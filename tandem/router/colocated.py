@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
+from tandem.engine import trace
 from tandem.engine.engine_loop import (
     EngineLoop,
     LoopError,
@@ -110,6 +111,7 @@ class ColocatedDispatcher:
         if not worker.loop.alive:
             raise WorkerUnavailable(worker.name, worker.loop.error
                                     or f"worker '{worker.name}' is not running")
+        trace.mark(request.room, "router.submit")
         stream = worker.loop.submit(LoopRequest(
             req_id=request.request_id, prompt_ids=request.prompt_ids, params=request.params,
             deadline=request.deadline))
@@ -123,6 +125,8 @@ class ColocatedDispatcher:
                     raise _dispatch_error(worker.name, out.error)
                 if num_outputs > 0 and out.token_ids:
                     rounds.append(len(out.token_ids))
+                elif num_outputs == 0:
+                    trace.mark(request.room, "router.first")
                 num_outputs += 1
                 spec = None
                 if out.finish_reason is not None and speculative:

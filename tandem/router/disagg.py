@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 
+from tandem.engine import trace
 from tandem.engine.request import FinishReason
 from tandem.router.colocated import acceptance_from_rounds
 from tandem.router.dispatch import (
@@ -135,6 +136,7 @@ class DisaggregatedDispatcher:
         if decode is None:
             raise RequestRejected(f"decode_worker: no decode worker named '{dname}'")
         rid, room = request.request_id, request.room
+        trace.mark(room, "router.submit")
         prompt = list(request.prompt_ids)
         self._in_flight[rid] = (pname, dname, room)
         prefill_task: asyncio.Task | None = None
@@ -148,6 +150,7 @@ class DisaggregatedDispatcher:
             prefill_task = asyncio.ensure_future(_await_ref(prefill.prefill.remote(
                 room, prompt, request.params, [reserved], self._endpoints[dname])))
             await self._call(dname, reserved, request)  # its refusal is the request's error
+            trace.mark(room, "router.reserved")
             gen = decode.stream.options(num_returns="streaming").remote(room)
             rounds: list[int] = []
             outputs = 0
@@ -191,6 +194,8 @@ class DisaggregatedDispatcher:
                     spec = None
                     if outputs > 0 and o.token_ids:
                         rounds.append(len(o.token_ids))
+                    elif outputs == 0:
+                        trace.mark(room, "router.first")
                     outputs += 1
                     reason = _FINISH.get(o.finish_reason) if o.finished else None
                     if reason is not None:

@@ -96,6 +96,10 @@ class SpecEngine(LLMEngine):
         # forward's per-layer hook (ForwardBatch.after_layer), or None for no hook.
         self.prefill_layer_hook: Callable[[tuple[ScheduledChunk, ...]],
                                           Callable[[int], None] | None] | None = None
+        # Prefill-only: called with the chunks that complete their prompts right after the
+        # step's sampling sync, before the draft prefill -- their target KV is final on the
+        # device then (the prefill worker starts transfers whose destination came meanwhile).
+        self.prefill_synced_hook: Callable[[tuple[ScheduledChunk, ...]], None] | None = None
         self.spec_stats = SpecStats()
         self.capture = head.cfg.feature_layers
         # CUDA graphs for chain draft steps and verify: on whenever decode graphs are (CUDA,
@@ -181,6 +185,8 @@ class SpecEngine(LLMEngine):
                                      [r.generator for r in reqs])
         self.scheduler.commit(plan)
         sampled = dict(zip((c.req_id for c in sampling), tokens.tolist()))  # SYNC: one per step
+        if self.prefill_synced_hook is not None and completing:
+            self.prefill_synced_hook(completing)
         # Draft prefill over the same chunks: pairs (f_t, x_{t+1}).
         next_tokens = []
         for c in plan.chunks:

@@ -187,6 +187,70 @@ def test_concurrent_dispatch_prefill_starts_before_the_destination_is_known(dirs
         decode.close()
 
 
+def test_route_posted_during_the_forward_starts_the_transfer_before_the_draft_prefill(
+        dirs, monkeypatch):
+    """Concurrent dispatch on a single-rank worker: decode's destination usually arrives while
+    the prompt's forward runs. `post_route` (thread-safe) queues it; the worker applies it right
+    after the forward's sampling sync, so BEGIN and the target KV writes are queued before the
+    draft prefill, not after the step. Output equal to colocated, every page back; a destination
+    that does not fit fails its room (pages back) instead of raising in the caller."""
+    import tandem.spec.engine as spec_engine
+
+    model_dir, head_dir = dirs
+    spec = SpecConfig(num_steps=3)
+    pcfg = worker_config("prefill-0", model_dir, head_dir, "fake", spec)
+    prefill = PrefillWorker(pcfg)
+    decode = DecodeWorker(worker_config("decode-0", model_dir, head_dir, "fake", spec))
+    prompt, sp = [7, 8, 9, 10, 11, 12], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = SpecEngine.from_config(pcfg.engine, pcfg.spec).generate([prompt], [sp])[0].output_ids
+    log: list[str] = []
+    routes: dict[int, bytes] = {}
+    forward, start = prefill.engine.runner.forward, prefill.sender.start
+    draft_prefill = spec_engine.draft_prefill
+
+    def forward_then_route(*a, **k):  # the destinations arrive during the forward
+        log.append("forward")
+        out = forward(*a, **k)
+        for room, dest in routes.items():
+            prefill.post_route(room, dest)
+        routes.clear()
+        return out
+
+    prefill.engine.runner.forward = forward_then_route
+    prefill.sender.start = lambda *a, **k: (log.append("start"), start(*a, **k))[1]
+    monkeypatch.setattr(spec_engine, "draft_prefill",
+                        lambda *a, **k: (log.append("draft"), draft_prefill(*a, **k))[1])
+    try:
+        connect_stepped(prefill, decode)
+        prefill.submit(1, prompt, sp, None)
+        routes[1] = decode.reserve(1, prompt, sp)
+        tokens, results, done = [], [], False
+        for _ in range(2000):
+            results += prefill.step()
+            for o in decode.step():
+                tokens.extend(o.token_ids)
+                done = done or o.finished
+            if done:
+                break
+            time.sleep(0.001)
+        assert log[:3] == ["forward", "start", "draft"], log
+        assert tuple(tokens) == tuple(want)
+        prefill.submit(2, prompt, sp, None)
+        routes[2] = b"not a destination"
+        for _ in range(200):
+            results += prefill.step()
+            decode.step()
+            if any(r.room == 1 for r in results) and any(r.room == 2 for r in results):
+                break
+            time.sleep(0.001)
+        bad = [r for r in results if r.room == 2]
+        assert len(bad) == 1 and not bad[0].ok and bad[0].error_kind == "invalid", bad
+        assert prefill.num_free_pages() == prefill.num_pages()
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams(dirs):
     """The router sends reserve and prefill together and aborts both on cancel, so decode may
     see a room's abort before its reserve: that reserve is refused (its pages would otherwise
