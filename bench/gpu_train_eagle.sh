@@ -18,16 +18,18 @@
 set -euo pipefail
 mkdir -p /tmp/gc "${OUT:-/tmp/out}"
 OUT=${OUT:-/tmp/out}
-export PYTHONPATH="$PWD/.gpucache/py:$PWD"
+export PYTHONPATH="$PWD/.gpucache/py:/tmp/gc/py:$PWD"
 # FlashInfer unpacked by an earlier call on this machine (`source .devbundle/activate.sh`) makes
 # ATTN=flashinfer (paged kernels + CUDA-graph decode) available for generation.
 if [ -f /tmp/devsite/.ok ]; then export PYTHONPATH="$PYTHONPATH:/tmp/devsite"; fi
 KIND=${KIND:-eagle}
-WORK=/tmp/gc/train_$KIND
+# NAME: the run's working directory (/tmp/gc/train_NAME), so several runs can train side by side
+# on one GPU (e.g. two `PHASE=train ... &` in one call); INIT: a trained head to start from.
+WORK=/tmp/gc/train_${NAME:-$KIND}
 ENGINE="--model /tmp/gc/smollm2 --device ${DEVICE:-cuda} --attention-backend ${ATTN:-torch} --dtype bfloat16"
 TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${MAX_NEW:-256}
   --max-seq-len 640 --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
-  --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress"
+  --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress ${INIT:+--init-head $INIT}"
 # Earlier answers: trained on next to this run's, and their prompts are not answered again.
 EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
@@ -39,6 +41,7 @@ part0)
 gen)
   if [ ! -d /tmp/gc/smollm2 ]; then
     cp .gpucache/part_01 /tmp/gc/
+    mkdir -p /tmp/gc/py && cp -r .gpucache/py/. /tmp/gc/py/  # later calls need not carry it
     cat /tmp/gc/part_00 /tmp/gc/part_01 > /tmp/gc/smollm2.gguf
     echo "gguf md5 $(md5sum /tmp/gc/smollm2.gguf | cut -c1-32), expected $(cat .gpucache/md5)"
     python3 -c "
@@ -61,15 +64,18 @@ train)
   tail -n 3 $WORK/train_log.jsonl || true
   ;;
 eval)
-  for dt in bfloat16 float32; do
+  # bf16 on the GPU is a quick look; the README's numbers are float32 on the CPU (eval-eagle).
+  EOUT="$OUT/${NAME:-$KIND}"
+  mkdir -p "$EOUT"
+  for dt in ${EVAL_DTYPES:-bfloat16}; do
     python3 -m tandem.cli eval-eagle --draft-model $WORK/head $ENGINE --dtype $dt \
-      --max-new-tokens "${EVAL_NEW:-128}" | tee "$OUT/eval_$dt.txt"
+      --max-new-tokens "${EVAL_NEW:-128}" | tee "$EOUT/eval_$dt.txt"
   done
-  cp $WORK/head/config.json "$OUT/head_config.json"
-  cp $WORK/train_log.jsonl "$OUT/" || true
+  cp $WORK/head/config.json "$EOUT/head_config.json"
+  cp $WORK/train_log.jsonl "$EOUT/" || true
   # Files come back at most 16 MiB each.
-  split -b 10000000 -d $WORK/head/model.safetensors "$OUT/head.part_"
-  gzip -c $WORK/samples.jsonl > "$OUT/samples.jsonl.gz"
-  ls -la "$OUT"
+  split -b 10000000 -d $WORK/head/model.safetensors "$EOUT/head.part_"
+  if [ -s $WORK/samples.jsonl ]; then gzip -c $WORK/samples.jsonl > "$EOUT/samples.jsonl.gz"; fi
+  ls -la "$EOUT"
   ;;
 esac

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
-from tandem.spec.head import DraftHeadConfig, EagleHead, HeadKind
+from tandem.spec.head import (DraftHeadConfig, DraftHeadError, EagleHead, HeadKind, detect_kind,
+                              read_head_checkpoint)
 from tandem.spec.train_data import (Sample, build_prompts, generate_samples, read_samples,
                                      unanswered)
 from tandem.spec.ttt import ttt_forward, ttt_loss
@@ -54,6 +55,9 @@ class TrainConfig:
     # Sample files answered earlier (e.g. by another prompt set), trained on next to this
     # run's own answers; never regenerated.
     extra_samples: tuple[str, ...] = ()
+    # A trained head directory (same kind and shape) to start from instead of a random init,
+    # e.g. to train the shipped head further on more data or epochs; None: random init.
+    init_head: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "epochs", "ttt_steps",
@@ -88,6 +92,21 @@ def init_head(engine: LLMEngine, cfg: TrainConfig, vocab_ids: torch.Tensor | Non
         head.norm.weight.data = target.norm.weight.float().clone()
         head.d2t.copy_(ids - torch.arange(len(ids), device=engine.device))
     return head
+
+
+def start_from(head: EagleHead, path: Path) -> None:
+    """Load a trained head's weights into `head` (a resumed checkpoint still wins). An EAGLE-1/2
+    head exported with a draft vocabulary keeps the same weights: its `d2t` only picks lm_head
+    rows at inference, and training scores the whole vocabulary."""
+    raw, state = read_head_checkpoint(path)
+    if detect_kind(state) != head.cfg.kind:
+        raise DraftHeadError(f"init_head: {path} is a {detect_kind(state)} head, training "
+                             f"{head.cfg.kind}")
+    if head.cfg.kind == "eagle":
+        state.pop("d2t", None)
+    head.load_state({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                    str(path))
+    log.info("starting from the head in %s", path)
 
 
 def trainable(head: EagleHead) -> list[torch.nn.Parameter]:
@@ -192,6 +211,8 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     vocab_ids = (frequent_tokens(samples, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
                  if cfg.kind == "eagle3" else None)
     head = init_head(engine, cfg, vocab_ids)
+    if cfg.init_head is not None:
+        start_from(head, Path(cfg.init_head))
     params = trainable(head)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)

@@ -43,6 +43,31 @@ def test_train_exports_a_loadable_subset_head_and_resumes(smollm2_dir, tmp_path)
         "tokens_this_run"] == 0
 
 
+def test_init_head_starts_training_from_a_trained_subset_head(smollm2_dir, tmp_path):
+    """--init-head: the weights of an exported head (with a draft vocabulary) are where
+    training starts; with a learning rate of 0 the new head has the old one's weights (its draft
+    vocabulary comes from the new run's answers)."""
+    torch.set_num_threads(1)
+    eng = LLMEngine.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                             num_pages=256, max_num_batched_tokens=512))
+    base = dict(kind="eagle", draft_vocab_size=512, num_prompts=2, max_new_tokens=4,
+                gen_batch_size=2, max_seq_len=64, batch_size=2, epochs=1, save_every=1)
+    first = train(eng, TrainConfig(out_dir=str(tmp_path / "a"), **base), progress=False)
+    again = train(eng, TrainConfig(out_dir=str(tmp_path / "b"), lr=0.0, init_head=str(first),
+                                   seed=1, **base), progress=False)
+    a = load_head(first, eng.model, torch.float32, torch.device("cpu"), 128)
+    b = load_head(again, eng.model, torch.float32, torch.device("cpu"), 128)
+    for name, t in a.state_for_saving().items():  # d2t: from the new run's answers
+        assert name == "d2t" or torch.equal(t, b.state_for_saving()[name]), name
+    fresh = train(eng, TrainConfig(out_dir=str(tmp_path / "c"), lr=0.0, seed=1, **base),
+                  progress=False)
+    c = load_head(fresh, eng.model, torch.float32, torch.device("cpu"), 128)
+    assert not torch.equal(a.fc.weight, c.fc.weight)  # without it: a different random init
+    with pytest.raises(ValueError, match="init_head"):
+        train(eng, TrainConfig(out_dir=str(tmp_path / "d"), init_head=str(first),
+                               **(base | {"kind": "eagle3"})), progress=False)
+
+
 def test_no_training_prompt_touches_a_held_out_subject():
     prompts = build_prompts(100_000)
     assert len(prompts) > 10_000
