@@ -4,8 +4,9 @@ its GPUs are still free).
 
 - colocated: one `ColocatedServer` actor (tandem/deploy/colocated.py; resources of the
   config's `decode` group) that serves the gRPC API itself.
-- disaggregated: the prefill and decode actors of `tandem.deploy.launcher`, with the router in
-  this process behind a `BackgroundServer` on 127.0.0.1 (what `tandem serve --config` runs).
+- disaggregated: the prefill and decode actors of `tandem.deploy.launcher`, and the router in
+  an actor of its own (`RouterActor`): the bench's clients share no process with it, as with
+  `tandem serve --config`, whose process runs only the router.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tandem.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 MEASURE_TIMEOUT_S = 180.0
+ROUTER_CPUS = 1  # the disaggregated router's actor
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +101,7 @@ def init(ray_address: str | None) -> None:
 def start(spec: DeploymentSpec, startup_timeout_s: float = 900.0) -> StartedTarget:
     if spec.mode == "colocated":
         return _start_colocated(spec, startup_timeout_s)
-    return _start_disaggregated(spec)
+    return _start_disaggregated(spec, startup_timeout_s)
 
 
 def _start_colocated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedTarget:
@@ -130,22 +132,30 @@ def _start_colocated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedT
     return StartedTarget(address=address, close=close)
 
 
-def _start_disaggregated(spec: DeploymentSpec) -> StartedTarget:
-    from tandem.deploy.serve import launch_and_build
-    from tandem.router.app import BackgroundServer
-    from tandem.router.server import ServerConfig
+def _start_disaggregated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedTarget:
+    import ray
 
-    dep, router = launch_and_build(spec.deploy)
+    from tandem.deploy.launcher import launch
+    from tandem.deploy.serve import RouterActor
+
+    dep = launch(spec.deploy)
+    router = None
     try:
-        server = BackgroundServer(router, ServerConfig(host="127.0.0.1", port=0)).start()
+        router = ray.remote(RouterActor).options(num_cpus=ROUTER_CPUS, max_restarts=0).remote(
+            dep.cfg, dep.prefill, dep.decode, dep.endpoints)
+        address = ray.get(router.address.remote(), timeout=startup_timeout_s)
     except Exception:
+        if router is not None:
+            ray.kill(router, no_restart=True)
         dep.shutdown()
         raise
 
     def close() -> None:
         try:
-            server.stop()
-        finally:
-            dep.shutdown()
+            ray.get(router.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 -- already dead: nothing to stop
+            pass
+        ray.kill(router, no_restart=True)
+        dep.shutdown()
 
-    return StartedTarget(address=f"127.0.0.1:{server.port}", close=close)
+    return StartedTarget(address=address, close=close)

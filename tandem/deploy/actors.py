@@ -44,15 +44,24 @@ QUIET_ENV = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "RAY_DEDUP_LOG
 # A worker process runs two Python threads that both want the GIL: the loop thread, which holds
 # it for long stretches while it steps (and spins while a transfer is pending), and the actor's
 # event loop (Ray calls, stream items). CPython hands the GIL over only once per switch interval,
-# 5 ms by default -- a Ray call or a first token could wait that long. Workers use 0.5 ms.
+# 5 ms by default -- a Ray call or a first token could wait that long. Workers use 0.5 ms unless
+# TANDEM_GIL_SWITCH_S says otherwise (seconds; Python's default is 0.005).
 GIL_SWITCH_INTERVAL_S = 0.0005
+GIL_SWITCH_ENV = "TANDEM_GIL_SWITCH_S"
 
 
 def tune_process() -> None:
     """Process settings every worker process applies first (quiet logs, GIL hand-over)."""
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    raw = os.environ.get(GIL_SWITCH_ENV, "")
+    try:
+        interval = float(raw) if raw else GIL_SWITCH_INTERVAL_S
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds: using %g", GIL_SWITCH_ENV, raw,
+                    GIL_SWITCH_INTERVAL_S)
+        interval = GIL_SWITCH_INTERVAL_S
+    sys.setswitchinterval(interval if interval > 0 else GIL_SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

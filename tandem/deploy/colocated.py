@@ -52,7 +52,7 @@ class ColocatedServer:
             engine = LLMEngine.from_config(cfg.engine)
         router = build_colocated_router(engine, model=cfg.model_name)
         self._server = BackgroundServer(router, ServerConfig(host=cfg.host, port=0)).start()
-        self._host = _node_ip() if cfg.host in ("0.0.0.0", "::") else cfg.host
+        self._host = node_ip() if cfg.host in ("0.0.0.0", "::") else cfg.host
         log.info("colocated server for '%s' up in %.1f s on %s", cfg.model_name,
                  time.perf_counter() - t0, self.address())
 
@@ -63,7 +63,7 @@ class ColocatedServer:
         self._server.stop()
 
 
-def _node_ip() -> str:
+def node_ip() -> str:
     try:
         import ray
 

@@ -28,16 +28,48 @@ def load_tokenizer(cfg: DeployConfig):
 
 def build_disaggregated_router(dep: Deployment, router_cfg: RouterConfig | None = None
                                ) -> Router:
+    return router_for(dep.cfg, dep.prefill, dep.decode, dep.endpoints, router_cfg)
+
+
+def router_for(cfg: DeployConfig, prefill: dict[str, object], decode: dict[str, object],
+               endpoints: dict[str, bytes], router_cfg: RouterConfig | None = None) -> Router:
+    """The router over running worker actors (their handles and decode endpoints), in any
+    process connected to their Ray cluster."""
     import ray
 
-    limits = [ray.get(h.limits.remote()) for h in dep.decode.values()]
+    limits = [ray.get(h.limits.remote()) for h in decode.values()]
     vocab, max_len = limits[0][0], min(x[1] for x in limits)
-    model = ModelInfo(name=dep.cfg.model_name, vocab_size=vocab, max_model_len=max_len,
+    model = ModelInfo(name=cfg.model_name, vocab_size=vocab, max_model_len=max_len,
                       max_request_tokens=min(x[2] for x in limits))
-    dispatcher = DisaggregatedDispatcher(dep.prefill, dep.decode, dep.endpoints, model,
-                                         num_steps=dep.cfg.spec.num_steps)
-    return Router(dispatcher, {dep.cfg.model_name: load_tokenizer(dep.cfg)},
-                  router_cfg or RouterConfig())
+    dispatcher = DisaggregatedDispatcher(prefill, decode, endpoints, model,
+                                         num_steps=cfg.spec.num_steps)
+    return Router(dispatcher, {cfg.model_name: load_tokenizer(cfg)}, router_cfg or RouterConfig())
+
+
+class RouterActor:
+    """The router of a running disaggregated deployment in a process of its own (a Ray actor
+    the caller wraps with `ray.remote`), serving the gRPC API on `host`. `tandem bench` uses it
+    so that its clients do not share a process -- and a GIL -- with the router they measure
+    (as with `tandem serve`, whose process runs only the router)."""
+
+    def __init__(self, cfg: DeployConfig, prefill: dict[str, object], decode: dict[str, object],
+                 endpoints: dict[str, bytes], host: str = "0.0.0.0") -> None:
+        from tandem.deploy.actors import tune_process
+        from tandem.deploy.colocated import node_ip
+        from tandem.router.app import BackgroundServer
+        from tandem.router.server import ServerConfig
+
+        tune_process()
+        router = router_for(cfg, prefill, decode, endpoints)
+        self._server = BackgroundServer(router, ServerConfig(host=host, port=0)).start()
+        self._host = node_ip() if host in ("0.0.0.0", "::") else host
+        log.info("router for '%s' on %s", cfg.model_name, self.address())
+
+    def address(self) -> str:
+        return f"{self._host}:{self._server.port}"
+
+    def shutdown(self) -> None:
+        self._server.stop()
 
 
 def launch_and_build(cfg: DeployConfig, router_cfg: RouterConfig | None = None
