@@ -184,7 +184,11 @@ class PrefillActor(_ActorBase):
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
         self._waiters: dict[int, asyncio.Future] = {}
-        self._connected: set[bytes] = set()  # decode endpoint blobs connected on every rank
+        # decode endpoints (per prefill rank) every rank has connected to (with DP they depend
+        # on the DP rank that took the request)
+        self._connected: set[tuple[tuple[bytes, ...], ...]] = set()
+        # room -> (destination, decode endpoint) `route` brings, while its `prefill` waits
+        self._arrivals: dict[int, asyncio.Future] = {}
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
@@ -200,31 +204,34 @@ class PrefillActor(_ActorBase):
             fut.set_result(r)
 
     async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams,
-                      destination: bytes | list, decode_endpoint: bytes) -> PrefillResult:
+                      destination: bytes | None = None, decode_endpoint: bytes | None = None
+                      ) -> PrefillResult:
         """Prefill and push one request; returns when its transfer reached a terminal state
-        (or the first token already finished it). `destination`: decode's reserve answer, or
-        `[ObjectRef]` of that answer still on its way (concurrent dispatch: Ray leaves a ref
-        inside a list unresolved, so the prompt's forward starts now and the destination is
-        awaited while it runs)."""
+        (or the first token already finished it). `destination` (with `decode_endpoint`):
+        decode's reserve answer; None: it follows by `route` (concurrent dispatch: the router
+        sends this call first and decode's reserve next, and the prompt's forward starts now;
+        the router's reserve answer reaches `route` while the forward runs)."""
         trace.mark(room, "prefill.call")
         loop = self._loop()
         fut = loop.create_future()
         self._waiters[room] = fut
+        arrival = self._arrivals[room] = loop.create_future()  # what `route` brings
         # Layer-wise push must know its destinations before the forward (its hook starts the
-        # legs then): it waits for the reserve answer first.
-        early = isinstance(destination, list) and not self.cfg.layerwise_push
+        # legs then): it waits for the route first.
+        early = destination is None and not self.cfg.layerwise_push
         try:
             if early:
                 await self._call("submit", room, prompt_ids, params, None)
-            if isinstance(destination, list):
-                destination = await destination[0]
+            if destination is None:
+                destination, decode_endpoint = await arrival
             trace.mark(room, "prefill.dest")
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.
             routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
-            if decode_endpoint not in self._connected:  # the handshake, once per endpoint
+            endpoints = tuple(tuple(r.endpoints) for r in routes)  # per prefill rank
+            if endpoints not in self._connected:  # the handshakes, once per set of endpoints
                 await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
-                self._connected.add(decode_endpoint)
+                self._connected.add(endpoints)
             dests = PerRank(tuple(r.destinations for r in routes))
             if early and isinstance(self.loop, WorkerLoop):
                 # Applied by the loop thread right after the running forward's sync (not after
@@ -237,15 +244,28 @@ class PrefillActor(_ActorBase):
                 trace.mark(room, "prefill.routed")
             else:
                 await self._call("submit", room, prompt_ids, params, dests)
-        except Exception as exc:  # bad request, decode refused or failed, handshake
+        except Exception as exc:  # bad request, aborted before its route, handshake
             if early:
                 await self._call("abort", room)  # the forward (or its held pages) goes
             self._waiters.pop(room, None)
             return PrefillResult(room=room, ok=False, error=str(exc),
                                  error_kind="handshake" if "handshake" in str(exc) else "invalid")
+        finally:
+            self._arrivals.pop(room, None)
         return await fut
 
+    async def route(self, room: int, destination: bytes, decode_endpoint: bytes) -> None:
+        """Decode's reserve answer for a room whose `prefill` came without one. A room that is
+        not (or no longer) being prefilled here is ignored: Ray starts an actor's calls from one
+        caller in order, so `prefill` (sent first) has registered the room already."""
+        arrival = self._arrivals.get(room)
+        if arrival is not None and not arrival.done():
+            arrival.set_result((destination, decode_endpoint))
+
     async def abort(self, room: int) -> None:
+        arrival = self._arrivals.get(room)
+        if arrival is not None and not arrival.done():  # no route will come: stop waiting
+            arrival.set_exception(RuntimeError("aborted before decode's destination came"))
         await self._call("abort", room)
 
     async def health(self) -> WorkerHealth:

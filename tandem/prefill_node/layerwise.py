@@ -123,6 +123,13 @@ class LayerwisePusher:
                 continue
             entry.num_pushed = last
 
+    def pump(self) -> None:
+        """Let the sender act on what arrived (a GO) and post queued writes now. The worker calls
+        it right after a prefill step, while the draft prefill may still run on the device: the
+        target KV `after_target` queued moves during it (it only reads target pages, final
+        since the step's sampling sync)."""
+        self._outcomes += self.sender.poll()
+
     def _after_layer(self, rooms: list[int], layer: int) -> None:
         self._outcomes += self.sender.poll()  # GO arrives through the pump
         ready = [r for r in rooms if self._early[r].error is None

@@ -212,6 +212,7 @@ class PrefillWorker:
         local, self._deferred = self._deferred, []
         if self.engine.has_unfinished():
             self.engine.step()
+            self.pusher.pump()  # before the hand-offs sync on their seeds (see pusher.pump)
         failed, self._bad_routes = self._bad_routes, []  # routes that failed in the step
         for room, error in failed:
             self._fail_route(room, error)
