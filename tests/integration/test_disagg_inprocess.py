@@ -73,6 +73,47 @@ def connect_stepped(prefill: PrefillWorker, decode: DecodeWorker) -> None:
         dloop.close()
 
 
+def stepped_pair(dirs):
+    """A prefill and a decode worker over the fake backend (chain k=3), one 6-token prompt, its
+    sampling params and the colocated engine's answer to it."""
+    model_dir, head_dir = dirs
+    spec = SpecConfig(num_steps=3)
+    pcfg = worker_config("prefill-0", model_dir, head_dir, "fake", spec)
+    prefill = PrefillWorker(pcfg)
+    decode = DecodeWorker(worker_config("decode-0", model_dir, head_dir, "fake", spec))
+    prompt, sp = [7, 8, 9, 10, 11, 12], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = SpecEngine.from_config(pcfg.engine, pcfg.spec).generate([prompt], [sp])[0].output_ids
+    return prefill, decode, prompt, sp, tuple(want)
+
+
+def step_until_finished(prefill: PrefillWorker, decode: DecodeWorker, results: list
+                        ) -> tuple[int, ...]:
+    """Step both workers by hand until decode finishes a request; its tokens. Prefill results
+    are appended to `results`."""
+    tokens: list[int] = []
+    for _ in range(2000):
+        results += prefill.step()
+        outs = decode.step()
+        for o in outs:
+            tokens.extend(o.token_ids)
+        if any(o.finished for o in outs):
+            return tuple(tokens)
+        time.sleep(0.001)
+    raise AssertionError("no request finished")
+
+
+def step_until_results(prefill: PrefillWorker, decode: DecodeWorker, results: list,
+                       rooms: set[int]) -> None:
+    """Step both workers until prefill reported a result for every room in `rooms`."""
+    for _ in range(200):
+        results += prefill.step()
+        decode.step()
+        if rooms <= {r.room for r in results}:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"no prefill result for rooms {rooms - {r.room for r in results}}")
+
+
 @pytest.mark.parametrize("backend", ["fake", "mooncake", "nixl"])
 @pytest.mark.parametrize("spec", [SpecConfig(num_steps=3),
                                   SpecConfig(num_steps=2, topk=2, num_draft_tokens=4)],
@@ -141,13 +182,7 @@ def test_concurrent_dispatch_prefill_starts_before_the_destination_is_known(dirs
     kept) until `route`, then moves like any other -- output equal to colocated; a held room
     that is aborted instead gives its pages back; a room its first token finished needs no
     route at all."""
-    model_dir, head_dir = dirs
-    spec = SpecConfig(num_steps=3)
-    pcfg = worker_config("prefill-0", model_dir, head_dir, "fake", spec)
-    prefill = PrefillWorker(pcfg)
-    decode = DecodeWorker(worker_config("decode-0", model_dir, head_dir, "fake", spec))
-    prompt, sp = [7, 8, 9, 10, 11, 12], SamplingParams(max_new_tokens=6, ignore_eos=True)
-    want = SpecEngine.from_config(pcfg.engine, pcfg.spec).generate([prompt], [sp])[0].output_ids
+    prefill, decode, prompt, sp, want = stepped_pair(dirs)
     try:
         connect_stepped(prefill, decode)
         free = prefill.num_free_pages()
@@ -164,23 +199,9 @@ def test_concurrent_dispatch_prefill_starts_before_the_destination_is_known(dirs
         assert prefill.num_free_pages() > held  # room 2's pages are back
         prefill.route(1, decode.reserve(1, prompt, sp))
         prefill.route(2, b"ignored: the room was aborted")
-        tokens, done = [], False
-        for _ in range(2000):
-            results += prefill.step()
-            for o in decode.step():
-                tokens.extend(o.token_ids)
-                done = done or o.finished
-            if done:
-                break
-            time.sleep(0.001)
-        assert tuple(tokens) == tuple(want)
+        assert step_until_finished(prefill, decode, results) == tuple(want)
         assert {(r.room, r.ok) for r in results} >= {(2, False), (3, True)}
-        for _ in range(200):  # the transfer's outcome and page release
-            results += prefill.step()
-            decode.step()
-            if any(r.room == 1 for r in results):
-                break
-            time.sleep(0.001)
+        step_until_results(prefill, decode, results, {1})  # the transfer's outcome, page release
         assert prefill.num_free_pages() == prefill.num_pages()
     finally:
         prefill.close()
@@ -196,13 +217,7 @@ def test_route_posted_during_the_forward_starts_the_transfer_before_the_draft_pr
     that does not fit fails its room (pages back) instead of raising in the caller."""
     import tandem.spec.engine as spec_engine
 
-    model_dir, head_dir = dirs
-    spec = SpecConfig(num_steps=3)
-    pcfg = worker_config("prefill-0", model_dir, head_dir, "fake", spec)
-    prefill = PrefillWorker(pcfg)
-    decode = DecodeWorker(worker_config("decode-0", model_dir, head_dir, "fake", spec))
-    prompt, sp = [7, 8, 9, 10, 11, 12], SamplingParams(max_new_tokens=6, ignore_eos=True)
-    want = SpecEngine.from_config(pcfg.engine, pcfg.spec).generate([prompt], [sp])[0].output_ids
+    prefill, decode, prompt, sp, want = stepped_pair(dirs)
     log: list[str] = []
     routes: dict[int, bytes] = {}
     forward, start = prefill.engine.runner.forward, prefill.sender.start
@@ -224,25 +239,12 @@ def test_route_posted_during_the_forward_starts_the_transfer_before_the_draft_pr
         connect_stepped(prefill, decode)
         prefill.submit(1, prompt, sp, None)
         routes[1] = decode.reserve(1, prompt, sp)
-        tokens, results, done = [], [], False
-        for _ in range(2000):
-            results += prefill.step()
-            for o in decode.step():
-                tokens.extend(o.token_ids)
-                done = done or o.finished
-            if done:
-                break
-            time.sleep(0.001)
+        results: list = []
+        assert step_until_finished(prefill, decode, results) == tuple(want)
         assert log[:3] == ["forward", "start", "draft"], log
-        assert tuple(tokens) == tuple(want)
         prefill.submit(2, prompt, sp, None)
         routes[2] = b"not a destination"
-        for _ in range(200):
-            results += prefill.step()
-            decode.step()
-            if any(r.room == 1 for r in results) and any(r.room == 2 for r in results):
-                break
-            time.sleep(0.001)
+        step_until_results(prefill, decode, results, {1, 2})
         bad = [r for r in results if r.room == 2]
         assert len(bad) == 1 and not bad[0].ok and bad[0].error_kind == "invalid", bad
         assert prefill.num_free_pages() == prefill.num_pages()
