@@ -180,6 +180,9 @@ class _ActorBase:
 
 class PrefillActor(_ActorBase):
     role = "prefill"
+    # How long a prefill waits for decode's destination (`route`); the router sends it as soon as
+    # decode's reserve answers, normally milliseconds later.
+    route_wait_s = 60.0
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
@@ -222,8 +225,13 @@ class PrefillActor(_ActorBase):
         try:
             if early:
                 await self._call("submit", room, prompt_ids, params, None)
-            if destination is None:
-                destination, decode_endpoint = await arrival
+            if destination is None:  # a router that died before its `route` must not hold
+                try:                 # the forward's pages forever
+                    destination, decode_endpoint = await asyncio.wait_for(
+                        arrival, self.route_wait_s)
+                except asyncio.TimeoutError:
+                    raise RuntimeError(f"no destination from the router within "
+                                       f"{self.route_wait_s:g} s") from None
             trace.mark(room, "prefill.dest")
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.

@@ -283,3 +283,36 @@ def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams
             time.sleep(0.01)
     finally:
         asyncio.run(actor.shutdown())
+
+
+def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted(dirs):
+    """Concurrent dispatch: the router sends `prefill` first and decode's destination later by
+    `route`. If no route comes (the router died), the prefill ends with an error after
+    `route_wait_s` and gives its pages back; an abort while it waits ends it at once; a route
+    for a room not being prefilled is ignored (PrefillActor outside Ray)."""
+    from tandem.deploy.actors import PrefillActor
+
+    model_dir, head_dir = dirs
+    actor = PrefillActor(worker_config("prefill-0", model_dir, head_dir, "fake",
+                                       SpecConfig(num_steps=3)))
+    actor.route_wait_s = 0.5
+    prompt, sp = [4, 5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    async def scenario():
+        res = await asyncio.wait_for(actor.prefill(1, prompt, sp), timeout=30)
+        assert not res.ok and "no destination from the router" in res.error
+        waiting = asyncio.ensure_future(actor.prefill(2, prompt, sp))
+        await asyncio.sleep(0.05)
+        await actor.abort(2)
+        res = await asyncio.wait_for(waiting, timeout=30)
+        assert not res.ok and "aborted" in res.error
+        await actor.route(3, b"nobody waits for this", b"")  # ignored
+
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while actor.worker.num_free_pages() != actor.worker.num_pages():
+            assert time.monotonic() < deadline, "a prefill without a route kept its pages"
+            time.sleep(0.01)
+    finally:
+        asyncio.run(actor.shutdown())
