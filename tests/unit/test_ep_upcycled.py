@@ -98,7 +98,10 @@ def _ep_worker(rank: int, port: int, model_dirs: list[str], out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     ep = ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
-    out.put((rank, [_results(d, ParallelContext(ep=ep)) for d in model_dirs]))
+    results = [_results(d, ParallelContext(ep=ep)) for d in model_dirs]
+    # numpy arrays travel by value; torch tensors would travel as shared-memory handles that
+    # the parent can only open while this process lives (it may have exited by then)
+    out.put((rank, [([x.numpy() for x in logits], tokens) for logits, tokens in results]))
     dist.destroy_process_group()
 
 
@@ -122,7 +125,7 @@ def test_upcycled_mixtral_ep2_equals_dense(tmp_path):
         for scale, (logits, tokens) in zip(ROUTER_SCALES, per_rank[rank]):
             assert tokens == dense_tokens, f"rank {rank}, router scale {scale}"
             for got, want in zip(logits, dense_logits):
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
 
 
 def test_upcycled_mixtral_routes_unevenly(tmp_path):
