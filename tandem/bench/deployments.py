@@ -108,54 +108,55 @@ def _start_colocated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedT
     import ray
 
     from tandem.deploy.colocated import ColocatedServer, ColocatedServerConfig
+    from tandem.deploy.launcher import actor_runtime_env
 
     dep, group = spec.deploy, spec.deploy.decode
     cfg = ColocatedServerConfig(model_name=dep.model_name, engine=dep.engine,
                                 spec=dep.spec if spec.speculative else None,
                                 torch_threads=group.torch_threads)
-    actor = ray.remote(ColocatedServer).options(
+    return _serving_actor(lambda: ray.remote(ColocatedServer).options(
         name=None, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
-        resources=group.resources or None, max_restarts=0).remote(cfg)
-    try:
-        address = ray.get(actor.address.remote(), timeout=startup_timeout_s)
-    except Exception:
-        ray.kill(actor, no_restart=True)
-        raise
-
-    def close() -> None:
-        try:
-            ray.get(actor.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 -- already dead: nothing to stop
-            pass
-        ray.kill(actor, no_restart=True)
-
-    return StartedTarget(address=address, close=close)
+        resources=group.resources or None, max_restarts=0,
+        runtime_env=actor_runtime_env()).remote(cfg), startup_timeout_s)
 
 
 def _start_disaggregated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedTarget:
     import ray
 
-    from tandem.deploy.launcher import launch
+    from tandem.deploy.launcher import actor_runtime_env, launch
     from tandem.deploy.serve import RouterActor
 
     dep = launch(spec.deploy)
-    router = None
-    try:
-        router = ray.remote(RouterActor).options(num_cpus=ROUTER_CPUS, max_restarts=0).remote(
-            dep.cfg, dep.prefill, dep.decode, dep.endpoints)
-        address = ray.get(router.address.remote(), timeout=startup_timeout_s)
-    except Exception:
-        if router is not None:
-            ray.kill(router, no_restart=True)
-        dep.shutdown()
-        raise
+    return _serving_actor(lambda: ray.remote(RouterActor).options(
+        num_cpus=ROUTER_CPUS, max_restarts=0, runtime_env=actor_runtime_env()).remote(
+            dep.cfg, dep.prefill, dep.decode, dep.endpoints),
+        startup_timeout_s, also_stop=dep.shutdown)
+
+
+def _serving_actor(create: Callable[[], object], startup_timeout_s: float,
+                   also_stop: Callable[[], None] = lambda: None) -> StartedTarget:
+    """An actor that serves the gRPC API (`address()`, `shutdown()`): created, waited for, and
+    stopped with what it serves (`also_stop`) by the target's close -- or at once if it fails
+    to come up."""
+    import ray
+
+    actor = None
 
     def close() -> None:
-        try:
-            ray.get(router.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 -- already dead: nothing to stop
-            pass
-        ray.kill(router, no_restart=True)
-        dep.shutdown()
+        if actor is not None:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 -- already dead: nothing to stop
+                pass
+            ray.kill(actor, no_restart=True)
+        also_stop()
 
+    try:
+        actor = create()
+        address = ray.get(actor.address.remote(), timeout=startup_timeout_s)
+    except Exception:
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+        also_stop()
+        raise
     return StartedTarget(address=address, close=close)

@@ -94,7 +94,7 @@ def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOpti
     doc: dict[str, Any] = {
         "schema": results.SCHEMA, "date": results.now_iso(), "command": list(argv),
         "machine": results.machine_info(), "config": settings.to_json(), "runs": []}
-    if opts.trace is not None:  # set before Ray starts: its workers inherit the environment
+    if opts.trace is not None:  # every actor started from here gets it (launcher.actor_runtime_env)
         opts.trace.parent.mkdir(parents=True, exist_ok=True)
         opts.trace.unlink(missing_ok=True)
         os.environ[trace.ENV] = str(opts.trace)

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 from tandem.deploy.ranks import SOLO, RankSync
 from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
-from tandem.engine.llm import validate_prompt
 from tandem.engine import trace
+from tandem.engine.llm import validate_prompt
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import DecodeReceiver, Received, ReceiveFailed, Release, TransferState

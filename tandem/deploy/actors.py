@@ -236,9 +236,9 @@ class PrefillActor(_ActorBase):
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.
             routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
-            endpoints = tuple(tuple(r.endpoints) for r in routes)  # per prefill rank
+            endpoints = tuple(r.endpoints for r in routes)  # per prefill rank
             if endpoints not in self._connected:  # the handshakes, once per set of endpoints
-                await self._call("connect", PerRank(tuple(r.endpoints for r in routes)))
+                await self._call("connect", PerRank(endpoints))
                 self._connected.add(endpoints)
             dests = PerRank(tuple(r.destinations for r in routes))
             if early and isinstance(self.loop, WorkerLoop):
@@ -246,12 +246,11 @@ class PrefillActor(_ActorBase):
                 # the whole step, as a call would be); a bad destination fails the room.
                 self.worker.post_route(room, dests.values[0])
                 self.loop.wake()
-                trace.mark(room, "prefill.routed")
             elif early:  # TP: every rank applies it at the same point
                 await self._call("route", room, dests)  # ignored if it ended meanwhile
-                trace.mark(room, "prefill.routed")
             else:
                 await self._call("submit", room, prompt_ids, params, dests)
+            trace.mark(room, "prefill.routed")
         except Exception as exc:  # bad request, aborted before its route, handshake
             if early:
                 await self._call("abort", room)  # the forward (or its held pages) goes

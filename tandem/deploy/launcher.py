@@ -60,6 +60,15 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
                  log_to_driver=False)
 
 
+def actor_runtime_env() -> dict | None:
+    """What every tandem actor's `runtime_env` adds to the job's: the request-trace file when
+    this process traces (engine/trace.py). A job's environment is fixed when Ray starts, so a
+    bench that turns tracing on in a Ray instance already running passes it per actor."""
+    from tandem.engine import trace
+
+    return {"env_vars": trace.env_vars()} if trace.enabled() else None
+
+
 def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConfig,
            pgs: list[object]) -> list[object]:
     """The worker's actors, rank order (not yet joined)."""
@@ -80,6 +89,7 @@ def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConf
             name=f"tandem-{name}" if rank == 0 else f"tandem-{name}-rank{rank}",
             num_cpus=group.num_cpus, num_gpus=group.num_gpus,
             resources=group.resources or None, max_concurrency=64, max_restarts=0,
+            runtime_env=actor_runtime_env(),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=rank),
         )

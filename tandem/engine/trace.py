@@ -1,8 +1,8 @@
 """Request timelines for latency work: where a request's time to first token goes.
 
 Off unless the environment names a file: with `TANDEM_TRACE=/path/trace.jsonl` every process of a
-deployment (router, prefill and decode actors; Ray workers inherit the driver's environment)
-appends one JSON line per mark, `{"room": int, "stage": str, "t": wall-clock seconds}`. Lines are
+deployment (router, prefill and decode actors, which get the variable through their Ray
+runtime_env: deploy/launcher.actor_runtime_env) appends one JSON line per mark, `{"room": int, "stage": str, "t": wall-clock seconds}`. Lines are
 short single `write`s to a file opened with O_APPEND, so processes on one host do not interleave.
 Wall clocks of different hosts differ: read a multi-node trace per host.
 
@@ -28,6 +28,12 @@ _path: str | None = None
 
 def enabled() -> bool:
     return bool(os.environ.get(ENV))
+
+
+def env_vars() -> dict[str, str]:
+    """The environment a process started from this one needs to trace too."""
+    path = os.environ.get(ENV)
+    return {ENV: path} if path else {}
 
 
 def mark(room: int, stage: str) -> None:

@@ -186,22 +186,21 @@ class PrefillWorker:
 
     def _stop(self, room: int, error: str, kind: str) -> None:
         """End `room` wherever it is; a room not sending yet reports (error, kind) at once."""
+        if room in self._sending:
+            self.sender.abort(room)  # the outcome (and the page release) comes through poll()
+            return
         if room in self._awaiting:  # no destination yet: forward running or hand-off waiting
             self._awaiting.discard(room)
-            h = self._parked.pop(room, None)
-            if h is None:
-                self.engine.abort(str(room))
-            elif h.page_ids:
-                self.engine.free_pages(h.page_ids)
-            self._results.append(PrefillResult(room=room, ok=False, error=error,
-                                               error_kind=kind))
-        elif room in self._dest:
-            del self._dest[room]
+            parked = self._parked.pop(room, None)
+        elif self._dest.pop(room, None) is not None:  # its forward still runs
+            parked = None
+        else:
+            return  # not here (any more)
+        if parked is None:
             self.engine.abort(str(room))
-            self._results.append(PrefillResult(room=room, ok=False, error=error,
-                                               error_kind=kind))
-        elif room in self._sending:
-            self.sender.abort(room)  # the outcome (and the page release) comes through poll()
+        elif parked.page_ids:
+            self.engine.free_pages(parked.page_ids)
+        self._results.append(PrefillResult(room=room, ok=False, error=error, error_kind=kind))
 
     def busy(self) -> bool:
         return self.engine.has_unfinished() or bool(self._sending) or not self._routes.empty()

@@ -51,3 +51,38 @@ def test_bench_starts_benchmarks_and_stops_a_colocated_deployment(local_ray, tmp
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, "the colocated actor still holds its CPU"
         time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_bench_traces_a_disaggregated_deployment_whose_router_runs_in_its_own_actor(
+        local_ray, tmp_path):
+    """The bundled CPU disaggregated config: prefill, decode and router actors (the router in a
+    `RouterActor`, not in the bench's process); `--trace` marks each request's stages in every
+    one of those processes (they inherit TANDEM_TRACE) and the level's JSON has their medians,
+    in request order; every actor is gone afterwards."""
+    import time
+
+    import ray
+
+    from tandem.cli import main
+
+    out = tmp_path / "disagg.json"
+    rc = main(["bench", "--config", "cpu-disagg", "--concurrency", "1", "--num-requests", "2",
+               "--num-warmup", "1", "--output-len", "4", "--trace", "--out", str(out),
+               "--no-plot", "--no-progress"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    (run,) = doc["runs"]
+    assert run["error"] is None and run["deployment"]["mode"] == "disaggregated"
+    (lv,) = run["levels"]
+    assert lv["num_completed"] == 2
+    stages = lv["trace_stages_ms"]
+    order = ["router.submit", "prefill.submit", "prefill.forward_end", "decode.landed",
+             "decode.admitted", "router.first"]  # router, prefill, decode, router processes
+    assert [stages[s] for s in order] == sorted(stages[s] for s in order), stages
+    assert out.with_suffix(".trace.jsonl").is_file()
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, "a worker or the router actor still holds its CPU"
+        time.sleep(0.2)

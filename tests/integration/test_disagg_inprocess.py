@@ -253,6 +253,19 @@ def test_route_posted_during_the_forward_starts_the_transfer_before_the_draft_pr
         decode.close()
 
 
+def run_actor_scenario(actor, scenario, leak: str) -> None:
+    """Run `scenario()` against a worker actor outside Ray, then wait until every page of its
+    worker is free (failing with `leak` after 10 s), and shut it down."""
+    try:
+        asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while actor.worker.num_free_pages() != actor.worker.num_pages():
+            assert time.monotonic() < deadline, leak
+            time.sleep(0.01)
+    finally:
+        asyncio.run(actor.shutdown())
+
+
 def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams(dirs):
     """The router sends reserve and prefill together and aborts both on cancel, so decode may
     see a room's abort before its reserve: that reserve is refused (its pages would otherwise
@@ -275,14 +288,7 @@ def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams
         actor._drop_unread(6)  # what the timer does after STREAM_UNREAD_S
         assert 6 not in actor._streams and 5 not in actor._streams
 
-    try:
-        asyncio.run(scenario())
-        deadline = time.monotonic() + 10
-        while actor.worker.num_free_pages() != actor.worker.num_pages():
-            assert time.monotonic() < deadline, "an aborted reserve kept its pages"
-            time.sleep(0.01)
-    finally:
-        asyncio.run(actor.shutdown())
+    run_actor_scenario(actor, scenario, "an aborted reserve kept its pages")
 
 
 def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted(dirs):
@@ -307,12 +313,6 @@ def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted
         res = await asyncio.wait_for(waiting, timeout=30)
         assert not res.ok and "aborted" in res.error
         await actor.route(3, b"nobody waits for this", b"")  # ignored
+        assert 3 not in actor._arrivals
 
-    try:
-        asyncio.run(scenario())
-        deadline = time.monotonic() + 10
-        while actor.worker.num_free_pages() != actor.worker.num_pages():
-            assert time.monotonic() < deadline, "a prefill without a route kept its pages"
-            time.sleep(0.01)
-    finally:
-        asyncio.run(actor.shutdown())
+    run_actor_scenario(actor, scenario, "a prefill without a route kept its pages")

@@ -9,9 +9,13 @@ from tandem.engine import trace
 
 
 def test_marks_are_off_unless_the_environment_names_a_file(tmp_path, monkeypatch):
-    monkeypatch.delenv(trace.ENV, raising=False)
+    path = tmp_path / "t.jsonl"
+    monkeypatch.setenv(trace.ENV, str(path))
     trace.mark(1, "router.submit")
-    assert not trace.enabled() and list(tmp_path.iterdir()) == []
+    monkeypatch.delenv(trace.ENV)  # the process's open file must not keep taking marks
+    trace.mark(1, "router.first")
+    assert not trace.enabled()
+    assert [json.loads(x)["stage"] for x in path.read_text().splitlines()] == ["router.submit"]
 
 
 def test_stage_report_orders_stages_by_median_and_skips_warmup(tmp_path, monkeypatch):
