@@ -5,7 +5,8 @@
 #   PHASE=part0  copy the first half of the GGUF to /tmp/gc (carry .gpucache/part_00)
 #   PHASE=gen    join the GGUF (carry .gpucache/part_01, .gpucache/py, .gpucache/md5), import it,
 #                and let the target answer NUM_PROMPTS prompts less those EXTRA answered
-#                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train)
+#                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train);
+#                SELF_PROMPTS=N: also N prompts the target writes itself (--self-prompts)
 #   PHASE=train  train the head (resumable from ckpt.pt; run again to go on), on this run's
 #                answers plus EXTRA (earlier answers, e.g. "bench/data/smollm2-answers-a.jsonl.gz
 #                bench/data/smollm2-answers-b.jsonl.gz")
@@ -29,7 +30,8 @@ WORK=/tmp/gc/train_${NAME:-$KIND}
 ENGINE="--model /tmp/gc/smollm2 --device ${DEVICE:-cuda} --attention-backend ${ATTN:-torch} --dtype bfloat16"
 TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${MAX_NEW:-256}
   --max-seq-len 640 --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
-  --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress ${INIT:+--init-head $INIT}"
+  --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress ${INIT:+--init-head $INIT}
+  ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS}"
 # Earlier answers: trained on next to this run's, and their prompts are not answered again.
 EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
@@ -56,6 +58,7 @@ import_gguf(Path('/tmp/gc/smollm2.gguf'), Path('/tmp/gc/smollm2'))"
   echo "answered: $(wc -l < $WORK/samples.jsonl)"
   # Bring the answers back (a released machine loses /tmp); files come back at most 16 MiB each.
   gzip -c $WORK/samples.jsonl | split -b 15000000 -d - "$OUT/samples.jsonl.gz.part_"
+  if [ -s $WORK/self_prompts.jsonl ]; then gzip -c $WORK/self_prompts.jsonl > "$OUT/self_prompts.jsonl.gz"; fi
   ;;
 train)
   timeout "${TRAIN_TIMEOUT:-540}" python3 -m tandem.cli train-eagle $TRAIN_ARGS $ENGINE $EXTRA_ARGS \

@@ -170,7 +170,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         gen_batch_size=args.gen_batch_size, max_seq_len=args.max_seq_len,
         batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
         save_every=args.save_every, seed=args.seed, extra_samples=tuple(args.extra_samples),
-        init_head=args.init_head,
+        init_head=args.init_head, self_prompts=args.self_prompts,
     )
     engine = LLMEngine.from_config(engine_config_from_args(args))
     if engine.tokenizer is None:
@@ -530,6 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-head", default=None, metavar="DIR",
                    help="Start from this trained head (same kind and shape) instead of a random "
                         "init, e.g. the shipped one to train it further (default: random)")
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="Also answer N prompts the target writes itself (given only the chat "
+                        "template up to a user turn, as Magpie does; kept in OUT/"
+                        "self_prompts.jsonl). Default: %(default)s")
     p.add_argument("--generate-only", action="store_true",
                    help="Only let the target answer the prompts (resumable), then stop")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")

@@ -29,7 +29,7 @@ from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
 from tandem.spec.head import (DraftHeadConfig, DraftHeadError, EagleHead, HeadKind, detect_kind,
                               read_head_checkpoint)
 from tandem.spec.train_data import (Sample, build_prompts, generate_samples, read_samples,
-                                     unanswered)
+                                     self_prompts, unanswered)
 from tandem.spec.ttt import ttt_forward, ttt_loss
 from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
 
@@ -58,6 +58,9 @@ class TrainConfig:
     # A trained head directory (same kind and shape) to start from instead of a random init,
     # e.g. to train the shipped head further on more data or epochs; None: random init.
     init_head: str | None = None
+    # Prompts the target writes itself (train_data.self_prompts), answered next to the built
+    # ones: the most varied chat the machine can offer. 0: none.
+    self_prompts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "epochs", "ttt_steps",
@@ -66,6 +69,8 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.kind not in ("eagle", "eagle3"):
             raise ValueError(f"kind: '{self.kind}' is not one of eagle, eagle3")
+        if self.self_prompts < 0:
+            raise ValueError(f"self_prompts: must be >= 0, got {self.self_prompts}")
 
 
 def init_head(engine: LLMEngine, cfg: TrainConfig, vocab_ids: torch.Tensor | None) -> EagleHead:
@@ -189,7 +194,7 @@ def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True,
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data_path = out / "samples.jsonl"
-    prompts = build_prompts(cfg.num_prompts, cfg.seed)
+    prompts = build_prompts(cfg.num_prompts, cfg.seed) + written_prompts(engine, cfg, progress)
     earlier = extra_samples(cfg) if earlier is None else earlier
     if earlier:
         prompts = unanswered(engine.tokenizer, prompts, earlier)
@@ -198,6 +203,38 @@ def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True,
                               cfg.gen_batch_size, progress):
         pass
     return data_path
+
+
+def written_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> list[str]:
+    """`cfg.self_prompts` prompts the target wrote itself, kept in OUT/self_prompts.jsonl
+    (resumable: a run that stopped goes on from the prompts already kept)."""
+    if cfg.self_prompts == 0:
+        return []
+    path = Path(cfg.out_dir) / "self_prompts.jsonl"
+    kept = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    if len(kept) >= cfg.self_prompts:
+        return kept[: cfg.self_prompts]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.self_prompts, initial=len(kept), unit="prompt", desc="self-prompts")
+    # A resumed run draws from another seed: the prompts already kept are not drawn again.
+    seed = cfg.seed * 7919 + len(kept)
+    known = set(kept)
+    for batch in self_prompts(engine, cfg.self_prompts - len(kept), seed,
+                              batch_size=max(cfg.gen_batch_size, 64)):
+        batch = [p for p in batch if p not in known]
+        known.update(batch)
+        with path.open("a") as f:
+            f.writelines(json.dumps(p) + "\n" for p in batch)
+        kept += batch
+        if bar is not None:
+            bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    log.info("%d self-written prompts in %s", len(kept), path)
+    return kept
 
 
 def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:

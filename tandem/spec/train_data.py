@@ -1,6 +1,7 @@
 """Training data for EAGLE heads, built offline: chat prompts from text that ships on the
 machine (the Python standard library's sources and docstrings, Debian's `fortunes` and
-`python3.11-doc` when installed), answered by the target itself (self-distillation).
+`python3.11-doc` when installed) and prompts the target writes itself (`self_prompts`), answered
+by the target itself (self-distillation).
 
 Answers are stored as token ids in a JSONL file, appended as they are generated, so an
 interrupted run resumes where it stopped.
@@ -225,3 +226,77 @@ def generate_samples(engine, prompts: list[str], out_path: Path, max_new_tokens:
         yield start + len(chunk)
     if bar is not None:
         bar.close()
+
+
+# Openings of self-written prompts (`self_prompts`): half of them start free, the rest with one
+# of these words, which steers the target towards short everyday questions and requests.
+SELF_PROMPT_OPENINGS = ("What", "How", "Why", "Can you", "Explain", "Give me", "Write", "Describe",
+                        "Tell me", "Is it", "Which", "When", "Where", "Who", "Should I", "List",
+                        "Help me", "I need", "Summarize", "Compare")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SelfPromptConfig:
+    temperature: float = 0.9
+    top_p: float = 0.95
+    max_tokens: int = 96  # a prompt longer than this (no end-of-turn) is dropped
+    min_chars: int = 12
+    max_chars: int = 400
+
+
+def _user_turn_prefix(tok) -> str:
+    """The chat template up to where a user message's text begins (system prompt included)."""
+    from tandem.engine.tokenizer import ChatMessage
+
+    mark = "\x00USER\x00"
+    full = tok.apply_chat_template([ChatMessage(role="user", content=mark)],
+                                   add_generation_prompt=False)
+    return full[: full.index(mark)]
+
+
+def keep_self_prompt(text: str, cfg: SelfPromptConfig = SelfPromptConfig()) -> bool:
+    """A self-written prompt worth answering: a plausible length, mostly plain text, and not
+    about a held-out evaluation subject."""
+    if not cfg.min_chars <= len(text) <= cfg.max_chars:
+        return False
+    letters = sum(c.isascii() and (c.isalnum() or c.isspace()) for c in text)
+    if letters < 0.85 * len(text):  # other scripts, emoji runs, markup soup
+        return False
+    return not is_held_out(text)
+
+
+def self_prompts(engine, num: int, seed: int = 0, cfg: SelfPromptConfig = SelfPromptConfig(),
+                 batch_size: int = 256) -> Iterator[list[str]]:
+    """Prompts the target writes itself (as Magpie does): given only the chat template up to a
+    user turn's text, it samples what a user would ask, ending at its end-of-turn token. Yields
+    each batch's kept prompts (distinct, `keep_self_prompt`) until `num` are kept or 4 * num
+    were tried. Deterministic for a seed (per-request sampling seeds)."""
+    from tandem.engine import SamplingParams
+    from tandem.engine.request import FinishReason
+
+    tok = engine.tokenizer
+    prefix = _user_turn_prefix(tok)
+    end_ids = tuple(sorted(tok.eos_token_ids))  # <|im_end|> among them
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    kept = tried = 0
+    while kept < num and tried < 4 * num:
+        n = min(batch_size, 4 * num - tried)
+        openings = [rng.choice(SELF_PROMPT_OPENINGS) if rng.random() < 0.5 else ""
+                    for _ in range(n)]
+        ids = [tok.encode(prefix + o) for o in openings]
+        params = [SamplingParams(max_new_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, seed=seed * 1_000_003 + tried + i,
+                                 stop_token_ids=end_ids) for i in range(n)]
+        tried += n
+        out = []
+        for o, c in zip(openings, engine.generate(ids, params)):
+            if c.finish_reason is not FinishReason.STOP:
+                continue  # ran out of tokens: no end of turn
+            text = (o + tok.decode(c.output_ids)).strip()
+            if text not in seen and keep_self_prompt(text, cfg):
+                seen.add(text)
+                out.append(text)
+        out = out[: num - kept]
+        kept += len(out)
+        yield out

@@ -93,3 +93,38 @@ def test_a_new_prompt_set_skips_prompts_answered_in_extra_samples():
     assert unanswered(tok, prompts, answered) == ["alpha", "gamma"]
     assert unanswered(tok, prompts, []) == prompts
     assert len(prompt_ids(tok, "x" * 5000)) == 1024  # the stored ids keep the last 1,024
+
+
+def test_self_written_prompts_are_user_turns_kept_filtered_and_resumable(smollm2_dir, tmp_path):
+    """--self-prompts: the target, given the chat template up to a user turn's text, writes
+    prompts; only those it ended itself (end of turn) and that pass `keep_self_prompt` are kept,
+    distinct, in OUT/self_prompts.jsonl, and a second run reuses them instead of sampling."""
+    from tandem.spec.train import written_prompts
+    from tandem.spec.train_data import _user_turn_prefix, keep_self_prompt
+
+    torch.set_num_threads(1)
+    eng = LLMEngine.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                             num_pages=512, max_num_batched_tokens=512))
+    prefix = _user_turn_prefix(eng.tokenizer)
+    assert prefix.endswith("<|im_start|>user\n") and "system" in prefix
+    cfg = TrainConfig(out_dir=str(tmp_path), kind="eagle", num_prompts=1, self_prompts=4,
+                      gen_batch_size=8)
+    first = written_prompts(eng, cfg, progress=False)
+    assert len(first) == 4 and len(set(first)) == 4
+    assert all(keep_self_prompt(p) and "<|im" not in p for p in first)
+    stored = [json.loads(line) for line in (tmp_path / "self_prompts.jsonl").read_text().splitlines()]
+    assert stored == first
+    assert written_prompts(eng, cfg, progress=False) == first  # reused, not sampled again
+    assert written_prompts(eng, TrainConfig(out_dir=str(tmp_path / "none"), kind="eagle"),
+                           progress=False) == []
+
+
+def test_keep_self_prompt_drops_held_out_subjects_odd_text_and_bad_lengths():
+    from tandem.spec.train_data import keep_self_prompt
+
+    assert keep_self_prompt("How do I plan a budget for a small wedding?")
+    assert not keep_self_prompt("How do I cook rice?")  # a held-out subject
+    assert not keep_self_prompt("Hi")  # too short
+    assert not keep_self_prompt("word " * 100)  # too long
+    assert not keep_self_prompt("Sin parecerías para similástas desde él ñandú äöü éèê çà")
+    assert not keep_self_prompt("{}[]<>{}[]<>{}[]<>##$$%%^^&&**")
