@@ -137,6 +137,7 @@ class BenchWorker(RawNixl):
         self.kv = None  # [L, P, *page_shape] this endpoint's KV region
         self.keep: list = []  # every tensor ever registered
         self.events: list = []  # receiver: events not yet claimed by wait_received
+        self.writes: list[dict] = []  # sender: this transfer's writes (_watch_writes)
         self.step_errors = 0
         self.tag = f"[{'A' if role == 'prefill' else 'B'} {device}]"
 
@@ -211,11 +212,58 @@ class BenchWorker(RawNixl):
         else:
             self.ep = DecodeReceiver(self.backend, layout, compat, release=lambda r: None,
                                      config=config, options=opts)
+        if self.role == "prefill":
+            self._watch_writes()
         region = layout.regions[0]
         self.log(f"setup {spec.name}: {region.nbytes / MIB:.0f} MiB on {region.device} "
                  f"(page {region.page_bytes} B x {spec.num_pages} pages x {spec.num_layers} "
                  f"layers) in {time.perf_counter() - t0:.2f}s")
         return self.ep.info().encode()
+
+    def _watch_writes(self) -> None:
+        """Record when each write of the sender is posted and first seen complete (the
+        timeline `transfer` reports); the aux write (FINAL) is the one from the staging slots."""
+        from tandem.kvtransfer.backend import WriteStatus
+
+        be, aux = self.ep.backend, self.ep.layout.aux
+        post, poll = be.post_write, be.poll_write
+        self.writes: list[dict] = []
+
+        def post_write(peer_id, batch, notify):
+            h = post(peer_id, batch, notify)
+            staged = aux.base_ptr <= batch.src_addrs[0] < aux.base_ptr + aux.nbytes
+            self.writes.append({"aux": staged, "h": h,
+                                "posted": time.perf_counter(), "done": None})
+            return h
+
+        def poll_write(handle):
+            r = poll(handle)
+            if r.status is WriteStatus.DONE:
+                for w in self.writes:
+                    if w["h"] is handle and w["done"] is None:
+                        w["done"] = time.perf_counter()
+            return r
+
+        be.post_write, be.poll_write = post_write, poll_write
+
+    def _timeline(self, t_ref: float, t_finished: float) -> dict:
+        """ms after `t_ref` (GO, or send()): the page writes posted, completed; the aux write
+        posted, completed; the sender's calls returned (`finished`)."""
+        def ms(t):
+            return None if t is None else (t - t_ref) * 1e3
+
+        pages = [w for w in self.writes if not w["aux"]]
+        aux = [w for w in self.writes if w["aux"]]
+        out = {"finished_ms": ms(t_finished), "num_page_writes": len(pages)}
+        if pages:
+            out["pages_posted_ms"] = ms(max(w["posted"] for w in pages))
+            if all(w["done"] is not None for w in pages):
+                out["pages_done_ms"] = ms(max(w["done"] for w in pages))
+        if aux:
+            out["aux_posted_ms"] = ms(aux[-1]["posted"])
+            out["aux_done_ms"] = ms(aux[-1]["done"])
+        self.writes.clear()
+        return out
 
     def _sync(self) -> None:
         import torch
@@ -288,6 +336,7 @@ class BenchWorker(RawNixl):
         d = Destination.decode(dest)
         payload = payload_for(d.room)
         t_go = None
+        self.writes.clear()
         try:
             t0 = time.perf_counter()
             end = t0 + timeout_s  # one deadline for the whole transfer
@@ -306,11 +355,16 @@ class BenchWorker(RawNixl):
                 for region in self.ep.layout.regions:
                     self.ep.push_layers(d.room, region.name, range(region.num_layers))
                 self.ep.finish(d.room, payload)
+            t_finished = time.perf_counter()
             self.ep.wait(d.room, timeout_s=max(0.1, end - time.perf_counter()))
             t1 = time.perf_counter()
         except TransferError as e:
             return {"ok": False, "kind": e.kind.value, "error": str(e)}
-        return {"ok": True, "total_s": t1 - t0, "data_s": (t1 - t_go) if t_go else None}
+        # Clock origin of the data: GO (pregrant) or send(); perf_counter is CLOCK_MONOTONIC,
+        # one clock for every process of the host, so the receiver's landing time compares.
+        t_ref = t_go if t_go is not None else t0
+        return {"ok": True, "total_s": t1 - t0, "data_s": (t1 - t_go) if t_go else None,
+                "t_ref": t_ref, "timeline": self._timeline(t_ref, t_finished)}
 
     def p2p_reference(self, other: str, nbytes: int, repeats: int) -> dict:
         """torch copy from this GPU to `other` in this process: what a plain memcpy gets."""
@@ -346,11 +400,13 @@ class BenchWorker(RawNixl):
         backoff = self.backoff()
         while True:
             self.step()
+            t_seen = time.perf_counter()
             for ev in self.events:
                 if ev.room == room:
                     self.events.remove(ev)
-                    if isinstance(ev, Received):
-                        return {"ok": True, "payload_ok": ev.aux_payload == payload_for(room)}
+                    if isinstance(ev, Received):  # t_landed: when decode learned it
+                        return {"ok": True, "payload_ok": ev.aux_payload == payload_for(room),
+                                "t_landed": t_seen}
                     return {"ok": False, "kind": ev.error.kind.value, "error": str(ev.error)}
             if time.perf_counter() > end:
                 return {"ok": False, "kind": "timeout", "error": f"no event in {timeout_s}s"}
@@ -498,10 +554,14 @@ class Bench:
         if check:
             b.call("fill_sentinel", timeout=60)
         dest = b.call("expect", self.room, case.dst_pages, t, timeout=30)
+        # decode polls while the transfer runs (as the decode worker's loop does), so the time
+        # it learns of the landing is measured, not when this driver asked
+        b.submit("wait_received", self.room, t + 5)
         r = a.call("transfer", dest, case.src_pages, mode, t, timeout=t + 20)
-        got = b.call("wait_received", self.room, 30.0 if r["ok"] else 2.0,
-                     timeout=60 if r["ok"] else 10)
+        got = b.result("wait_received", timeout=t + 30)
         r["received"] = got
+        if r["ok"] and got.get("t_landed") is not None:
+            r["timeline"]["landed_ms"] = (got["t_landed"] - r["t_ref"]) * 1e3
         if r["ok"] and not got["ok"]:  # sender DONE but decode refused it: a failure
             r.update(ok=False, kind=got["kind"], error=f"decode: {got['error']}")
         if r["ok"] and not got["payload_ok"]:
@@ -539,6 +599,7 @@ class Bench:
                         break
                     if i >= case.warmup:
                         row["times_s"].append(r["total_s"] if mode == "send" else r["data_s"])
+                        row.setdefault("timelines", []).append(r["timeline"])
                         if mode == "pregrant":  # start() -> GO: the BEGIN/GO round trip
                             row.setdefault("grant_s", []).append(r["total_s"] - r["data_s"])
             finally:
@@ -552,6 +613,14 @@ class Bench:
         row["best_ms"] = min(ts) * 1e3
         row["gbps"] = case.nbytes / statistics.median(ts) / 1e9
         row["best_gbps"] = case.nbytes / min(ts) / 1e9
+        tls = row.get("timelines", [])
+        for key in ("finished_ms", "pages_posted_ms", "pages_done_ms", "aux_posted_ms",
+                    "aux_done_ms", "landed_ms"):
+            vals = [t[key] for t in tls if t.get(key) is not None]
+            if vals:
+                row[f"median_{key}"] = statistics.median(vals)
+        if "median_landed_ms" in row:  # the data is decode's when it learned of it
+            row["landed_gbps"] = case.nbytes / (row["median_landed_ms"] * 1e-3) / 1e9
         grant = ""
         if "grant_s" in row:
             row["grant_median_ms"] = statistics.median(row["grant_s"]) * 1e3
@@ -559,6 +628,14 @@ class Bench:
         self.say(f"  {case.label} {row['mode']}: median {row['median_ms']:.2f} ms = "
                  f"{row['gbps']:.1f} GB/s (best {row['best_gbps']:.1f}, {len(ts)} runs, "
                  f"{row['entries']} entries{grant})")
+        if tls:
+            parts = [f"{k[7:-3]} {row[k]:.3f}" for k in
+                     ("median_finished_ms", "median_pages_posted_ms", "median_pages_done_ms",
+                      "median_aux_posted_ms", "median_aux_done_ms", "median_landed_ms")
+                     if k in row]
+            landed = (f"; landed at decode = {row['landed_gbps']:.1f} GB/s"
+                      if "landed_gbps" in row else "")
+            self.say(f"    timeline ms: {', '.join(parts)}{landed}")
 
     def run_backend(self, backend: str, groups: list[tuple[LayoutSpec, list[Case]]]) -> dict:
         args = self.args
@@ -738,6 +815,8 @@ def summarize(results: dict) -> dict:
             ge64 = [r for r in bulk if r["mib"] >= 64 and r["mode"] == mode]
             s[f"nixl_{mode}_gbps_by_mib"] = {int(r["mib"]): round(r["gbps"], 1) for r in ge64}
             s[f"nixl_{mode}_300_gbps_at_mib"] = [int(r["mib"]) for r in ge64 if r["gbps"] >= 300]
+            s[f"nixl_{mode}_landed_gbps_by_mib"] = {int(r["mib"]): round(r["landed_gbps"], 1)
+                                                    for r in ge64 if "landed_gbps" in r}
     for backend, res in results["backends"].items():
         for r in res.get("rows", []):
             if r["layout"] != "prompt" or "gbps" not in r:
@@ -786,6 +865,8 @@ def print_table(results: dict) -> None:
         print(f"NIXL best contiguous: {b['gbps']:.1f} GB/s ({b['case']}, {b['mode']}); "
               f">= 300 GB/s at MiB: send {s['nixl_send_300_gbps_at_mib']}, "
               f"pregrant {s['nixl_pregrant_300_gbps_at_mib']}")
+        print(f"landed at decode (GB/s by MiB): send {s['nixl_send_landed_gbps_by_mib']}, "
+              f"pregrant {s['nixl_pregrant_landed_gbps_by_mib']}")
     for key, v in s.items():
         if "_prompt_" in key:
             print(f"{key}: {v['ms']:.2f} ms = {v['gbps']:.1f} GB/s ({v['entries']} entries, "

@@ -192,10 +192,24 @@ class PrefillActor(_ActorBase):
         self._connected: set[tuple[tuple[bytes, ...], ...]] = set()
         # room -> (destination, decode endpoint) `route` brings, while its `prefill` waits
         self._arrivals: dict[int, asyncio.Future] = {}
+        # room -> (first token, its text) once its forward is over (None: it will not come),
+        # from `prefill`'s start to its end; `first_token` awaits it
+        self._firsts: dict[int, asyncio.Future] = {}
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
-        return PrefillWorker(self.cfg, parallel, sync) if sync else PrefillWorker(self.cfg)
+        worker = PrefillWorker(self.cfg, parallel, sync) if sync else PrefillWorker(self.cfg)
+        worker.on_first = self._on_first  # called on the loop thread
+        return worker
+
+    def _on_first(self, room: int, token: int, text: str) -> None:
+        self._deliver(self._first_ready, room, (token, text))
+
+    def _first_ready(self, room: int, first: tuple[int, str] | None) -> None:
+        fut = self._firsts.get(room)
+        if fut is not None and not fut.done():
+            trace.mark(room, "prefill.first")
+            fut.set_result(first)
 
     def _on_outputs(self, results: list[PrefillResult]) -> None:
         for r in results:
@@ -218,6 +232,7 @@ class PrefillActor(_ActorBase):
         loop = self._loop()
         fut = loop.create_future()
         self._waiters[room] = fut
+        self._firsts[room] = loop.create_future()
         arrival = self._arrivals[room] = loop.create_future()  # what `route` brings
         # Layer-wise push must know its destinations before the forward (its hook starts the
         # legs then): it waits for the route first.
@@ -255,11 +270,25 @@ class PrefillActor(_ActorBase):
             if early:
                 await self._call("abort", room)  # the forward (or its held pages) goes
             self._waiters.pop(room, None)
+            self._first_ready(room, None)
+            self._firsts.pop(room, None)
             return PrefillResult(room=room, ok=False, error=str(exc),
                                  error_kind="handshake" if "handshake" in str(exc) else "invalid")
         finally:
             self._arrivals.pop(room, None)
-        return await fut
+        try:
+            return await fut
+        finally:
+            self._first_ready(room, None)  # a first token that never came will not come
+            self._firsts.pop(room, None)
+
+    async def first_token(self, room: int) -> tuple[int, str] | None:
+        """(first token, its text) of a room being prefilled here, as soon as its forward is
+        over and before its KV moves; None when there will be none (the room ended first, the
+        first token finished the request -- `prefill` returns it then -- or it is unknown).
+        Ray starts a caller's calls in order: the router sends `prefill` first."""
+        fut = self._firsts.get(room)
+        return None if fut is None else await asyncio.shield(fut)
 
     async def route(self, room: int, destination: bytes, decode_endpoint: bytes) -> None:
         """Decode's reserve answer for a room whose `prefill` came without one. A room that is

@@ -94,6 +94,10 @@ class PrefillWorker:
         self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
         self._results: list[PrefillResult] = []
         self._sessions: set[int] = set()
+        # Called (on the stepping thread) with (room, first token, its text) as soon as a
+        # forward completes a prompt that goes on to decode, before its KV is pushed: the
+        # router streams the first token from here instead of waiting for decode's admission.
+        self.on_first: Callable[[int, int, str], None] | None = None
 
     def endpoint(self) -> bytes:
         return self.sender.info().encode()
@@ -209,15 +213,17 @@ class PrefillWorker:
         self._apply_routes(self._fail_route)
         # (room, done, error, kind) on this rank; hand-offs `route` started between steps first
         local, self._deferred = self._deferred, []
+        handoffs: list[PrefillHandoff] = []
         if self.engine.has_unfinished():
             self.engine.step()
+            handoffs = self.engine.take_handoffs()
+            self._announce_first(handoffs)  # before posting the KV writes (CPU work)
             self.pusher.pump()  # before the hand-offs sync on their seeds (see pusher.pump)
         failed, self._bad_routes = self._bad_routes, []  # routes that failed in the step
         for room, error in failed:
             self._fail_route(room, error)
-        for h in self.engine.take_handoffs():
+        for h in handoffs:
             room = int(h.req_id)
-            trace.mark(room, "prefill.forward_end")
             if room in self._awaiting:
                 if h.finished:  # its first token ended it: nothing to send, wherever
                     self._awaiting.discard(room)
@@ -254,6 +260,16 @@ class PrefillWorker:
         self._agree_on_outcomes(local)
         out, self._results = self._results, []
         return out
+
+    def _announce_first(self, handoffs: Sequence[PrefillHandoff]) -> None:
+        """`on_first` for each prompt completed in this step that goes on to decode (not
+        finished by its first token, not aborted)."""
+        for h in handoffs:
+            room = int(h.req_id)
+            trace.mark(room, "prefill.forward_end")
+            if (self.on_first is not None and not h.finished
+                    and (room in self._dest or room in self._awaiting)):
+                self.on_first(room, h.first_token, h.first_text)
 
     def _hand_off(self, room: int, h: PrefillHandoff, dests: tuple[Destination, ...], *, early: bool,
                   local: list[tuple[int, bool, str, str]]) -> None:

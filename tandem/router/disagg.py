@@ -6,8 +6,11 @@ Per request (the orchestration of DESIGN §2 lives here, in one place):
      the prefill worker (`route`) while the forward runs;
   2. decode's output stream is opened; the prefill worker pushes target KV, draft KV and the
      seed; its `prefill` call returns when the transfer is terminal;
-  3. tokens stream from the decode worker; a prefill/transfer failure, a dead actor or the
-     deadline ends the request with the right error, and both workers are told to abort.
+  3. the first token comes from the prefill worker (`first_token`) as soon as the forward is
+     over, while the KV moves; every later token streams from the decode worker (its first
+     output repeats the first token, which is dropped here); a prefill/transfer failure, a
+     dead actor or the deadline ends the request with the right error, and both workers are
+     told to abort.
 
 Worker health comes from a background poll of every actor (`health()`), so `workers()` is a
 cheap snapshot; a dead actor shows up unhealthy within one poll period.
@@ -142,6 +145,8 @@ class DisaggregatedDispatcher:
         prompt = list(request.prompt_ids)
         self._in_flight[rid] = (pname, dname, room)
         prefill_task: asyncio.Task | None = None
+        first_task: asyncio.Task | None = None
+        early: tuple[int, str] | None = None  # the first token, streamed from prefill
         finished = False
         release_decode = False  # decode reserved pages nothing will be sent into
         try:
@@ -155,6 +160,7 @@ class DisaggregatedDispatcher:
             trace.mark(room, "router.prefill_sent")
             reserved = decode.reserve.remote(room, prompt, request.params)
             trace.mark(room, "router.reserve_sent")
+            first_task = asyncio.ensure_future(_await_ref(prefill.first_token.remote(room)))
             dest = await self._call(dname, reserved, request)  # its refusal is the request's error
             trace.mark(room, "router.reserved")
             prefill.route.remote(room, dest, self._endpoints[dname])  # outcome: prefill_task
@@ -164,12 +170,19 @@ class DisaggregatedDispatcher:
             stream = gen.__aiter__()
             next_chunk = asyncio.ensure_future(stream.__anext__())
             while True:
-                waits = {next_chunk} | ({prefill_task} if prefill_task is not None else set())
+                waits = {next_chunk} | {t for t in (prefill_task, first_task) if t is not None}
                 done, _ = await asyncio.wait(waits, timeout=_remaining(request),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     next_chunk.cancel()
                     raise DeadlineExceeded(f"request '{rid}' passed its deadline")
+                if first_task is not None and first_task in done:
+                    early = _first_or_none(first_task) if outputs == 0 else None
+                    first_task = None
+                    if early is not None:
+                        trace.mark(room, "router.first")
+                        yield TokenChunk(request_id=rid, token_ids=(early[0],),
+                                         text_delta=early[1])
                 if prefill_task is not None and prefill_task in done:
                     # Once decode has produced output the KV has landed: a late prefill-side
                     # outcome (e.g. an abort racing the sender's DONE) no longer matters.
@@ -199,25 +212,33 @@ class DisaggregatedDispatcher:
                     if o.finish_reason == "error":
                         raise WorkerUnavailable(dname, f"KV transfer failed: {o.error}")
                     spec = None
+                    tokens, text = tuple(o.token_ids), o.text_delta
                     if outputs > 0 and o.token_ids:
                         rounds.append(len(o.token_ids))
-                    elif outputs == 0:
+                    elif early is not None:  # decode's first output repeats the first token
+                        tokens, text = _drop_first(tokens, text, early, rid)
+                    else:  # decode's output came first: prefill's first token is moot
                         trace.mark(room, "router.first")
+                        if first_task is not None:
+                            first_task.cancel()
+                            first_task = None
                     outputs += 1
                     reason = _FINISH.get(o.finish_reason) if o.finished else None
                     if reason is not None:
                         spec = acceptance_from_rounds(rounds, self._num_steps)
                         finished = True
-                    yield TokenChunk(request_id=rid, token_ids=tuple(o.token_ids),
-                                     text_delta=o.text_delta, finish_reason=reason, spec=spec)
+                    if tokens or text or reason is not None:
+                        yield TokenChunk(request_id=rid, token_ids=tokens, text_delta=text,
+                                         finish_reason=reason, spec=spec)
                     if reason is not None:
                         return
                     next_chunk = asyncio.ensure_future(stream.__anext__())
         finally:
             self._in_flight.pop(rid, None)
             self._aborted.discard(rid)
-            if prefill_task is not None:
-                prefill_task.cancel()
+            for task in (prefill_task, first_task):
+                if task is not None:
+                    task.cancel()
             if not finished or release_decode:  # cancelled, deadline, error, or decode's
                 # pages wait for a transfer that will not come: stop it everywhere
                 await self._abort_both(pname, dname, room)
@@ -272,6 +293,26 @@ class DisaggregatedDispatcher:
 
 async def _await_ref(ref):
     return await ref
+
+
+def _first_or_none(task: asyncio.Task) -> tuple[int, str] | None:
+    """The prefill worker's (first token, text), or None: there is none (the request ended or
+    its first token finished it), or the call failed -- the `prefill` call reports why."""
+    try:
+        first = task.result()
+    except Exception:  # noqa: BLE001 -- the prefill call's outcome carries the error
+        return None
+    return None if first is None else (int(first[0]), str(first[1]))
+
+
+def _drop_first(tokens: tuple[int, ...], text: str, early: tuple[int, str], rid: str
+                ) -> tuple[tuple[int, ...], str]:
+    """Decode's first output without the first token the client already has from prefill."""
+    if tokens[:1] == (early[0],) and text.startswith(early[1]):
+        return tokens[1:], text[len(early[1]):]
+    log.error("request '%s': decode's first output %r / %r does not start with prefill's first "
+              "token %r / %r", rid, tokens[:1], text[:20], early[0], early[1][:20])
+    return tokens, text
 
 
 def _remaining(request: RoutedRequest) -> float | None:

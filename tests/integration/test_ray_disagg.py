@@ -6,6 +6,7 @@ places prefill and decode on different nodes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -108,6 +109,41 @@ def test_ray_disaggregated_equals_colocated(local_ray, dirs, backend):
 
         got = asyncio.run(run_all())
         assert list(got) == [c.output_ids for c in colocated]
+        assert _wait_free(dep)
+    finally:
+        dep.shutdown()
+
+
+def test_first_token_streams_from_prefill_before_the_kv_lands(local_ray, dirs):
+    """The router streams the first token from the prefill worker as soon as the forward is
+    over (`PrefillActor.first_token`), not after decode admitted the request: with every
+    transfer held back 2 s after its grant, the first token still comes at once, alone, and the
+    whole output equals colocated (decode's repeat of the first token is dropped)."""
+    from tandem.deploy.launcher import launch
+    from tandem.kvtransfer import FailureInjection, FaultKind
+
+    delay = 2.0
+    cfg = deploy_config(dirs, "mooncake")
+    cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, faults=FailureInjection(
+        probability=1.0, kind=FaultKind.DELAY, seed=0, delay_s=delay)))
+    prompts, params = [[5, 6, 7, 8, 9]], [SamplingParams(max_new_tokens=6, ignore_eos=True)]
+    colocated = SpecEngine.from_config(cfg.engine, cfg.spec).generate(prompts, params)
+    dep = launch(cfg)
+    try:
+        disp = _dispatcher(dep)
+
+        async def timed(i):
+            t0, times, chunks = time.monotonic(), [], []
+            async for chunk in disp.submit(_routed(i, prompts[0], params[0])):
+                times.append(time.monotonic() - t0)
+                chunks.append(chunk.token_ids)
+            return times, chunks
+
+        asyncio.run(timed(40))  # warm-up: the first request connects the endpoints
+        times, chunks = asyncio.run(timed(41))
+        assert len(chunks[0]) == 1 and times[0] < delay / 2, (times, chunks)
+        assert times[1] >= delay * 0.9  # the rest waited for the held-back transfer
+        assert sum(chunks, ()) == colocated[0].output_ids
         assert _wait_free(dep)
     finally:
         dep.shutdown()
