@@ -16,7 +16,13 @@ and send_notif round trips with and without NIXL's progress thread.
 
 Modes: "send" = wall time from `send()` to the sender seeing DONE (grant round trip included);
 "pregrant" = `start()` first, the clock starts once GO arrived (as when the grant overlaps
-prefill compute), then push every layer + finish, until DONE.
+prefill compute), then push every layer + finish, until DONE; "stream" (bulk sizes, NIXL) = up
+to 8 transfers of the size granted first, then posted back to back into disjoint decode pages,
+timed from the first post to the last DONE and reported per transfer: the sustained rate when
+transfers follow each other (one's posting overlaps the previous one's data), as under load.
+Every timed transfer also reports a timeline (ms after GO / send()): the page writes posted and
+completed, the aux write (FINAL) posted and completed, and when the decode side learned of the
+landing (its endpoint polls during the transfer; CLOCK_MONOTONIC is one clock per host).
 
 Both workers poll their endpoint on `PollBackoff` (spin, then sleeps of 1/16 of the idle time,
 capped at --poll-us) and check their pipe without a timeout: `Connection.poll(t)` rounds any
@@ -85,7 +91,8 @@ class Case:
     layout: LayoutSpec
     src_pages: tuple[int, ...]  # prefill page ids
     dst_pages: tuple[int, ...]  # decode page ids (same length)
-    modes: tuple[str, ...]  # "send" | "pregrant"
+    modes: tuple[str, ...]  # "send" | "pregrant" | "stream"
+    streams: int = 1  # mode "stream": transfers at once (decode pages shifted per transfer)
     warmup: int  # untimed transfers first (the first one is checked bit-exact)
     repeats: int
 
@@ -366,6 +373,38 @@ class BenchWorker(RawNixl):
         return {"ok": True, "total_s": t1 - t0, "data_s": (t1 - t_go) if t_go else None,
                 "t_ref": t_ref, "timeline": self._timeline(t_ref, t_finished)}
 
+    def transfer_stream(self, dests: list, src_pages: tuple, timeout_s: float) -> dict:
+        """Several transfers of the same pages back to back (mode "stream"): each granted
+        first, then all posted in a row; the clock runs from the first post to the last DONE,
+        so one transfer's posting overlaps the previous one's data (sustained throughput)."""
+        from tandem.kvtransfer import Destination, ErrorKind, TransferError, TransferState
+
+        ds = [Destination.decode(b) for b in dests]
+        self.writes.clear()
+        try:
+            end = time.perf_counter() + timeout_s
+            for d in ds:
+                self.ep.start(d, src_pages)
+            backoff = self.backoff()
+            while any(self.ep.state(d.room) is TransferState.RESERVED for d in ds):
+                if time.perf_counter() > end:
+                    raise TransferError(ErrorKind.TIMEOUT, "no GO within the deadline")
+                self.ep.poll()
+                backoff.pause()
+            t0 = time.perf_counter()
+            for d in ds:
+                for region in self.ep.layout.regions:
+                    self.ep.push_layers(d.room, region.name, range(region.num_layers))
+                self.ep.finish(d.room, payload_for(d.room))
+            t_finished = time.perf_counter()
+            for d in ds:
+                self.ep.wait(d.room, timeout_s=max(0.1, end - time.perf_counter()))
+            t1 = time.perf_counter()
+        except TransferError as e:
+            return {"ok": False, "kind": e.kind.value, "error": str(e)}
+        return {"ok": True, "total_s": t1 - t0, "data_s": t1 - t0, "t_ref": t0,
+                "timeline": self._timeline(t0, t_finished)}
+
     def p2p_reference(self, other: str, nbytes: int, repeats: int) -> dict:
         """torch copy from this GPU to `other` in this process: what a plain memcpy gets."""
         import torch
@@ -411,6 +450,17 @@ class BenchWorker(RawNixl):
             if time.perf_counter() > end:
                 return {"ok": False, "kind": "timeout", "error": f"no event in {timeout_s}s"}
             backoff.pause()
+
+    def wait_received_all(self, rooms: list, timeout_s: float) -> dict:
+        """wait_received for each of `rooms`; t_landed: when the last one was learned of."""
+        out = {"ok": True, "payload_ok": True, "t_landed": None}
+        for room in rooms:
+            got = self.wait_received(room, timeout_s)
+            if not got["ok"]:
+                return got
+            out["payload_ok"] &= got["payload_ok"]
+            out["t_landed"] = got["t_landed"]
+        return out
 
     def verify(self, src_pages: tuple, dst_pages: tuple) -> dict:
         """Compare the written pages with the source pattern, and the others with SENTINEL."""
@@ -570,6 +620,28 @@ class Bench:
             r["verify"] = b.call("verify", case.src_pages, case.dst_pages, timeout=120)
         return r
 
+    def stream(self, a: Worker, b: Worker, case: Case) -> dict:
+        """Mode "stream": `case.streams` transfers of the case at once, into disjoint decode
+        pages (the case's pages shifted by one case length each); its time is per transfer,
+        its timeline the whole stream's (ms after the first post)."""
+        t, n, k = self.args.timeout_s, len(case.dst_pages), case.streams
+        rooms, dests = [], []
+        for j in range(k):
+            self.room += 1
+            rooms.append(self.room)
+            dests.append(b.call("expect", self.room, tuple(p + j * n for p in case.dst_pages),
+                                t, timeout=30))
+        b.submit("wait_received_all", rooms, t + 5)
+        r = a.call("transfer_stream", dests, case.src_pages, t, timeout=t + 20)
+        got = b.result("wait_received_all", timeout=t + 30)
+        if r["ok"] and not (got["ok"] and got["payload_ok"]):
+            r.update(ok=False, kind=got.get("kind", "corrupt"), error=got.get("error", "payload"))
+        if r["ok"]:
+            r["total_s"] /= k  # per transfer: rates are the stream's sustained rate
+            r["data_s"] = r["total_s"]
+            r["timeline"]["landed_ms"] = (got["t_landed"] - r["t_ref"]) * 1e3  # the last one
+        return r
+
     def run_case(self, a: Worker, b: Worker, case: Case, plan: dict, rows: list[dict]) -> None:
         """Check, warm up and time `case` in each mode; rows go into `rows` as they are made (a
         hung backend raises WorkerDead midway and keeps what was measured)."""
@@ -583,8 +655,11 @@ class Bench:
                 self.say(f"  {case.label} {mode}: skipped (budget)")
                 continue
             try:
+                if mode == "stream":
+                    row["streams"] = case.streams
                 for i in range(case.warmup + case.repeats):
-                    r = self.one(a, b, case, mode, check=not checked)
+                    r = (self.stream(a, b, case) if mode == "stream"
+                         else self.one(a, b, case, mode, check=not checked))
                     if "verify" in r:
                         checked = True
                         row["verify"] = v = r["verify"]
@@ -600,7 +675,7 @@ class Bench:
                     if i >= case.warmup:
                         row["times_s"].append(r["total_s"] if mode == "send" else r["data_s"])
                         row.setdefault("timelines", []).append(r["timeline"])
-                        if mode == "pregrant":  # start() -> GO: the BEGIN/GO round trip
+                        if mode == "pregrant" and "total_s" in r:  # start() -> GO: the grant
                             row.setdefault("grant_s", []).append(r["total_s"] - r["data_s"])
             finally:
                 self._stats(row, case)
@@ -620,7 +695,8 @@ class Bench:
             if vals:
                 row[f"median_{key}"] = statistics.median(vals)
         if "median_landed_ms" in row:  # the data is decode's when it learned of it
-            row["landed_gbps"] = case.nbytes / (row["median_landed_ms"] * 1e-3) / 1e9
+            row["landed_gbps"] = (case.nbytes * row.get("streams", 1)
+                                  / (row["median_landed_ms"] * 1e-3) / 1e9)
         grant = ""
         if "grant_s" in row:
             row["grant_median_ms"] = statistics.median(row["grant_s"]) * 1e3
@@ -703,8 +779,11 @@ def build_groups(args, backend: str) -> list[tuple[LayoutSpec, list[Case]]]:
     warmup, repeats = args.warmup or warmup, args.repeats or repeats
     bulk = LayoutSpec(name="bulk", num_layers=1, num_pages=max(sizes), page_shape=(MIB,),
                       dtype="uint8", seed=1)
+    # "stream": up to 8 transfers of a size at once where the region holds them side by side
     bulk_cases = [Case(label=f"bulk {n} MiB", layout=bulk, src_pages=tuple(range(n)),
-                       dst_pages=tuple(range(n)), modes=modes, warmup=warmup, repeats=repeats)
+                       dst_pages=tuple(range(n)), warmup=warmup, repeats=repeats,
+                       modes=modes + (("stream",) if nixl and max(sizes) // n >= 2 else ()),
+                       streams=min(8, max(sizes) // n))
                   for n in sizes]
     # 4k-token prompt of the 8B shape: 256 pages of [2, 16, 8, 128] bf16 per layer.
     layers, tokens = (4, 1024) if quick else (32, args.prompt_tokens)
@@ -811,7 +890,7 @@ def summarize(results: dict) -> dict:
         s["raw_notif_rtt_us"] = {k: round(v["median_us"], 1) for k, v in raw["pings"].items()}
     if best:
         s["nixl_best_bulk"] = {k: best[k] for k in ("case", "mode", "gbps", "median_ms")}
-        for mode in ("send", "pregrant"):
+        for mode in ("send", "pregrant", "stream"):
             ge64 = [r for r in bulk if r["mib"] >= 64 and r["mode"] == mode]
             s[f"nixl_{mode}_gbps_by_mib"] = {int(r["mib"]): round(r["gbps"], 1) for r in ge64}
             s[f"nixl_{mode}_300_gbps_at_mib"] = [int(r["mib"]) for r in ge64 if r["gbps"] >= 300]
@@ -864,9 +943,11 @@ def print_table(results: dict) -> None:
         b = s["nixl_best_bulk"]
         print(f"NIXL best contiguous: {b['gbps']:.1f} GB/s ({b['case']}, {b['mode']}); "
               f">= 300 GB/s at MiB: send {s['nixl_send_300_gbps_at_mib']}, "
-              f"pregrant {s['nixl_pregrant_300_gbps_at_mib']}")
+              f"pregrant {s['nixl_pregrant_300_gbps_at_mib']}, "
+              f"stream {s['nixl_stream_300_gbps_at_mib']}")
         print(f"landed at decode (GB/s by MiB): send {s['nixl_send_landed_gbps_by_mib']}, "
-              f"pregrant {s['nixl_pregrant_landed_gbps_by_mib']}")
+              f"pregrant {s['nixl_pregrant_landed_gbps_by_mib']}, "
+              f"stream {s['nixl_stream_landed_gbps_by_mib']}")
     for key, v in s.items():
         if "_prompt_" in key:
             print(f"{key}: {v['ms']:.2f} ms = {v['gbps']:.1f} GB/s ({v['entries']} entries, "
