@@ -145,6 +145,13 @@ class BenchWorker(RawNixl):
         self.keep: list = []  # every tensor ever registered
         self.events: list = []  # receiver: events not yet claimed by wait_received
         self.writes: list[dict] = []  # sender: this transfer's writes (_watch_writes)
+        # TANDEM_BENCH_PROFILE=1: cProfile of the sender from GO (or send()) to DONE, printed
+        # per layout when its endpoint closes (where the fixed cost per transfer goes)
+        self.prof = None
+        if role == "prefill" and os.environ.get("TANDEM_BENCH_PROFILE"):
+            import cProfile
+
+            self.prof = cProfile.Profile()
         self.step_errors = 0
         self.tag = f"[{'A' if role == 'prefill' else 'B'} {device}]"
 
@@ -359,12 +366,16 @@ class BenchWorker(RawNixl):
                     self.ep.poll()
                     backoff.pause()
                 t_go = time.perf_counter()
+                if self.prof is not None:
+                    self.prof.enable()
                 for region in self.ep.layout.regions:
                     self.ep.push_layers(d.room, region.name, range(region.num_layers))
                 self.ep.finish(d.room, payload)
             t_finished = time.perf_counter()
             self.ep.wait(d.room, timeout_s=max(0.1, end - time.perf_counter()))
             t1 = time.perf_counter()
+            if self.prof is not None:
+                self.prof.disable()
         except TransferError as e:
             return {"ok": False, "kind": e.kind.value, "error": str(e)}
         # Clock origin of the data: GO (pregrant) or send(); perf_counter is CLOCK_MONOTONIC,
@@ -485,6 +496,17 @@ class BenchWorker(RawNixl):
                 "blocks": len(src_pages) * s.num_layers, "exact": bad == 0 and stray == 0}
 
     def close_endpoint(self) -> None:
+        if self.prof is not None and self.spec is not None:
+            import io
+            import pstats
+
+            out = io.StringIO()
+            pstats.Stats(self.prof, stream=out).sort_stats("tottime").print_stats(25)
+            self.log(f"profile of the pregrant transfers ({self.spec.name}, GO -> DONE):\n"
+                     + out.getvalue()[-6000:])
+            import cProfile
+
+            self.prof = cProfile.Profile()
         if self.ep is not None:
             ep, self.ep = self.ep, None
             ep.close()

@@ -62,8 +62,9 @@ class TransferBackend(Protocol):
     `max_batch_entries: int | None` (entries one post_write accepts; absent = 1024, None = no
     limit), `notify_per_write: bool` (a notification on every page write is cheap, so the
     sender posts the final write without waiting for the page writes; absent = False) and
-    `prepare_regions(peer_id, [(local KVRegion, remote KVRegion), ...])`, called once
-    per connected peer so that page writes between those regions can be prepared ahead."""
+    `prepare_regions(peer_id, [(local region, remote region), ...])` (KVRegions and the
+    AuxRegions: `base_ptr`, `block_bytes`, `num_blocks`, `device`), called once per connected
+    peer so that writes of whole blocks between those regions can be prepared ahead."""
 
     name: str  # registry name
     local_id: str  # how peers identify us in PeerEvent.peer_id

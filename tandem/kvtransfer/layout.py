@@ -60,6 +60,14 @@ class KVRegion:
     def nbytes(self) -> int:
         return self.num_layers * self.num_pages * self.page_bytes
 
+    @property
+    def block_bytes(self) -> int:  # the unit a backend may prepare descriptors for
+        return self.page_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers * self.num_pages
+
     def page_addr(self, layer: int, page: int) -> int:
         return self.base_ptr + (layer * self.num_pages + page) * self.page_bytes
 
@@ -108,6 +116,14 @@ class AuxRegion:
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.slot_bytes
+
+    @property
+    def block_bytes(self) -> int:  # a whole slot: the aux write always writes one
+        return self.slot_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_slots
 
     def slot_addr(self, slot: int) -> int:
         return self.base_ptr + slot * self.slot_bytes

@@ -140,7 +140,8 @@ class PrefillSender(EndpointBase):
                                               layout=remote, compat=receiver.compat)
         prepare = getattr(self.backend, "prepare_regions", None)
         if prepare is not None:  # optional: NIXL prepares descriptor lists once per peer
-            prepare(peer_id, [(r, remote.region(r.name)) for r in self.layout.regions])
+            prepare(peer_id, [(r, remote.region(r.name)) for r in self.layout.regions]
+                    + [(self.layout.aux, remote.aux)])
 
     # -- per-room API ---------------------------------------------------------------------------
     def start(self, dest: Destination, src_page_ids: Sequence[int]) -> None:
@@ -190,7 +191,7 @@ class PrefillSender(EndpointBase):
                                               max_entries=self.max_batch_entries)
                                 if len(entries) else [])
             done.update(layers)
-        self._pump()
+        self._pump_room(room)
 
     def finish(self, room: int, aux_payload: bytes) -> None:
         legs = self._live(room)
@@ -201,7 +202,7 @@ class PrefillSender(EndpointBase):
             raise TransferError(ErrorKind.INVALID, "finish() called twice", room=room)
         for s in legs:
             s.aux_payload = bytes(aux_payload)
-        self._pump()
+        self._pump_room(room)
 
     def send(self, dest: Destination | Sequence[Destination], src_page_ids: Sequence[int],
              aux_payload: bytes) -> None:
@@ -263,6 +264,14 @@ class PrefillSender(EndpointBase):
             self._on_event(ev)
         for s in list(self._sends.values()):
             self._progress(s)
+
+    def _pump_room(self, room: int) -> None:
+        """Progress only `room`'s legs (post what it queued): what a push or finish needs at
+        once. Every other room progresses in the owner's `poll()` -- polling every write in
+        flight on each push made a busy sender's pushes cost O(rooms in flight)."""
+        for s in list(self._rooms.get(room, ())):
+            if (s.room, s.peer.session) in self._sends:
+                self._progress(s)
 
     def _live(self, room: int) -> list[_Send]:
         legs = self._rooms.get(room)
@@ -429,8 +438,10 @@ class PrefillSender(EndpointBase):
         final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
                         nbytes=s.posted_bytes, count=s.num_data)
         notify = None if s.fault is FaultKind.DROP_NOTIFICATION else final.encode()
-        batch = split_batches([(local, s.peer.layout.aux.slot_addr(s.dest.aux_slot), len(blob))],
-                              "cpu", "cpu")[0]
+        # The whole slot (the bytes after the seed are stale and never read): a write of one
+        # whole block, which a backend may have prepared (prepare_regions).
+        batch = split_batches([(local, s.peer.layout.aux.slot_addr(s.dest.aux_slot),
+                                self.layout.aux.slot_bytes)], "cpu", "cpu")[0]
         try:
             s.final_handle = self.backend.post_write(s.peer.peer_id, batch, notify)
         except TransferError as e:
@@ -438,7 +449,7 @@ class PrefillSender(EndpointBase):
             s.staging_slot = None
             self._terminate(s, TransferError(e.kind, e.message, room=s.room))
             return
-        s.final_bytes = batch.nbytes
+        s.final_bytes = len(blob)  # the seed, as decode counts it (not the slot's stale tail)
 
     def _poll_final(self, s: _Send) -> None:
         r = self.backend.poll_write(s.final_handle)

@@ -121,28 +121,29 @@ class NixlBackend:
         return peer_id
 
     def prepare_regions(self, peer_id: str, pairs) -> None:
-        """Prepare block descriptor lists for writes from each local KVRegion to its remote
-        twin at `peer_id` (after connect; the remote lists die with the connection). Best
-        effort: a pair that cannot be prepared is posted unprepared."""
+        """Prepare block descriptor lists for writes from each local region (KVRegion: a
+        (layer, page) block; AuxRegion: a slot) to its remote twin at `peer_id` (after connect;
+        the remote lists die with the connection). Best effort: a pair that cannot be prepared
+        is posted unprepared."""
         self._release_prepared(peer_id)
         out = []
         for src, dst in pairs:
-            n_src, n_dst = src.num_layers * src.num_pages, dst.num_layers * dst.num_pages
-            if src.page_bytes != dst.page_bytes or max(n_src, n_dst) > _MAX_PREPARED_BLOCKS:
+            n_src, n_dst, bb = src.num_blocks, dst.num_blocks, src.block_bytes
+            if bb != dst.block_bytes or max(n_src, n_dst) > _MAX_PREPARED_BLOCKS:
                 continue
             try:
-                key = (src.base_ptr, src.page_bytes, n_src)
+                key = (src.base_ptr, bb, n_src)
                 if key not in self._local_lists:
                     self._local_lists[key] = self.agent.prep_xfer_dlist(
-                        "NIXL_INIT_AGENT", _block_descs(src.base_ptr, src.page_bytes, n_src,
-                                                        src.device), parse_device(src.device)[0])
+                        "NIXL_INIT_AGENT", _block_descs(src.base_ptr, bb, n_src, src.device),
+                        parse_device(src.device)[0])
                 remote = self.agent.prep_xfer_dlist(
-                    peer_id, _block_descs(dst.base_ptr, dst.page_bytes, n_dst, dst.device),
+                    peer_id, _block_descs(dst.base_ptr, bb, n_dst, dst.device),
                     parse_device(dst.device)[0])
             except Exception:  # noqa: BLE001 - e.g. an older peer: unprepared writes still work
                 continue
             out.append(_Prepared(src_base=src.base_ptr, dst_base=dst.base_ptr,
-                                 block_bytes=src.page_bytes, src_blocks=n_src, dst_blocks=n_dst,
+                                 block_bytes=bb, src_blocks=n_src, dst_blocks=n_dst,
                                  local=self._local_lists[key], remote=remote))
         self._prepared[peer_id] = out
 
