@@ -70,9 +70,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    """Samples one token per row. Greedy rows take the argmax (no randomness consumed); other
-    rows draw from `target_probs` with their own generator, so a seeded request yields the
-    same tokens whatever else shares its batch."""
+    """Samples one token per row. Greedy rows take the argmax (no randomness consumed); a row
+    with its own generator (a seeded request) draws from `target_probs` with it, alone, so it
+    yields the same tokens whatever else shares its batch; rows without one draw from torch's
+    RNG together, one batched draw per distinct (temperature, top_k, top_p, min_p) -- a row at
+    a time cost ~10 kernel launches per sampled row, which dominated large sampled batches."""
 
     def sample(
         self,
@@ -81,9 +83,17 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> torch.Tensor:  # [n] int64
         tokens = logits.argmax(dim=-1)
+        shared: dict[tuple[float, int, float, float], list[int]] = {}  # settings -> rows
         for i, p in enumerate(params):
             if p.greedy:
                 continue
+            if generators[i] is None:
+                shared.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+                continue
             probs = target_probs(logits[i], p)
             tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        for rows in shared.values():
+            idx = torch.tensor(rows, device=logits.device)
+            probs = target_probs(logits[idx], params[rows[0]])  # [len(rows), V]
+            tokens[idx] = torch.multinomial(probs, 1).squeeze(-1)
         return tokens

@@ -270,7 +270,10 @@ def self_prompts(engine, num: int, seed: int = 0, cfg: SelfPromptConfig = SelfPr
     """Prompts the target writes itself (as Magpie does): given only the chat template up to a
     user turn's text, it samples what a user would ask, ending at its end-of-turn token. Yields
     each batch's kept prompts (distinct, `keep_self_prompt`) until `num` are kept or 4 * num
-    were tried. Deterministic for a seed (per-request sampling seeds)."""
+    were tried. Reproducible for a seed where the engine's sampling is (torch's RNG is seeded
+    before each batch)."""
+    import torch
+
     from tandem.engine import SamplingParams
     from tandem.engine.request import FinishReason
 
@@ -285,9 +288,11 @@ def self_prompts(engine, num: int, seed: int = 0, cfg: SelfPromptConfig = SelfPr
         openings = [rng.choice(SELF_PROMPT_OPENINGS) if rng.random() < 0.5 else ""
                     for _ in range(n)]
         ids = [tok.encode(prefix + o) for o in openings]
-        params = [SamplingParams(max_new_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, seed=seed * 1_000_003 + tried + i,
-                                 stop_token_ids=end_ids) for i in range(n)]
+        # No per-request seeds: unseeded rows are sampled in one batched draw (a seeded row
+        # draws alone, ~10 kernel launches each per step); torch's RNG is seeded per batch.
+        params = SamplingParams(max_new_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                top_p=cfg.top_p, stop_token_ids=end_ids)
+        torch.manual_seed(seed * 1_000_003 + tried)
         tried += n
         out = []
         for o, c in zip(openings, engine.generate(ids, params)):

@@ -111,3 +111,41 @@ def test_target_probs_filters():
     assert p.tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0])
     p = target_probs(logits, SamplingParams(temperature=0.0))
     assert p.tolist() == [1, 0, 0, 0]
+
+
+def test_unseeded_rows_sample_together_each_from_its_own_distribution():
+    """Sampler: rows without a generator are drawn in one batched draw per setting; each row
+    still follows its own filtered distribution (a chi-square-like bound on 6,000 draws), a
+    seeded row in the same batch draws alone (same tokens as without the others), greedy rows
+    take the argmax."""
+    from tandem.engine.sampling import Sampler, target_probs
+
+    torch.manual_seed(0)
+    dists = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    logits = torch.log(dists)
+    warm = SamplingParams(temperature=1.0)
+    nucleus = SamplingParams(temperature=1.0, top_p=0.7)
+    params = [warm, nucleus, warm, SamplingParams(temperature=0.0)]
+    rows = torch.cat([logits, logits[:1]])  # row 3: greedy over dists[0]
+    counts = torch.zeros(3, 4)
+    n = 6000
+    sampler = Sampler()
+    for _ in range(n):
+        tok = sampler.sample(rows, params, [None] * 4)
+        assert tok[3] == 0  # greedy
+        counts[torch.arange(3), tok[:3]] += 1
+    expect = torch.stack([target_probs(logits[i], params[i]) for i in range(3)]) * n
+    assert expect[1].tolist() == pytest.approx([0, 0, 3 / 7 * n, 4 / 7 * n])  # top_p 0.7
+    chi2 = ((counts - expect) ** 2 / expect.clamp(min=1e-9)).masked_fill(expect == 0, 0).sum(1)
+    assert (counts[expect == 0] == 0).all()  # a filtered token is never drawn
+    assert (chi2 < 16.3).all(), chi2  # 3 degrees of freedom, p = 0.001
+
+    def seeded_alone_and_mixed():
+        g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+        alone = [sampler.sample(logits[1:2], [warm], [g1])[0].item() for _ in range(50)]
+        mixed = [sampler.sample(logits, [warm, warm, warm], [None, g2, None])[1].item()
+                 for _ in range(50)]
+        return alone, mixed
+
+    alone, mixed = seeded_alone_and_mixed()
+    assert alone == mixed
