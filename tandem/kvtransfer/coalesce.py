@@ -79,12 +79,36 @@ def plan_entries(src_base: int, src_num_pages: int, dst_base: int, dst_num_pages
     )
 
 
+_SMALL = 16  # entries up to which block_indices runs in plain Python
+
+
+def _block_indices_small(addrs: Sequence[int], lengths: Sequence[int], base: int,
+                         block_bytes: int, num_blocks: int) -> np.ndarray | None:
+    spans = []
+    for a, n in zip(addrs, lengths):
+        off = int(a) - base
+        n = int(n)
+        if off < 0 or off % block_bytes or n % block_bytes or n == 0:
+            return None
+        first, count = off // block_bytes, n // block_bytes
+        if first + count > num_blocks or num_blocks > np.iinfo(np.int32).max:
+            return None
+        spans.append(np.arange(first, first + count, dtype=np.int32))
+    if not spans:
+        return np.zeros(0, dtype=np.int32)
+    return spans[0] if len(spans) == 1 else np.concatenate(spans)
+
+
 def block_indices(addrs: np.ndarray, lengths: np.ndarray, base: int, block_bytes: int,
                   num_blocks: int) -> np.ndarray | None:
     """[sum(len) / block_bytes] int32: the block ids (block b = bytes [base + b * block_bytes,
     + block_bytes)) that entries cover, in order; None if any entry is not whole blocks inside
     [base, base + num_blocks * block_bytes). What a prepared one-descriptor-per-block list is
-    indexed with (NIXL merges consecutive contiguous indices back into one descriptor)."""
+    indexed with (NIXL merges consecutive contiguous indices back into one descriptor).
+    `addrs`/`lengths`: arrays, or sequences of ints (a few entries -- the usual push of runs --
+    take a plain-Python path: a dozen numpy calls cost more than the entries themselves)."""
+    if not isinstance(addrs, np.ndarray) and len(addrs) <= _SMALL:
+        return _block_indices_small(addrs, lengths, base, block_bytes, num_blocks)
     addrs = np.asarray(addrs, dtype=np.uint64)
     lengths = np.asarray(lengths, dtype=np.uint64)
     if addrs.shape[0] == 0:

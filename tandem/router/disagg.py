@@ -307,7 +307,10 @@ def _first_or_none(task: asyncio.Task) -> tuple[int, str] | None:
 
 def _drop_first(tokens: tuple[int, ...], text: str, early: tuple[int, str], rid: str
                 ) -> tuple[tuple[int, ...], str]:
-    """Decode's first output without the first token the client already has from prefill."""
+    """Decode's first output without the first token the client already has from prefill (an
+    output without tokens -- e.g. the end of an aborted request -- passes as it is)."""
+    if not tokens:
+        return tokens, text
     if tokens[:1] == (early[0],) and text.startswith(early[1]):
         return tokens[1:], text[len(early[1]):]
     log.error("request '%s': decode's first output %r / %r does not start with prefill's first "

@@ -200,3 +200,22 @@ def test_nixl_prepared_lists_move_scattered_and_run_pages_bit_exact(monkeypatch)
     finally:
         tx.close()
         rx.close()
+
+
+def test_block_indices_small_sequences_take_the_same_rules_as_arrays():
+    """A few entries as plain ints (the usual push) go through the plain-Python path; it names
+    the same blocks and refuses the same entries as the numpy path, on random cases."""
+    rng = random.Random(5)
+    for _ in range(300):
+        bb, nb, base = rng.choice([64, 4096]), rng.randint(1, 40), rng.choice([0, 1 << 20])
+        n = rng.randint(0, 6)
+        addrs = [base + rng.randint(-2, nb) * bb + rng.choice([0, 0, 0, 1]) for _ in range(n)]
+        lengths = [rng.randint(0, 4) * bb + rng.choice([0, 0, 0, 8]) for _ in range(n)]
+        small = block_indices(addrs, lengths, base, bb, nb)
+        # the numpy path never sees a negative address; it refuses those below the base too
+        big = (None if any(a < 0 for a in addrs) else
+               block_indices(np.array(addrs, dtype=np.uint64), np.array(lengths, dtype=np.uint64),
+                             base, bb, nb))
+        assert (small is None) == (big is None), (addrs, lengths)
+        if small is not None:
+            assert small.dtype == np.int32 and small.tolist() == big.tolist()

@@ -168,13 +168,13 @@ class NixlBackend:
         if peer_id not in self._peers:
             raise TransferError(ErrorKind.PEER_DEAD, f"nixl peer {peer_id} not connected")
         notif = notify.encode("ascii") if notify is not None else b""
-        src = np.asarray(batch.src_addrs, dtype=np.uint64)  # [n] (tuples -> one numpy copy)
-        dst = np.asarray(batch.dst_addrs, dtype=np.uint64)
-        lengths = np.asarray(batch.lengths, dtype=np.uint64)
         w = _NixlWrite(handle=None)
         try:
-            w.handle = self._prepped_xfer(peer_id, src, dst, lengths, notif)
+            w.handle = self._prepped_xfer(peer_id, batch, notif)
             if w.handle is None:
+                src = np.asarray(batch.src_addrs, dtype=np.uint64)  # [n]
+                dst = np.asarray(batch.dst_addrs, dtype=np.uint64)
+                lengths = np.asarray(batch.lengths, dtype=np.uint64)
                 src_mem, src_dev = parse_device(batch.src_device)
                 dst_mem, dst_dev = parse_device(batch.dst_device)
                 w.handle = self.agent.initialize_xfer(
@@ -187,17 +187,19 @@ class NixlBackend:
             w.failed = _error(e, f"write to {peer_id}")
         return w
 
-    def _prepped_xfer(self, peer_id: str, src: np.ndarray, dst: np.ndarray,
-                      lengths: np.ndarray, notif: bytes) -> object | None:
+    def _prepped_xfer(self, peer_id: str, batch: CopyBatch, notif: bytes) -> object | None:
         """A transfer from prepared lists if every entry is whole blocks of one prepared region
         pair; else None."""
+        first = batch.src_addrs[0] if batch.src_addrs else None
         for p in self._prepared.get(peer_id, ()):
-            src_idx = coalesce.block_indices(src, lengths, p.src_base, p.block_bytes,
-                                             p.src_blocks)
+            if first is None or not p.src_base <= first < p.src_base + p.src_blocks * p.block_bytes:
+                continue  # not this pair's memory (e.g. the aux slot vs the KV blocks)
+            src_idx = coalesce.block_indices(batch.src_addrs, batch.lengths, p.src_base,
+                                             p.block_bytes, p.src_blocks)
             if src_idx is None:
                 continue
-            dst_idx = coalesce.block_indices(dst, lengths, p.dst_base, p.block_bytes,
-                                             p.dst_blocks)
+            dst_idx = coalesce.block_indices(batch.dst_addrs, batch.lengths, p.dst_base,
+                                             p.block_bytes, p.dst_blocks)
             if dst_idx is None:
                 continue
             handle = self.agent.make_prepped_xfer("WRITE", p.local, src_idx, p.remote, dst_idx,
