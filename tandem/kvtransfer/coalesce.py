@@ -80,6 +80,7 @@ def plan_entries(src_base: int, src_num_pages: int, dst_base: int, dst_num_pages
 
 
 _SMALL = 16  # entries up to which block_indices runs in plain Python
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _block_indices_small(addrs: Sequence[int], lengths: Sequence[int], base: int,
@@ -91,7 +92,7 @@ def _block_indices_small(addrs: Sequence[int], lengths: Sequence[int], base: int
         if off < 0 or off % block_bytes or n % block_bytes or n == 0:
             return None
         first, count = off // block_bytes, n // block_bytes
-        if first + count > num_blocks or num_blocks > np.iinfo(np.int32).max:
+        if first + count > num_blocks or num_blocks > _INT32_MAX:
             return None
         spans.append(np.arange(first, first + count, dtype=np.int32))
     if not spans:

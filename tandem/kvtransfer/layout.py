@@ -253,19 +253,44 @@ def validate_pages(layout_src: KVLayout, layout_dst: KVLayout, src_pages: Sequen
         raise bad("destination page ids repeat: two source pages would land in one page")
 
 
+# Up to this many (run, layer) pairs a plan is made in plain Python: the usual push (a few runs,
+# one or a few layers) costs less than the dozen numpy calls of the vectorized planner.
+_SMALL_PLAN = 64
+
+
 def plan_layers(src: KVRegion, dst: KVRegion, runs, layers: range, *,
                 max_entries: int | None = MAX_BATCH_ENTRIES) -> list[CopyBatch]:
     """Batches copying `runs` of pages (page_runs output, list or [R, 3] array) for `layers` of
     one group, src region -> dst region; at most `max_entries` entries a batch (None: one)."""
-    return split_batches(plan_entries(src, dst, runs, layers), src.device, dst.device,
-                         max_entries=max_entries)
+    rows = runs.tolist() if isinstance(runs, np.ndarray) else runs
+    if len(rows) * len(layers) > _SMALL_PLAN:
+        return split_batches(plan_entries(src, dst, runs, layers), src.device, dst.device,
+                             max_entries=max_entries)
+    _check_layers(src, layers)
+    pb, entries = src.page_bytes, []  # (src addr, dst addr, bytes), merged as plan_entries does
+    for layer in layers:
+        for s_page, d_page, count in rows:
+            sa = src.base_ptr + (layer * src.num_pages + int(s_page)) * pb
+            da = dst.base_ptr + (layer * dst.num_pages + int(d_page)) * pb
+            n = int(count) * pb
+            if entries:
+                ps, pd, pn = entries[-1]
+                if ps + pn == sa and pd + pn == da:  # contiguous on both sides: one entry
+                    entries[-1] = (ps, pd, pn + n)
+                    continue
+            entries.append((sa, da, n))
+    return split_batches(entries, src.device, dst.device, max_entries=max_entries)
+
+
+def _check_layers(src: KVRegion, layers: range) -> None:
+    if layers.start < 0 or layers.stop > src.num_layers or layers.step != 1:
+        raise TransferError(ErrorKind.INVALID, f"{src.name}: layers {layers} outside "
+                            f"range(0, {src.num_layers}) or not step 1")
 
 
 def plan_entries(src: KVRegion, dst: KVRegion, runs, layers: range) -> coalesce.Entries:
     """The coalesced entries of `plan_layers`, as numpy arrays (vectorized: no per-page Python)."""
-    if layers.start < 0 or layers.stop > src.num_layers or layers.step != 1:
-        raise TransferError(ErrorKind.INVALID, f"{src.name}: layers {layers} outside "
-                            f"range(0, {src.num_layers}) or not step 1")
+    _check_layers(src, layers)
     return coalesce.plan_entries(src.base_ptr, src.num_pages, dst.base_ptr, dst.num_pages,
                                  src.page_bytes, np.asarray(runs, dtype=np.int64).reshape(-1, 3),
                                  layers)

@@ -219,3 +219,27 @@ def test_block_indices_small_sequences_take_the_same_rules_as_arrays():
         assert (small is None) == (big is None), (addrs, lengths)
         if small is not None:
             assert small.dtype == np.int32 and small.tolist() == big.tolist()
+
+
+def test_small_plans_in_plain_python_equal_the_vectorized_planner():
+    """plan_layers makes small plans (a few runs x layers) without numpy; on random page lists
+    and layer ranges its batches equal those of the vectorized planner (plan_entries)."""
+    from tandem.kvtransfer.layout import plan_entries as plan_entries_np, split_batches
+
+    rng = random.Random(11)
+    for _ in range(300):
+        layers_total, np_src, np_dst = rng.randint(1, 5), rng.randint(4, 24), rng.randint(4, 24)
+        src = KVRegion(name="t", base_ptr=0x10000, num_layers=layers_total, num_pages=np_src,
+                       page_bytes=64)
+        dst = KVRegion(name="t", base_ptr=0x90000, num_layers=layers_total, num_pages=np_dst,
+                       page_bytes=64)
+        n = rng.randint(1, min(np_src, np_dst))
+        src_pages = rng.sample(range(np_src), n) if rng.random() < 0.5 else list(range(n))
+        dst_pages = rng.sample(range(np_dst), n) if rng.random() < 0.5 else list(range(n))
+        a = rng.randint(0, layers_total - 1)
+        layers = range(a, rng.randint(a + 1, layers_total))
+        runs = page_runs_np(src_pages, dst_pages)
+        want = split_batches(plan_entries_np(src, dst, runs, layers), "cpu", "cpu", max_entries=3)
+        assert len(runs) * len(layers) <= 64  # the plain-Python path
+        assert plan_layers(src, dst, runs, layers, max_entries=3) == want
+        assert plan_layers(src, dst, runs.tolist(), layers, max_entries=3) == want
