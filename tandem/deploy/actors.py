@@ -193,8 +193,14 @@ class PrefillActor(_ActorBase):
         # room -> (destination, decode endpoint) `route` brings, while its `prefill` waits
         self._arrivals: dict[int, asyncio.Future] = {}
         # room -> (first token, its text) once its forward is over (None: it will not come),
-        # from `prefill`'s start to its end; `first_token` awaits it
+        # from `prefill`'s start (or an earlier `first_token`) to its end
         self._firsts: dict[int, asyncio.Future] = {}
+        # An async actor does not run one caller's calls in submission order (Ray: "asynchronous
+        # or threaded actors do not guarantee the task execution order"): a `route` or `abort`
+        # may run before its room's `prefill`. Kept here (bounded) for the `prefill` to come.
+        self._early_routes: OrderedDict[int, tuple[bytes, bytes]] = OrderedDict()
+        self._early_aborts: OrderedDict[int, None] = OrderedDict()
+        self._ended: OrderedDict[int, None] = OrderedDict()  # rooms whose `prefill` returned
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
@@ -230,10 +236,21 @@ class PrefillActor(_ActorBase):
         the router's reserve answer reaches `route` while the forward runs)."""
         trace.mark(room, "prefill.call")
         loop = self._loop()
+        self._ended.pop(room, None)
+        if room in self._early_aborts:  # its abort ran first
+            del self._early_aborts[room]
+            self._first_ready(room, None)
+            self._firsts.pop(room, None)
+            _remember(self._ended, room, None)
+            return PrefillResult(room=room, ok=False, error="aborted", error_kind="aborted")
         fut = loop.create_future()
         self._waiters[room] = fut
-        self._firsts[room] = loop.create_future()
+        if room not in self._firsts:  # (a `first_token` that ran first made it already)
+            self._firsts[room] = loop.create_future()
         arrival = self._arrivals[room] = loop.create_future()  # what `route` brings
+        early_route = self._early_routes.pop(room, None)
+        if early_route is not None:
+            arrival.set_result(early_route)
         # Layer-wise push must know its destinations before the forward (its hook starts the
         # legs then): it waits for the route first.
         early = destination is None and not self.cfg.layerwise_push
@@ -272,6 +289,7 @@ class PrefillActor(_ActorBase):
             self._waiters.pop(room, None)
             self._first_ready(room, None)
             self._firsts.pop(room, None)
+            _remember(self._ended, room, None)
             return PrefillResult(room=room, ok=False, error=str(exc),
                                  error_kind="handshake" if "handshake" in str(exc) else "invalid")
         finally:
@@ -281,32 +299,64 @@ class PrefillActor(_ActorBase):
         finally:
             self._first_ready(room, None)  # a first token that never came will not come
             self._firsts.pop(room, None)
+            _remember(self._ended, room, None)
 
     async def first_token(self, room: int) -> tuple[int, str] | None:
         """(first token, its text) of a room being prefilled here, as soon as its forward is
-        over and before its KV moves; None when there will be none (the room ended first, the
-        first token finished the request -- `prefill` returns it then -- or it is unknown).
-        Ray starts a caller's calls in order: the router sends `prefill` first."""
+        over and before its KV moves; None when there will be none (the room ended first, or
+        the first token finished the request -- `prefill` returns it then). Called before its
+        room's `prefill` ran (Ray may run them out of order), it waits for that `prefill` for
+        up to `route_wait_s`."""
         fut = self._firsts.get(room)
-        return None if fut is None else await asyncio.shield(fut)
+        if fut is None:
+            loop = self._loop()
+            fut = self._firsts[room] = loop.create_future()
+            loop.call_later(self.route_wait_s, self._forget_first, room)
+        return await asyncio.shield(fut)
+
+    def _forget_first(self, room: int) -> None:
+        if self._not_started(room):  # its `prefill` never came
+            self._first_ready(room, None)
+            self._firsts.pop(room, None)
 
     async def route(self, room: int, destination: bytes, decode_endpoint: bytes) -> None:
-        """Decode's reserve answer for a room whose `prefill` came without one. A room that is
-        not (or no longer) being prefilled here is ignored: Ray starts an actor's calls from one
-        caller in order, so `prefill` (sent first) has registered the room already."""
+        """Decode's reserve answer for a room whose `prefill` came without one. It may run
+        before that `prefill` (an async actor runs calls out of order): kept for it then."""
         arrival = self._arrivals.get(room)
-        if arrival is not None and not arrival.done():
+        if arrival is None:
+            if self._not_started(room):
+                _remember(self._early_routes, room, (destination, decode_endpoint))
+            return
+        if not arrival.done():
             arrival.set_result((destination, decode_endpoint))
 
     async def abort(self, room: int) -> None:
         arrival = self._arrivals.get(room)
         if arrival is not None and not arrival.done():  # no route will come: stop waiting
             arrival.set_exception(RuntimeError("aborted before decode's destination came"))
+        if self._not_started(room):
+            self._early_routes.pop(room, None)
+            _remember(self._early_aborts, room, None)
         await self._call("abort", room)
+
+    def _not_started(self, room: int) -> bool:
+        """No `prefill` of `room` has run here (neither running nor ended): a call for it ran
+        ahead of it."""
+        return room not in self._waiters and room not in self._ended
 
     async def health(self) -> WorkerHealth:
         self._loop()
         return self._health(self.worker)
+
+
+# Rooms remembered for a call that has not run yet (out of order): at most this many, oldest out.
+EARLY_ROOMS = 4096
+
+
+def _remember(table: OrderedDict, room: int, value) -> None:
+    table[room] = value
+    while len(table) > EARLY_ROOMS:
+        table.popitem(last=False)
 
 
 # An aborted room's output queue that no stream() opened within this long is dropped.

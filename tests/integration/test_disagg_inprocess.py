@@ -294,8 +294,11 @@ def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams
 def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted(dirs):
     """Concurrent dispatch: the router sends `prefill` first and decode's destination later by
     `route`. If no route comes (the router died), the prefill ends with an error after
-    `route_wait_s` and gives its pages back; an abort while it waits ends it at once; a route
-    for a room not being prefilled is ignored (PrefillActor outside Ray)."""
+    `route_wait_s` and gives its pages back; an abort while it waits ends it at once. Ray runs
+    an async actor's calls out of order, so a `route`, `abort` or `first_token` may run before
+    its room's `prefill`: the route is kept for it (a bad one fails it at once, not after the
+    wait), the abort ends it at once, first_token waits for it and gets its first token
+    (PrefillActor outside Ray)."""
     from tandem.deploy.actors import PrefillActor
 
     model_dir, head_dir = dirs
@@ -312,7 +315,21 @@ def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted
         await actor.abort(2)
         res = await asyncio.wait_for(waiting, timeout=30)
         assert not res.ok and "aborted" in res.error
-        await actor.route(3, b"nobody waits for this", b"")  # ignored
-        assert 3 not in actor._arrivals
+        await actor.route(3, b"not a destination", b"")  # ran before its prefill: kept
+        assert 3 not in actor._arrivals and 3 in actor._early_routes
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(actor.prefill(3, prompt, sp), timeout=30)
+        assert not res.ok and "no destination from the router" not in res.error  # it used it
+        assert time.monotonic() - t0 < actor.route_wait_s and not actor._early_routes
+        await actor.abort(4)  # ran before its prefill
+        res = await asyncio.wait_for(actor.prefill(4, prompt, sp), timeout=30)
+        assert not res.ok and res.error_kind == "aborted"
+        first = asyncio.ensure_future(actor.first_token(5))  # ran before its prefill
+        await asyncio.sleep(0.01)
+        res = await asyncio.wait_for(actor.prefill(5, prompt, sp), timeout=30)  # no route
+        token, _ = await asyncio.wait_for(first, timeout=5)  # the forward ran: it exists
+        assert not res.ok and isinstance(token, int) and 5 not in actor._firsts
+        await actor.route(1, b"late", b"")  # a route after its prefill ended: not kept
+        assert 1 not in actor._early_routes
 
     run_actor_scenario(actor, scenario, "a prefill without a route kept its pages")
