@@ -178,29 +178,34 @@ class _ActorBase:
             node=_node_id(), **(extra or {}))
 
 
+@dataclass(slots=True, eq=False)
+class _Room:
+    """One room's calls on a PrefillActor, made by whichever of `prefill`, `route`, `abort` and
+    `first_token` runs first: Ray does not run an async actor's calls in submission order
+    ("asynchronous or threaded actors do not guarantee the task execution order"), so a `route`
+    may overtake its `prefill` and must wait for it here rather than be dropped."""
+
+    route: asyncio.Future  # (destination, decode endpoint) from `route`; None: aborted
+    first: asyncio.Future  # (first token, its text) once the forward is over; None: none comes
+    result: asyncio.Future | None = None  # the prefill's outcome, from its `prefill` on
+    aborted: bool = False
+
+
 class PrefillActor(_ActorBase):
     role = "prefill"
-    # How long a prefill waits for decode's destination (`route`); the router sends it as soon as
-    # decode's reserve answers, normally milliseconds later.
+    # How long a prefill waits for decode's destination (`route`) -- the router sends it as soon
+    # as decode's reserve answers, normally milliseconds later -- and how long a room made by a
+    # call that overtook its `prefill` waits for that `prefill`.
     route_wait_s = 60.0
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
-        self._waiters: dict[int, asyncio.Future] = {}
+        self._rooms: dict[int, _Room] = {}
+        # Rooms whose `prefill` returned (bounded): a late call for one makes no new room.
+        self._ended: OrderedDict[int, None] = OrderedDict()
         # decode endpoints (per prefill rank) every rank has connected to (with DP they depend
         # on the DP rank that took the request)
         self._connected: set[tuple[tuple[bytes, ...], ...]] = set()
-        # room -> (destination, decode endpoint) `route` brings, while its `prefill` waits
-        self._arrivals: dict[int, asyncio.Future] = {}
-        # room -> (first token, its text) once its forward is over (None: it will not come),
-        # from `prefill`'s start (or an earlier `first_token`) to its end
-        self._firsts: dict[int, asyncio.Future] = {}
-        # An async actor does not run one caller's calls in submission order (Ray: "asynchronous
-        # or threaded actors do not guarantee the task execution order"): a `route` or `abort`
-        # may run before its room's `prefill`. Kept here (bounded) for the `prefill` to come.
-        self._early_routes: OrderedDict[int, tuple[bytes, bytes]] = OrderedDict()
-        self._early_aborts: OrderedDict[int, None] = OrderedDict()
-        self._ended: OrderedDict[int, None] = OrderedDict()  # rooms whose `prefill` returned
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
@@ -208,23 +213,45 @@ class PrefillActor(_ActorBase):
         worker.on_first = self._on_first  # called on the loop thread
         return worker
 
-    def _on_first(self, room: int, token: int, text: str) -> None:
-        self._deliver(self._first_ready, room, (token, text))
+    def _room(self, room: int) -> _Room | None:
+        """`room`'s record, made now if this call is its first (None: its prefill has ended).
+        A record no `prefill` claims within `route_wait_s` is dropped."""
+        r = self._rooms.get(room)
+        if r is None and room not in self._ended:
+            loop = self._loop()
+            r = self._rooms[room] = _Room(route=loop.create_future(), first=loop.create_future())
+            loop.call_later(self.route_wait_s, self._drop_unclaimed, room, r)
+        return r
 
-    def _first_ready(self, room: int, first: tuple[int, str] | None) -> None:
-        fut = self._firsts.get(room)
-        if fut is not None and not fut.done():
+    def _drop_unclaimed(self, room: int, r: _Room) -> None:
+        if self._rooms.get(room) is r and r.result is None:
+            self._end(room)
+
+    def _end(self, room: int) -> None:
+        r = self._rooms.pop(room, None)
+        if r is not None and not r.first.done():  # a first token that never came will not come
+            r.first.set_result(None)
+        self._ended[room] = None
+        while len(self._ended) > ENDED_ROOMS:
+            self._ended.popitem(last=False)
+
+    def _on_first(self, room: int, token: int, text: str) -> None:
+        self._deliver(self._first_ready, room, token, text)
+
+    def _first_ready(self, room: int, token: int, text: str) -> None:
+        r = self._rooms.get(room)
+        if r is not None and not r.first.done():
             trace.mark(room, "prefill.first")
-            fut.set_result(first)
+            r.first.set_result((token, text))
 
     def _on_outputs(self, results: list[PrefillResult]) -> None:
         for r in results:
             self._deliver(self._resolve, r)
 
-    def _resolve(self, r: PrefillResult) -> None:
-        fut = self._waiters.pop(r.room, None)
-        if fut is not None and not fut.done():
-            fut.set_result(r)
+    def _resolve(self, res: PrefillResult) -> None:
+        r = self._rooms.get(res.room)
+        if r is not None and r.result is not None and not r.result.done():
+            r.result.set_result(res)
 
     async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams,
                       destination: bytes | None = None, decode_endpoint: bytes | None = None
@@ -235,22 +262,19 @@ class PrefillActor(_ActorBase):
         sends this call first and decode's reserve next, and the prompt's forward starts now;
         the router's reserve answer reaches `route` while the forward runs)."""
         trace.mark(room, "prefill.call")
-        loop = self._loop()
         self._ended.pop(room, None)
-        if room in self._early_aborts:  # its abort ran first
-            del self._early_aborts[room]
-            self._first_ready(room, None)
-            self._firsts.pop(room, None)
-            _remember(self._ended, room, None)
-            return PrefillResult(room=room, ok=False, error="aborted", error_kind="aborted")
-        fut = loop.create_future()
-        self._waiters[room] = fut
-        if room not in self._firsts:  # (a `first_token` that ran first made it already)
-            self._firsts[room] = loop.create_future()
-        arrival = self._arrivals[room] = loop.create_future()  # what `route` brings
-        early_route = self._early_routes.pop(room, None)
-        if early_route is not None:
-            arrival.set_result(early_route)
+        r = self._room(room)
+        assert r is not None
+        try:
+            if r.aborted:  # its abort ran first
+                return PrefillResult(room=room, ok=False, error="aborted", error_kind="aborted")
+            r.result = self._loop().create_future()
+            return await self._prefill(r, room, prompt_ids, params, destination, decode_endpoint)
+        finally:
+            self._end(room)
+
+    async def _prefill(self, r: _Room, room: int, prompt_ids: list[int], params: SamplingParams,
+                       destination: bytes | None, decode_endpoint: bytes | None) -> PrefillResult:
         # Layer-wise push must know its destinations before the forward (its hook starts the
         # legs then): it waits for the route first.
         early = destination is None and not self.cfg.layerwise_push
@@ -259,20 +283,22 @@ class PrefillActor(_ActorBase):
                 await self._call("submit", room, prompt_ids, params, None)
             if destination is None:  # a router that died before its `route` must not hold
                 try:                 # the forward's pages forever
-                    destination, decode_endpoint = await asyncio.wait_for(
-                        arrival, self.route_wait_s)
+                    got = await asyncio.wait_for(asyncio.shield(r.route), self.route_wait_s)
                 except asyncio.TimeoutError:
                     raise RuntimeError(f"no destination from the router within "
                                        f"{self.route_wait_s:g} s") from None
+                if got is None:
+                    raise RuntimeError("aborted before decode's destination came")
+                destination, decode_endpoint = got
             trace.mark(room, "prefill.dest")
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.
             routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
-            endpoints = tuple(r.endpoints for r in routes)  # per prefill rank
+            endpoints = tuple(x.endpoints for x in routes)  # per prefill rank
             if endpoints not in self._connected:  # the handshakes, once per set of endpoints
                 await self._call("connect", PerRank(endpoints))
                 self._connected.add(endpoints)
-            dests = PerRank(tuple(r.destinations for r in routes))
+            dests = PerRank(tuple(x.destinations for x in routes))
             if early and isinstance(self.loop, WorkerLoop):
                 # Applied by the loop thread right after the running forward's sync (not after
                 # the whole step, as a call would be); a bad destination fails the room.
@@ -286,77 +312,40 @@ class PrefillActor(_ActorBase):
         except Exception as exc:  # bad request, aborted before its route, handshake
             if early:
                 await self._call("abort", room)  # the forward (or its held pages) goes
-            self._waiters.pop(room, None)
-            self._first_ready(room, None)
-            self._firsts.pop(room, None)
-            _remember(self._ended, room, None)
             return PrefillResult(room=room, ok=False, error=str(exc),
                                  error_kind="handshake" if "handshake" in str(exc) else "invalid")
-        finally:
-            self._arrivals.pop(room, None)
-        try:
-            return await fut
-        finally:
-            self._first_ready(room, None)  # a first token that never came will not come
-            self._firsts.pop(room, None)
-            _remember(self._ended, room, None)
+        return await r.result
 
     async def first_token(self, room: int) -> tuple[int, str] | None:
         """(first token, its text) of a room being prefilled here, as soon as its forward is
         over and before its KV moves; None when there will be none (the room ended first, or
-        the first token finished the request -- `prefill` returns it then). Called before its
-        room's `prefill` ran (Ray may run them out of order), it waits for that `prefill` for
-        up to `route_wait_s`."""
-        fut = self._firsts.get(room)
-        if fut is None:
-            loop = self._loop()
-            fut = self._firsts[room] = loop.create_future()
-            loop.call_later(self.route_wait_s, self._forget_first, room)
-        return await asyncio.shield(fut)
-
-    def _forget_first(self, room: int) -> None:
-        if self._not_started(room):  # its `prefill` never came
-            self._first_ready(room, None)
-            self._firsts.pop(room, None)
+        the first token finished the request -- `prefill` returns it then). It may run before
+        its room's `prefill` (Ray's order): it waits for it then."""
+        r = self._room(room)
+        return None if r is None else await asyncio.shield(r.first)
 
     async def route(self, room: int, destination: bytes, decode_endpoint: bytes) -> None:
-        """Decode's reserve answer for a room whose `prefill` came without one. It may run
-        before that `prefill` (an async actor runs calls out of order): kept for it then."""
-        arrival = self._arrivals.get(room)
-        if arrival is None:
-            if self._not_started(room):
-                _remember(self._early_routes, room, (destination, decode_endpoint))
-            return
-        if not arrival.done():
-            arrival.set_result((destination, decode_endpoint))
+        """Decode's reserve answer for a room whose `prefill` came without one (kept for it if
+        it runs first; ignored once the prefill ended)."""
+        r = self._room(room)
+        if r is not None and not r.route.done():
+            r.route.set_result((destination, decode_endpoint))
 
     async def abort(self, room: int) -> None:
-        arrival = self._arrivals.get(room)
-        if arrival is not None and not arrival.done():  # no route will come: stop waiting
-            arrival.set_exception(RuntimeError("aborted before decode's destination came"))
-        if self._not_started(room):
-            self._early_routes.pop(room, None)
-            _remember(self._early_aborts, room, None)
+        r = self._room(room)
+        if r is not None:
+            r.aborted = True  # a prefill yet to run ends at once
+            if not r.route.done():  # a prefill waiting for its route stops waiting
+                r.route.set_result(None)
         await self._call("abort", room)
-
-    def _not_started(self, room: int) -> bool:
-        """No `prefill` of `room` has run here (neither running nor ended): a call for it ran
-        ahead of it."""
-        return room not in self._waiters and room not in self._ended
 
     async def health(self) -> WorkerHealth:
         self._loop()
         return self._health(self.worker)
 
 
-# Rooms remembered for a call that has not run yet (out of order): at most this many, oldest out.
-EARLY_ROOMS = 4096
-
-
-def _remember(table: OrderedDict, room: int, value) -> None:
-    table[room] = value
-    while len(table) > EARLY_ROOMS:
-        table.popitem(last=False)
+# Rooms a PrefillActor remembers as ended (late calls for them are ignored): the newest this many.
+ENDED_ROOMS = 4096
 
 
 # An aborted room's output queue that no stream() opened within this long is dropped.

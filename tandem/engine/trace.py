@@ -2,9 +2,10 @@
 
 Off unless the environment names a file: with `TANDEM_TRACE=/path/trace.jsonl` every process of a
 deployment (router, prefill and decode actors, which get the variable through their Ray
-runtime_env: deploy/launcher.actor_runtime_env) appends one JSON line per mark, `{"room": int, "stage": str, "t": wall-clock seconds}`. Lines are
-short single `write`s to a file opened with O_APPEND, so processes on one host do not interleave.
-Wall clocks of different hosts differ: read a multi-node trace per host.
+runtime_env: deploy/launcher.actor_runtime_env) appends one JSON line per mark,
+`{"room": int, "stage": str, "t": wall-clock seconds}`. Lines are short single `write`s to a
+file opened with O_APPEND, so processes on one host do not interleave. Wall clocks of different
+hosts differ: read a multi-node trace per host.
 
 `stage_report(path)` turns a trace into the median time of each stage after the room's first
 mark (the router's `router.submit`), in order: `tandem bench --trace` prints it per deployment.

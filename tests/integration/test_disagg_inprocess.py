@@ -316,11 +316,11 @@ def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted
         res = await asyncio.wait_for(waiting, timeout=30)
         assert not res.ok and "aborted" in res.error
         await actor.route(3, b"not a destination", b"")  # ran before its prefill: kept
-        assert 3 not in actor._arrivals and 3 in actor._early_routes
+        assert actor._rooms[3].route.done() and actor._rooms[3].result is None
         t0 = time.monotonic()
         res = await asyncio.wait_for(actor.prefill(3, prompt, sp), timeout=30)
         assert not res.ok and "no destination from the router" not in res.error  # it used it
-        assert time.monotonic() - t0 < actor.route_wait_s and not actor._early_routes
+        assert time.monotonic() - t0 < actor.route_wait_s and 3 not in actor._rooms
         await actor.abort(4)  # ran before its prefill
         res = await asyncio.wait_for(actor.prefill(4, prompt, sp), timeout=30)
         assert not res.ok and res.error_kind == "aborted"
@@ -328,8 +328,8 @@ def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted
         await asyncio.sleep(0.01)
         res = await asyncio.wait_for(actor.prefill(5, prompt, sp), timeout=30)  # no route
         token, _ = await asyncio.wait_for(first, timeout=5)  # the forward ran: it exists
-        assert not res.ok and isinstance(token, int) and 5 not in actor._firsts
+        assert not res.ok and isinstance(token, int) and 5 not in actor._rooms
         await actor.route(1, b"late", b"")  # a route after its prefill ended: not kept
-        assert 1 not in actor._early_routes
+        assert 1 not in actor._rooms
 
     run_actor_scenario(actor, scenario, "a prefill without a route kept its pages")
