@@ -58,6 +58,14 @@ class _Peer:
 
 
 @dataclass(slots=True)
+class _Ready:
+    """A write built ahead (`backend.prepare_write`) while the room waited for GO."""
+
+    prepared: object  # the backend's unposted write: post_prepared or drop_prepared it, once
+    nbytes: int
+
+
+@dataclass(slots=True)
 class _Send:
     room: int
     dest: Destination
@@ -70,7 +78,9 @@ class _Send:
     piece: HeadSlice | None  # heads this leg moves (different TP sizes); None: every head
     state: TransferState = TransferState.RESERVED
     pushed: dict[str, set[int]] = field(default_factory=dict)  # group -> layers queued
-    queued: deque[CopyBatch] = field(default_factory=deque)  # waiting for GO / DELAY
+    queued: deque[CopyBatch | _Ready] = field(default_factory=deque)  # waiting for GO / DELAY
+    ready: dict[str, list[_Ready]] = field(default_factory=dict)  # group -> writes of all layers
+    ready_final: tuple[_Ready, int, str] | None = None  # (aux write, staging slot, its FINAL)
     inflight: list[tuple[object, int]] = field(default_factory=list)  # (write handle, bytes)
     post_after: float = 0.0  # monotonic s: writes wait until then (DELAY fault)
     aux_payload: bytes | None = None
@@ -109,6 +119,8 @@ class PrefillSender(EndpointBase):
         self._outcomes: list[SendOutcome] = []
         # Cheap notifications: page writes carry DATA and the aux write need not wait for them.
         self._notify_per_write = bool(getattr(self.backend, "notify_per_write", False))
+        # Writes built while a room waits for GO (_build_ahead): only where they need no wait.
+        self._can_prepare = self._notify_per_write and hasattr(self.backend, "prepare_write")
 
     # -- handshake ----------------------------------------------------------------------------
     def connect(self, receiver: EndpointInfo, *, timeout_s: float | None = None) -> None:
@@ -168,7 +180,65 @@ class PrefillSender(EndpointBase):
         self.backend.send_message(peer.peer_id, Message(
             kind=MsgKind.BEGIN, room=dest.room, session=peer.session,
             num_pages=s.num_pages).encode())
+        self._build_ahead(s)  # while BEGIN -> GO makes its round trip
         self._pump()
+
+    def _build_ahead(self, s: _Send) -> None:
+        """Build the room's writes before GO, on backends with `prepare_write` (NIXL, fake):
+        each group's page writes for a push of all its layers (what `send` and the prefill
+        worker's push-after-prefill do) and the aux write that carries FINAL, so that from GO
+        on only the posts are left (descriptor planning and the library's transfer set-up cost
+        as much as the 64 MiB write itself on a GPU host). A push of part of a group drops them
+        and plans as before. Not for head slices or injected faults, and the aux write only
+        while two staging slots or more are free: the plain path keeps one, so a room without
+        a built aux write never waits on rooms that hold theirs."""
+        if not self._can_prepare or s.piece is not None or s.fault is not None:
+            return
+        nbytes = count = 0
+        for region in self.layout.regions:
+            items = s.ready.setdefault(region.name, [])
+            for batch in plan_layers(region, s.peer.layout.region(region.name), s.runs,
+                                     range(region.num_layers), max_entries=self.max_batch_entries):
+                data = Message(kind=MsgKind.DATA, room=s.room, nbytes=batch.nbytes).encode()
+                prepared = self.backend.prepare_write(s.peer.peer_id, batch, data)  # type: ignore[attr-defined]
+                if prepared is None:
+                    self._drop_ready(s)
+                    return
+                items.append(_Ready(prepared, batch.nbytes))
+                nbytes += batch.nbytes
+                count += 1
+        if len(self._free_staging) < 2:
+            return
+        slot = self._free_staging.pop()
+        final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
+                        nbytes=nbytes, count=count).encode()
+        prepared = self.backend.prepare_write(s.peer.peer_id, self._aux_batch(s, slot), final)  # type: ignore[attr-defined]
+        if prepared is None:
+            self._free_staging.append(slot)
+            return
+        s.ready_final = (_Ready(prepared, self.layout.aux.slot_bytes), slot, final)
+
+    def _drop_ready(self, s: _Send) -> None:
+        """Release every write built ahead and not posted (and the aux write's staging slot)."""
+        left = [r for items in s.ready.values() for r in items]
+        left += [r for r in s.queued if isinstance(r, _Ready)]
+        s.ready.clear()
+        if any(isinstance(r, _Ready) for r in s.queued):
+            s.queued = deque(b for b in s.queued if not isinstance(b, _Ready))
+        if s.ready_final is not None:
+            left.append(s.ready_final[0])
+            self._free_staging.append(s.ready_final[1])
+            s.ready_final = None
+        for r in left:
+            self.backend.drop_prepared(r.prepared)  # type: ignore[attr-defined]
+
+    def _aux_batch(self, s: _Send, slot: int) -> CopyBatch:
+        """The write of a whole staging slot into the room's aux slot at decode (the bytes after
+        the seed are stale and never read): one whole block, which a backend may have
+        prepared (prepare_regions)."""
+        return split_batches([(self.layout.aux.slot_addr(slot),
+                               s.peer.layout.aux.slot_addr(s.dest.aux_slot),
+                               self.layout.aux.slot_bytes)], "cpu", "cpu")[0]
 
     def push_layers(self, room: int, group: str, layers: range) -> None:
         for s in self._live(room):
@@ -178,7 +248,13 @@ class PrefillSender(EndpointBase):
                 raise TransferError(ErrorKind.INVALID, f"{group} layers {twice} pushed twice",
                                     room=room)
             src, dst = self.layout.region(group), s.peer.layout.region(group)
-            if s.piece is None:
+            ready = s.ready.pop(group, None)
+            if ready is not None and layers == range(src.num_layers):
+                s.queued.extend(ready)  # built at start()
+            elif s.piece is None:
+                if ready is not None:  # part of a group: FINAL's counts change too
+                    s.ready[group] = ready
+                    self._drop_ready(s)
                 s.queued.extend(plan_layers(src, dst, s.runs, layers,
                                             max_entries=self.max_batch_entries))
             else:
@@ -393,6 +469,16 @@ class PrefillSender(EndpointBase):
     def _post_queued(self, s: _Send) -> None:
         while s.queued and not s.state.terminal:
             batch = s.queued.popleft()
+            if isinstance(batch, _Ready):  # built ahead: one post (no fault was drawn for it)
+                try:
+                    h = self.backend.post_prepared(batch.prepared)  # type: ignore[attr-defined]
+                except TransferError as e:
+                    self._terminate(s, TransferError(e.kind, e.message, room=s.room))
+                    return
+                s.inflight.append((h, batch.nbytes))
+                s.posted_bytes += batch.nbytes
+                s.num_data += 1
+                continue
             if s.fault is FaultKind.FAIL_TRANSFER:
                 self._terminate(s, TransferError(ErrorKind.BACKEND, "injected failure",
                                                  room=s.room))
@@ -426,24 +512,28 @@ class PrefillSender(EndpointBase):
                 nbytes=s.posted_bytes, count=s.num_data).encode())
             self._done(s)  # final_bytes is 0: no aux write
             return
-        if not self._free_staging:
+        final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
+                        nbytes=s.posted_bytes, count=s.num_data).encode()
+        built, s.ready_final = s.ready_final, None
+        if built is not None and built[2] != final:  # pushed otherwise than planned at start
+            self.backend.drop_prepared(built[0].prepared)  # type: ignore[attr-defined]
+            self._free_staging.append(built[1])
+            built = None
+        if built is None and not self._free_staging:
             return  # every staging slot is busy with another final write: try next poll
-        s.staging_slot = self._free_staging.pop()
+        s.staging_slot = built[1] if built is not None else self._free_staging.pop()
         room_in_slot = s.room ^ 1 if s.fault is FaultKind.WRONG_ROOM else s.room
         blob = bytearray(encode_aux(room_in_slot, s.aux_payload))
         if s.fault is FaultKind.CORRUPT_AUX:
             blob[-1 if s.aux_payload else HEADER_BYTES - 1] ^= 0xFF
-        local = self.layout.aux.slot_addr(s.staging_slot)
-        ctypes.memmove(local, bytes(blob), len(blob))
-        final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
-                        nbytes=s.posted_bytes, count=s.num_data)
-        notify = None if s.fault is FaultKind.DROP_NOTIFICATION else final.encode()
-        # The whole slot (the bytes after the seed are stale and never read): a write of one
-        # whole block, which a backend may have prepared (prepare_regions).
-        batch = split_batches([(local, s.peer.layout.aux.slot_addr(s.dest.aux_slot),
-                                self.layout.aux.slot_bytes)], "cpu", "cpu")[0]
+        ctypes.memmove(self.layout.aux.slot_addr(s.staging_slot), bytes(blob), len(blob))
+        notify = None if s.fault is FaultKind.DROP_NOTIFICATION else final
         try:
-            s.final_handle = self.backend.post_write(s.peer.peer_id, batch, notify)
+            if built is not None:  # the seed is in its slot now: post the write built ahead
+                s.final_handle = self.backend.post_prepared(built[0].prepared)  # type: ignore[attr-defined]
+            else:
+                s.final_handle = self.backend.post_write(
+                    s.peer.peer_id, self._aux_batch(s, s.staging_slot), notify)
         except TransferError as e:
             self._free_staging.append(s.staging_slot)
             s.staging_slot = None
@@ -476,6 +566,7 @@ class PrefillSender(EndpointBase):
         target = TransferState.ABORTED if error.kind is ErrorKind.ABORTED else TransferState.FAILED
         s.state = advance(s.state, target, room=s.room)
         s.error = error
+        self._drop_ready(s)
         s.queued.clear()
         s.drain_deadline = self.clock() + self.config.drain_timeout_s
         s.inflight = [item for item in s.inflight if not self.backend.cancel_write(item[0])]
@@ -496,6 +587,7 @@ class PrefillSender(EndpointBase):
                                                    reason=reason[:200]).encode())
 
     def _retire(self, s: _Send) -> None:
+        self._drop_ready(s)  # nothing is left on a terminal leg; kept as a guard
         del self._sends[(s.room, s.peer.session)]
         if any((leg.room, leg.peer.session) in self._sends for leg in self._rooms[s.room]):
             return  # siblings still draining: the room stays until its last leg retires

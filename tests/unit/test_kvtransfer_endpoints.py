@@ -247,3 +247,59 @@ def test_data_bytes_that_do_not_add_up_fail_the_room(ends):
     pump(lambda: events)
     assert isinstance(events[0], ReceiveFailed) and events[0].error.kind is ErrorKind.CORRUPT
     assert "notifications" in str(events[0].error)
+
+
+def test_writes_built_before_go_are_posted_once_or_dropped(ends):
+    """start() builds a room's writes ahead on backends with prepare_write: a push of whole
+    groups posts them (and the aux write carrying FINAL); a push of part of a group, an abort
+    before GO, or a room that runs out of staging slots falls back without losing any, and
+    every staging slot comes back."""
+    tx, rx, released, pump, events, (smem, rmem) = ends
+    be = tx.backend
+    # whole pushes: one built write per group, plus the aux write; all posted, none dropped
+    tx.send(rx.expect(1, [3, 4, 5], 0), [10, 11, 12], b"seed")
+    pump(lambda: events)
+    assert events == [Received(room=1, page_ids=(3, 4, 5), aux_payload=b"seed")]
+    assert (be.num_prepared, be.num_prepared_posts, be.num_prepared_dropped) == (3, 3, 0)
+    # layer by layer: the built writes are dropped at the first partial push, the data still
+    # lands exactly and FINAL counts what was really posted
+    events.clear()
+    tx.start(rx.expect(2, [6, 7], 1), [20, 21])
+    tx.push_layers(2, "target", range(0, 2))
+    assert (be.num_prepared, be.num_prepared_dropped) == (6, 3)
+    tx.push_layers(2, "target", range(2, 4))
+    tx.push_layers(2, "draft", range(1))
+    tx.finish(2, b"s2")
+    pump(lambda: events)
+    assert events == [Received(room=2, page_ids=(6, 7), aux_payload=b"s2")]
+    for buf_s, buf_r, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
+                                     (smem.bufs[1], rmem.bufs[1], 64, 1)):
+        for layer in range(layers):
+            for s, d in ((20, 6), (21, 7)):
+                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
+                assert buf_s.raw[so : so + pb] == buf_r.raw[do : do + pb]
+    # an abort before GO releases what was built, staging slot included
+    tx.start(rx.expect(3, [8], 2), [1])
+    tx.abort(3)
+    pump(lambda: tx.state(3).terminal and 3 not in tx._rooms
+         and any(r.room == 3 for r in released))  # decode's aux slot 2 is free again
+    assert (be.num_prepared, be.num_prepared_dropped) == (9, 6)
+    assert sorted(tx._free_staging) == [0, 1, 2, 3]
+    # four rooms, four staging slots: the last room finds one slot free and builds no aux
+    # write (the plain path keeps that one); all four complete
+    events.clear()
+    rooms = {10 + i: [12 + i] for i in range(4)}
+    for room, pages in rooms.items():
+        tx.start(rx.expect(room, pages, room % 4), [room])
+    assert [tx._sends[(r, s.peer.session)].ready_final is not None
+            for r in rooms for s in tx._rooms[r]] == [True, True, True, False]
+    for room in rooms:
+        for region in smem.layout.regions:
+            tx.push_layers(room, region.name, range(region.num_layers))
+        tx.finish(room, b"r%d" % room)
+    pump(lambda: len(events) == 4)
+    assert sorted(e.room for e in events if isinstance(e, Received)) == sorted(rooms)
+    assert be.num_prepared == 9 + 4 * 2 + 3 and be.num_prepared_dropped == 6
+    assert be.num_prepared_posts == be.num_prepared - be.num_prepared_dropped
+    pump(lambda: not tx._sends)
+    assert sorted(tx._free_staging) == [0, 1, 2, 3]

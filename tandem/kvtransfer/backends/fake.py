@@ -91,6 +91,14 @@ class _FakeWrite:
     finished: bool = False
 
 
+@dataclass(slots=True)
+class _FakePrepared:
+    peer_id: str
+    batch: CopyBatch
+    notify: str | None
+    used: bool = False  # posted or dropped
+
+
 class FakeBackend:
     name = "fake"
     notify_per_write = True  # a notification rides on the write itself
@@ -102,6 +110,7 @@ class FakeBackend:
         self._inbox: deque[PeerEvent] = deque()
         self._outbox: deque[tuple[str, str]] = deque()  # held while a side is frozen
         self.local_id = self.fabric.add(self)
+        self.num_prepared = self.num_prepared_posts = self.num_prepared_dropped = 0  # tests
 
     # -- memory -----------------------------------------------------------------------------
     def address(self) -> str:
@@ -133,6 +142,25 @@ class FakeBackend:
                 raise TransferError(ErrorKind.BACKEND, f"fake: local [{a:#x}, +{n}) not registered")
         due = time.monotonic() + self.fabric.write_latency_s
         return _FakeWrite(peer_id=peer_id, batch=batch, notify=notify, due=due)
+
+    def prepare_write(self, peer_id: str, batch: CopyBatch, notify: str | None) -> object:
+        """A write built now and posted later by `post_prepared` (nothing to build here: the
+        record is kept, so the sender's ahead-of-GO path runs on this backend too)."""
+        self.num_prepared += 1
+        return _FakePrepared(peer_id=peer_id, batch=batch, notify=notify)
+
+    def post_prepared(self, prepared: object) -> object:
+        p: _FakePrepared = prepared  # type: ignore[assignment]
+        assert not p.used, "a prepared write is posted once"
+        p.used = True
+        self.num_prepared_posts += 1
+        return self.post_write(p.peer_id, p.batch, p.notify)
+
+    def drop_prepared(self, prepared: object) -> None:
+        p: _FakePrepared = prepared  # type: ignore[assignment]
+        assert not p.used, "a posted write is not dropped: poll or cancel it"
+        p.used = True
+        self.num_prepared_dropped += 1
 
     def poll_write(self, handle: object) -> WritePoll:
         w: _FakeWrite = handle  # type: ignore[assignment]

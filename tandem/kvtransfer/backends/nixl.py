@@ -9,7 +9,8 @@ How the library is used, and why:
   `prepare_regions` use descriptor lists prepared once per peer (one descriptor per (layer,
   page) block, `prep_xfer_dlist`) and `make_prepped_xfer` with block indices, which NIXL merges
   back into one descriptor per contiguous run; anything else (the aux slot, unprepared memory)
-  goes through `initialize_xfer` with numpy [n, 3] descriptor arrays.
+  goes through `initialize_xfer` with numpy [n, 3] descriptor arrays. `prepare_write` builds
+  such a transfer without posting it; `post_prepared` posts it with one `transfer()` call.
 - Progress thread per role (BackendOptions.nixl_progress_thread, resolved by the endpoint): on
   for the receiver, whose UCX must progress for a host-memory write into it to complete at the
   sender even while its owner runs a forward pass; off for the sender, whose `check_xfer_state`
@@ -63,6 +64,7 @@ class _Prepared:
 @dataclass(slots=True)
 class _NixlWrite:
     handle: object | None  # nixl_xfer_handle; None once released
+    peer_id: str = ""
     failed: TransferError | None = None
     finished: bool = False
 
@@ -167,8 +169,38 @@ class NixlBackend:
     def post_write(self, peer_id: str, batch: CopyBatch, notify: str | None) -> object:
         if peer_id not in self._peers:
             raise TransferError(ErrorKind.PEER_DEAD, f"nixl peer {peer_id} not connected")
+        w = self._build(peer_id, batch, notify)
+        return self._post(w) if w.failed is None else w
+
+    def prepare_write(self, peer_id: str, batch: CopyBatch, notify: str | None) -> object | None:
+        """The NIXL transfer of `batch` built now (descriptor indices, `make_prepped_xfer`) and
+        posted later by `post_prepared` with one `transfer()`: the sender builds a room's writes
+        while it waits for GO, so that little is left between GO and the bytes moving. None
+        where it cannot be built (the caller posts the batch plainly later)."""
+        w = self._build(peer_id, batch, notify)
+        if w.failed is not None:
+            return None
+        return w
+
+    def post_prepared(self, prepared: object) -> object:
+        w: _NixlWrite = prepared  # type: ignore[assignment]
+        if w.peer_id not in self._peers:  # disconnected since: its remote lists are gone
+            self._release(w)
+            w.failed = TransferError(ErrorKind.PEER_DEAD, f"nixl peer {w.peer_id} not connected")
+            return w
+        return self._post(w)
+
+    def drop_prepared(self, prepared: object) -> None:
+        w: _NixlWrite = prepared  # type: ignore[assignment]
+        self._release(w)  # never posted: release() only frees it
+        w.finished = True
+
+    def _build(self, peer_id: str, batch: CopyBatch, notify: str | None) -> _NixlWrite:
+        w = _NixlWrite(handle=None, peer_id=peer_id)
+        if peer_id not in self._peers:
+            w.failed = TransferError(ErrorKind.PEER_DEAD, f"nixl peer {peer_id} not connected")
+            return w
         notif = notify.encode("ascii") if notify is not None else b""
-        w = _NixlWrite(handle=None)
         try:
             w.handle = self._prepped_xfer(peer_id, batch, notif)
             if w.handle is None:
@@ -181,10 +213,16 @@ class NixlBackend:
                     "WRITE", self.agent.get_xfer_descs(_descs(src, lengths, src_dev), src_mem),
                     self.agent.get_xfer_descs(_descs(dst, lengths, dst_dev), dst_mem), peer_id,
                     notif)
-            if self.agent.transfer(w.handle) == "ERR":
-                w.failed = TransferError(ErrorKind.BACKEND, f"nixl transfer to {peer_id}: ERR")
         except Exception as e:
             w.failed = _error(e, f"write to {peer_id}")
+        return w
+
+    def _post(self, w: _NixlWrite) -> _NixlWrite:
+        try:
+            if self.agent.transfer(w.handle) == "ERR":
+                w.failed = TransferError(ErrorKind.BACKEND, f"nixl transfer to {w.peer_id}: ERR")
+        except Exception as e:
+            w.failed = _error(e, f"write to {w.peer_id}")
         return w
 
     def _prepped_xfer(self, peer_id: str, batch: CopyBatch, notif: bytes) -> object | None:
