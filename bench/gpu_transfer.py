@@ -259,6 +259,21 @@ class BenchWorker(RawNixl):
             return r
 
         be.post_write, be.poll_write = post_write, poll_write
+        if hasattr(be, "prepare_write"):  # writes built ahead (at start) and posted later
+            prepare, post_prepared, built = be.prepare_write, be.post_prepared, {}
+
+            def prepare_write(peer_id, batch, notify):
+                p = prepare(peer_id, batch, notify)
+                built[id(p)] = aux.base_ptr <= batch.src_addrs[0] < aux.base_ptr + aux.nbytes
+                return p
+
+            def post_prepared_(p):
+                h = post_prepared(p)
+                self.writes.append({"aux": built.pop(id(p), False), "h": h,
+                                    "posted": time.perf_counter(), "done": None})
+                return h
+
+            be.prepare_write, be.post_prepared = prepare_write, post_prepared_
 
     def _timeline(self, t_ref: float, t_finished: float) -> dict:
         """ms after `t_ref` (GO, or send()): the page writes posted, completed; the aux write
