@@ -342,12 +342,18 @@ class PrefillSender(EndpointBase):
             self._progress(s)
 
     def _pump_room(self, room: int) -> None:
-        """Progress only `room`'s legs (post what it queued): what a push or finish needs at
-        once. Every other room progresses in the owner's `poll()` -- polling every write in
-        flight on each push made a busy sender's pushes cost O(rooms in flight)."""
+        """Post what `room`'s legs have queued (and their final write once it may go): all a
+        push or finish needs at once. Completions, deadlines and every other room progress in
+        the owner's `poll()` -- polling every write in flight on each push made a busy
+        sender's pushes cost O(rooms in flight), and polling this room's own just-posted writes
+        only delayed the next post."""
+        now = self.clock()
         for s in list(self._rooms.get(room, ())):
-            if (s.room, s.peer.session) in self._sends:
-                self._progress(s)
+            if ((s.room, s.peer.session) in self._sends and s.state is TransferState.TRANSFERRING
+                    and now >= s.post_after and now < s.deadline):
+                self._post_queued(s)
+                if s.state is TransferState.TRANSFERRING:
+                    self._maybe_post_final(s)
 
     def _live(self, room: int) -> list[_Send]:
         legs = self._rooms.get(room)
