@@ -117,7 +117,6 @@ class LLMEngine:
         self.sampler = Sampler()
         self._detok: dict[str, object] = {}
         self._ids = itertools.count()
-        self._base_gen = torch.Generator(device=self.device).manual_seed(engine_cfg.seed)
         self.eos_ids = frozenset(self.model_cfg.eos_token_ids) | frozenset(
             getattr(tokenizer, "eos_token_ids", ()) or ())
         log.info("engine ready: %s, %d layers, %d KV pages of %d tokens, backend %s",
@@ -152,10 +151,11 @@ class LLMEngine:
             )
         req_id = req_id or f"req-{next(self._ids)}"
         gen = None
-        if not params.greedy:
+        if not params.greedy and params.seed is not None:
+            # A seeded request draws from its own generator (the same tokens whatever shares its
+            # batch); the unseeded ones share one batched draw (Sampler.sample).
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed if params.seed is not None
-                            else int(torch.randint(0, 2**62, (1,), generator=self._base_gen)))
+            gen.manual_seed(params.seed)
         self.scheduler.add(Request(req_id=req_id, prompt_ids=prompt_ids, params=params,
                                    max_total_len=max_total, generator=gen))
         if self.tokenizer is not None:

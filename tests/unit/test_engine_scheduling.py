@@ -85,6 +85,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llama_dir):
     assert other != alone
 
 
+def test_only_seeded_requests_get_their_own_generator(llama_dir):
+    """An unseeded sampled request has no generator, so the sampler draws it with the other
+    unseeded rows in one batched draw (the engine once gave every sampled request a generator
+    seeded from a base generator: no row was ever batched, and on CUDA the base draw failed --
+    torch.randint with a CUDA generator needs device=)."""
+    eng = _engine(llama_dir)
+    p = _prompts(1, seed=3)[0]
+    unseeded = eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.8))
+    seeded = eng.add_request(p, SamplingParams(max_new_tokens=4, temperature=0.8, seed=5))
+    greedy = eng.add_request(p, SamplingParams(max_new_tokens=4))
+    gens = {r: eng.scheduler.requests[r].generator for r in (unseeded, seeded, greedy)}
+    assert gens[unseeded] is None and gens[greedy] is None
+    assert isinstance(gens[seeded], torch.Generator)
+    while eng.has_unfinished():
+        eng.step()
+
+
 def test_top_k_one_is_greedy_and_stop_token_stops(llama_dir):
     p = _prompts(1, seed=11)[0]
     greedy = _engine(llama_dir).generate([p], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
