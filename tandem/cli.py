@@ -449,7 +449,8 @@ def _add_bench_parser(sub) -> None:
                         "if available, else cpu)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, metavar="FILE.json",
-                   help="Result file; the plot goes next to it as FILE.png (default: "
+                   help="Result file, or an existing folder to write bench-DATE-TIME.json in; the "
+                        "plot goes next to it as FILE.png (default: "
                         "bench-results/bench-DATE-TIME.json)")
     g.add_argument("--no-plot", action="store_true", help="Skip the PNG")
     g.add_argument("--no-progress", action="store_true", help="No progress bars")

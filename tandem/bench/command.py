@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,9 +81,24 @@ def _vocab_size(runs: list[RunSpec]) -> int:
     return min(sizes) if sizes else FALLBACK_VOCAB
 
 
-def default_out() -> Path:
+def default_out(folder: Path = Path("bench-results")) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("bench-results") / f"bench-{stamp}.json"
+    return folder / f"bench-{stamp}.json"
+
+
+def resolve_out(out: Path | None) -> Path:
+    """The result file `--out` names: None -> bench-results/bench-DATE.json; an existing folder
+    -> a bench-DATE.json inside it. Checked before any run starts (a run takes minutes, and
+    its results were once lost to an --out that named a folder): the folder is made, and a
+    file that cannot be written is a ConfigError naming --out."""
+    path = default_out() if out is None else (default_out(out) if out.is_dir() else out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out: cannot make the folder of {path}: {e}") from e
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise ConfigError(f"out: {path} is not writable")
+    return path
 
 
 def execute(cmd: BenchCommand, out: TextIO | None = None) -> int:
@@ -104,7 +120,7 @@ def execute(cmd: BenchCommand, out: TextIO | None = None) -> int:
             for r in runs):
         raise ConfigError("dataset: chat prompts need a tokenizer; dummy models have none "
                           "(use --dataset random)")
-    out_json = cmd.out or default_out()
+    out_json = resolve_out(cmd.out)
     out_png = out_json.with_suffix(".png") if cmd.plot else None
     levels = ", ".join(lv.label for lv in settings.levels)
     w = settings.workload

@@ -110,3 +110,20 @@ def test_bench_help_explains_every_flag():
         assert action.help and len(action.help) > 10, action.option_strings
     # Every measurement setting a bench config may set is a flag (same name).
     assert set(DEFAULTS) <= {a.dest for a in flags}
+
+
+def test_out_may_name_a_folder_and_is_checked_before_any_run(tmp_path):
+    """--out naming a folder writes bench-DATE.json inside it (the results of a long run were
+    once lost when --out named a folder: the write failed after the runs); a place that cannot
+    be written is refused up front, naming --out."""
+    from tandem.bench.command import resolve_out
+
+    inside = resolve_out(tmp_path)
+    assert inside.parent == tmp_path and inside.name.startswith("bench-")
+    assert inside.suffix == ".json" and not inside.exists()
+    nested = resolve_out(tmp_path / "a" / "b.json")
+    assert nested == tmp_path / "a" / "b.json" and nested.parent.is_dir()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="out: "):
+        resolve_out(blocker / "b.json")  # its folder would be a file
