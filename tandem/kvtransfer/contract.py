@@ -230,8 +230,11 @@ class KVSender(Protocol):
         """Handshake: check CompatInfo both ways, learn the receiver's layout. Raises
         TransferError(HANDSHAKE) naming every differing field."""
 
-    def start(self, dest: Destination, src_page_ids: Sequence[int]) -> None:
-        """Begin a transfer: asks decode for the grant (BEGIN→GO). Writes wait for the grant."""
+    def start(self, dest: Destination, src_page_ids: Sequence[int], *,
+              whole_groups: bool = True) -> None:
+        """Begin a transfer: asks decode for the grant (BEGIN→GO). Writes wait for the grant.
+        `whole_groups`: the caller will push each layer group in one call (False: layer by
+        layer), so the sender may build the writes while it waits for GO."""
 
     def push_layers(self, room: int, group: str, layers: range) -> None:
         """Queue layers `layers` of group `group` (layer-wise push; each layer exactly once)."""

@@ -41,7 +41,7 @@ def timed_push(sender: KVSender, layout: KVLayout, dest: Destination, src_page_i
                pump: Callable[[], object] = lambda: None, timeout_s: float = 60.0) -> PushTiming:
     """One transfer of every group in `layout` (the sender's), timed. `pump` is called while
     waiting (an in-process receiver's poll, for the fake backend)."""
-    sender.start(dest, src_page_ids)
+    sender.start(dest, src_page_ids, whole_groups=not layerwise)
     t0 = time.perf_counter()
     num_layers = 0
     for region in layout.regions:  # target layers first, then the draft's, as prefill runs them

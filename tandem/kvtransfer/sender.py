@@ -156,7 +156,8 @@ class PrefillSender(EndpointBase):
                     + [(self.layout.aux, remote.aux)])
 
     # -- per-room API ---------------------------------------------------------------------------
-    def start(self, dest: Destination, src_page_ids: Sequence[int]) -> None:
+    def start(self, dest: Destination, src_page_ids: Sequence[int], *,
+              whole_groups: bool = True) -> None:
         peer = self._peers.get(dest.receiver_session)
         if peer is None:
             raise TransferError(ErrorKind.HANDSHAKE, f"not connected to decode session "
@@ -180,13 +181,15 @@ class PrefillSender(EndpointBase):
         self.backend.send_message(peer.peer_id, Message(
             kind=MsgKind.BEGIN, room=dest.room, session=peer.session,
             num_pages=s.num_pages).encode())
-        self._build_ahead(s)  # while BEGIN -> GO makes its round trip
+        if whole_groups:
+            self._build_ahead(s)  # while BEGIN -> GO makes its round trip
         self._pump()
 
     def _build_ahead(self, s: _Send) -> None:
         """Build the room's writes before GO, on backends with `prepare_write` (NIXL, fake):
         each group's page writes for a push of all its layers (what `send` and the prefill
-        worker's push-after-prefill do) and the aux write that carries FINAL, so that from GO
+        worker's push-after-prefill do; `start(whole_groups=False)` skips it for layer-wise
+        pushes) and the aux write that carries FINAL, so that from GO
         on only the posts are left (descriptor planning and the library's transfer set-up cost
         as much as the 64 MiB write itself on a GPU host). A push of part of a group drops them
         and plans as before. Not for head slices or injected faults, and the aux write only

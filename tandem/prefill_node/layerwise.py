@@ -94,7 +94,8 @@ class LayerwisePusher:
             entry = self._early[room] = _Early(page_ids=c.page_ids, num_dests=len(dests))
             try:
                 for dest in dests:
-                    self.sender.start(dest, c.page_ids)
+                    # layer by layer: nothing to build ahead (a partial push drops it)
+                    self.sender.start(dest, c.page_ids, whole_groups=not self.per_layer)
             except TransferError as exc:
                 entry.error = exc
                 if dest is not dests[0]:  # end the legs already started: no push will follow

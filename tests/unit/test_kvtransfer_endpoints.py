@@ -303,3 +303,18 @@ def test_writes_built_before_go_are_posted_once_or_dropped(ends):
     assert be.num_prepared_posts == be.num_prepared - be.num_prepared_dropped
     pump(lambda: not tx._sends)
     assert sorted(tx._free_staging) == [0, 1, 2, 3]
+
+
+def test_layer_by_layer_start_builds_nothing_ahead(ends):
+    """start(whole_groups=False) (layer-wise push) builds no write ahead: each partial push
+    would only drop them again."""
+    tx, rx, _, pump, events, _ = ends
+    tx.start(rx.expect(1, [3, 4], 0), [5, 6], whole_groups=False)
+    assert tx.backend.num_prepared == 0
+    for layer in range(4):
+        tx.push_layers(1, "target", range(layer, layer + 1))
+    tx.push_layers(1, "draft", range(1))
+    tx.finish(1, b"lw")
+    pump(lambda: events)
+    assert events == [Received(room=1, page_ids=(3, 4), aux_payload=b"lw")]
+    assert tx.backend.num_prepared == tx.backend.num_prepared_dropped == 0

@@ -27,8 +27,10 @@ class RecordingSender:
         self.legs: dict[int, list[int]] = {}  # room -> decode sessions, in start order
         self.pushed: set[int] = set()  # rooms with a push
 
-    def start(self, dest, src_page_ids):
+    def start(self, dest, src_page_ids, *, whole_groups=True):
         assert dest.room not in self.pushed, "a leg started after the room's first push"
+        # the pusher pushes layer by layer here: nothing is to be built ahead for whole groups
+        assert whole_groups is False
         if dest.receiver_session in self.refused:
             raise TransferError(ErrorKind.HANDSHAKE, "not connected", room=dest.room)
         self.legs.setdefault(dest.room, []).append(dest.receiver_session)
