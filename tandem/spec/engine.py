@@ -266,12 +266,15 @@ class SpecEngine(LLMEngine):
                 f"{seed.last_token}, the request has {len(prompt_ids)} / {first_token}"
             )
         gen = None
-        if not params.greedy:
+        if not params.greedy and (generator_state or params.seed is not None):
+            # The prefill side's generator state, so a seeded request goes on drawing the
+            # stream it started there; an unseeded request (no state) draws with the other
+            # unseeded rows from the shared RNG, as in LLMEngine.add_request.
             gen = torch.Generator(device=self.device)
             if generator_state:
                 gen.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
             else:
-                gen.manual_seed(params.seed or 0)
+                gen.manual_seed(params.seed)
         max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         req = Request(req_id=req_id, prompt_ids=prompt_ids, params=params,
                       max_total_len=max_total, generator=gen, page_ids=list(page_ids),

@@ -77,3 +77,38 @@ def test_handoff_equals_colocated(llama_dir, spec):
                              ignore_eos=True)]
     colocated = [c.output_ids for c in _engine(llama_dir, spec).generate(prompts, params)]
     assert _disaggregated(llama_dir, spec, prompts, params) == colocated
+
+
+def test_unseeded_sampled_requests_do_not_share_one_stream_after_the_handoff(llama_dir):
+    """A seeded request goes on with the generator state it started on the prefill side; an
+    unseeded one draws from the shared RNG on the decode side like any unseeded row (decode
+    once seeded every unseeded request with 0: two such requests with one prompt drew the same
+    tokens)."""
+    spec = SpecConfig(num_steps=3)
+    prompt = [5, 9, 17, 3, 8, 2, 11]
+    params = [SamplingParams(max_new_tokens=24, temperature=1.5, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, temperature=1.5, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, temperature=1.5, seed=11, ignore_eos=True)]
+    pre, dec = _engine(llama_dir, spec), _engine(llama_dir, spec, num_pages=200)
+    for i, p in enumerate(params):
+        pre.add_prefill_request(prompt, p, f"r{i}")
+    while pre.has_unfinished():
+        pre.step()
+    gens = {}
+    for h in pre.take_handoffs():
+        seed, gen_state = decode_seed(h.seed_bytes(), torch.device("cpu"), torch.float32)
+        assert bool(gen_state) == (h.req_id == "r2")  # only the seeded one carries a state
+        pages = dec.allocator.alloc(len(h.page_ids) + 8)
+        _copy_pages(pre, h.page_ids, dec, pages)
+        pre.free_pages(h.page_ids)
+        dec.admit_prefilled(h.req_id, h.prompt_ids, params[int(h.req_id[1:])], h.first_token,
+                            seed, pages, gen_state)
+        gens[h.req_id] = dec.scheduler.requests[h.req_id].generator
+    assert gens["r0"] is None and gens["r1"] is None
+    assert isinstance(gens["r2"], torch.Generator)
+    out = {f"r{i}": [] for i in range(3)}
+    torch.manual_seed(0)
+    while dec.has_unfinished():
+        for o in dec.step():
+            out[o.req_id].extend(o.new_token_ids)
+    assert out["r0"] != out["r1"]  # 24 tokens at temperature 1.5 from a 256-token vocabulary
