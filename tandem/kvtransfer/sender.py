@@ -191,8 +191,9 @@ class PrefillSender(EndpointBase):
         worker's push-after-prefill do; `start(whole_groups=False)` skips it for layer-wise
         pushes) and the aux write that carries FINAL, so that from GO
         on only the posts are left (descriptor planning and the library's transfer set-up cost
-        as much as the 64 MiB write itself on a GPU host). A push of part of a group drops them
-        and plans as before. Not for head slices or injected faults, and the aux write only
+        as much as the 64 MiB write itself on a GPU host). A push of part of a group drops that
+        group's built writes and the built aux write (FINAL's counts change) and plans as
+        before; writes already queued, and other groups' built writes, still go. Not for head slices or injected faults, and the aux write only
         while two staging slots or more are free: the plain path keeps one, so a room without
         a built aux write never waits on rooms that hold theirs."""
         if not self._can_prepare or s.piece is not None or s.fault is not None:
@@ -213,8 +214,7 @@ class PrefillSender(EndpointBase):
         if len(self._free_staging) < 2:
             return
         slot = self._free_staging.pop()
-        final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
-                        nbytes=nbytes, count=count).encode()
+        final = self._final_done(s, nbytes, count)
         prepared = self.backend.prepare_write(s.peer.peer_id, self._aux_batch(s, slot), final)  # type: ignore[attr-defined]
         if prepared is None:
             self._free_staging.append(slot)
@@ -222,18 +222,30 @@ class PrefillSender(EndpointBase):
         s.ready_final = (_Ready(prepared, self.layout.aux.slot_bytes), slot, final)
 
     def _drop_ready(self, s: _Send) -> None:
-        """Release every write built ahead and not posted (and the aux write's staging slot)."""
-        left = [r for items in s.ready.values() for r in items]
-        left += [r for r in s.queued if isinstance(r, _Ready)]
-        s.ready.clear()
-        if any(isinstance(r, _Ready) for r in s.queued):
+        """Release every write built ahead and not posted, queued or not (the leg ended)."""
+        queued = [b for b in s.queued if isinstance(b, _Ready)]
+        if queued:
             s.queued = deque(b for b in s.queued if not isinstance(b, _Ready))
+        self._drop_built(queued + [r for items in s.ready.values() for r in items])
+        s.ready.clear()
+        self._drop_built_final(s)
+
+    def _drop_built(self, items: list[_Ready]) -> None:
+        for r in items:
+            self.backend.drop_prepared(r.prepared)  # type: ignore[attr-defined]
+
+    def _drop_built_final(self, s: _Send) -> None:
+        """Release the built aux write and give its staging slot back."""
         if s.ready_final is not None:
-            left.append(s.ready_final[0])
+            self._drop_built([s.ready_final[0]])
             self._free_staging.append(s.ready_final[1])
             s.ready_final = None
-        for r in left:
-            self.backend.drop_prepared(r.prepared)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _final_done(s: _Send, nbytes: int, count: int) -> str:
+        """FINAL(done) for `s`: `count` page writes of `nbytes` in all were posted."""
+        return Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
+                       nbytes=nbytes, count=count).encode()
 
     def _aux_batch(self, s: _Send, slot: int) -> CopyBatch:
         """The write of a whole staging slot into the room's aux slot at decode (the bytes after
@@ -255,9 +267,9 @@ class PrefillSender(EndpointBase):
             if ready is not None and layers == range(src.num_layers):
                 s.queued.extend(ready)  # built at start()
             elif s.piece is None:
-                if ready is not None:  # part of a group: FINAL's counts change too
-                    s.ready[group] = ready
-                    self._drop_ready(s)
+                if ready is not None:  # part of a group: its built writes and FINAL's counts
+                    self._drop_built(ready)  # no longer fit (other groups' still do)
+                    self._drop_built_final(s)
                 s.queued.extend(plan_layers(src, dst, s.runs, layers,
                                             max_entries=self.max_batch_entries))
             else:
@@ -516,18 +528,14 @@ class PrefillSender(EndpointBase):
         if s.piece is not None and not s.piece.primary:
             # Not this decode rank's aux writer: every write of ours completed, so FINAL(done)
             # as a message arrives after our data, as the aux write's notification would.
-            self.backend.send_message(s.peer.peer_id, Message(
-                kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
-                nbytes=s.posted_bytes, count=s.num_data).encode())
+            self.backend.send_message(s.peer.peer_id,
+                                      self._final_done(s, s.posted_bytes, s.num_data))
             self._done(s)  # final_bytes is 0: no aux write
             return
-        final = Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
-                        nbytes=s.posted_bytes, count=s.num_data).encode()
+        final = self._final_done(s, s.posted_bytes, s.num_data)
+        if s.ready_final is not None and s.ready_final[2] != final:  # pushed otherwise than
+            self._drop_built_final(s)                                  # planned at start()
         built, s.ready_final = s.ready_final, None
-        if built is not None and built[2] != final:  # pushed otherwise than planned at start
-            self.backend.drop_prepared(built[0].prepared)  # type: ignore[attr-defined]
-            self._free_staging.append(built[1])
-            built = None
         if built is None and not self._free_staging:
             return  # every staging slot is busy with another final write: try next poll
         s.staging_slot = built[1] if built is not None else self._free_staging.pop()

@@ -261,12 +261,13 @@ def test_writes_built_before_go_are_posted_once_or_dropped(ends):
     pump(lambda: events)
     assert events == [Received(room=1, page_ids=(3, 4, 5), aux_payload=b"seed")]
     assert (be.num_prepared, be.num_prepared_posts, be.num_prepared_dropped) == (3, 3, 0)
-    # layer by layer: the built writes are dropped at the first partial push, the data still
-    # lands exactly and FINAL counts what was really posted
+    # target layer by layer: its built write and the built aux write are dropped at its first
+    # partial push (the draft's still fits its whole push), the data still lands exactly and
+    # FINAL counts what was really posted
     events.clear()
     tx.start(rx.expect(2, [6, 7], 1), [20, 21])
     tx.push_layers(2, "target", range(0, 2))
-    assert (be.num_prepared, be.num_prepared_dropped) == (6, 3)
+    assert (be.num_prepared, be.num_prepared_dropped) == (6, 2)
     tx.push_layers(2, "target", range(2, 4))
     tx.push_layers(2, "draft", range(1))
     tx.finish(2, b"s2")
@@ -283,7 +284,7 @@ def test_writes_built_before_go_are_posted_once_or_dropped(ends):
     tx.abort(3)
     pump(lambda: tx.state(3).terminal and 3 not in tx._rooms
          and any(r.room == 3 for r in released))  # decode's aux slot 2 is free again
-    assert (be.num_prepared, be.num_prepared_dropped) == (9, 6)
+    assert (be.num_prepared, be.num_prepared_dropped) == (9, 5)
     assert sorted(tx._free_staging) == [0, 1, 2, 3]
     # four rooms, four staging slots: the last room finds one slot free and builds no aux
     # write (the plain path keeps that one); all four complete
@@ -299,7 +300,7 @@ def test_writes_built_before_go_are_posted_once_or_dropped(ends):
         tx.finish(room, b"r%d" % room)
     pump(lambda: len(events) == 4)
     assert sorted(e.room for e in events if isinstance(e, Received)) == sorted(rooms)
-    assert be.num_prepared == 9 + 4 * 2 + 3 and be.num_prepared_dropped == 6
+    assert be.num_prepared == 9 + 4 * 2 + 3 and be.num_prepared_dropped == 5
     assert be.num_prepared_posts == be.num_prepared - be.num_prepared_dropped
     pump(lambda: not tx._sends)
     assert sorted(tx._free_staging) == [0, 1, 2, 3]
@@ -318,3 +319,28 @@ def test_layer_by_layer_start_builds_nothing_ahead(ends):
     pump(lambda: events)
     assert events == [Received(room=1, page_ids=(3, 4), aux_payload=b"lw")]
     assert tx.backend.num_prepared == tx.backend.num_prepared_dropped == 0
+
+
+def test_a_partial_push_keeps_the_built_writes_already_queued(ends):
+    """One group pushed whole before GO (its built writes queued), then another layer by layer:
+    the partial push gives up only what no longer fits (that group's built writes, the built
+    aux write); the writes already queued still go, so every page of both groups lands."""
+    tx, rx, _, pump, events, (smem, rmem) = ends
+    tx.start(rx.expect(1, [3, 4], 0), [5, 6])
+    tx.push_layers(1, "draft", range(1))  # before GO: queued
+    tx.push_layers(1, "target", range(0, 2))
+    tx.push_layers(1, "target", range(2, 4))
+    tx.finish(1, b"mix")
+    pump(lambda: events)
+    assert events == [Received(room=1, page_ids=(3, 4), aux_payload=b"mix")]
+    for buf_s, buf_r, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
+                                     (smem.bufs[1], rmem.bufs[1], 64, 1)):
+        for layer in range(layers):
+            for s, d in ((5, 3), (6, 4)):
+                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
+                assert buf_s.raw[so : so + pb] == buf_r.raw[do : do + pb], (pb, layer, s)
+    be = tx.backend
+    assert be.num_prepared_posts == 1  # the draft's built write
+    assert be.num_prepared_dropped == be.num_prepared - 1
+    pump(lambda: not tx._sends)
+    assert sorted(tx._free_staging) == [0, 1, 2, 3]
