@@ -37,6 +37,16 @@ class Mem:
             base_ptr=ctypes.addressof(self.aux), num_slots=4, slot_bytes=128))
 
 
+def _assert_landed(smem: Mem, rmem: Mem, src_pages, dst_pages) -> None:
+    """Every layer of both groups: source page src_pages[i] equals decode page dst_pages[i]."""
+    for buf_s, buf_r, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
+                                     (smem.bufs[1], rmem.bufs[1], 64, 1)):
+        for layer in range(layers):
+            for s, d in zip(src_pages, dst_pages):
+                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
+                assert buf_s.raw[so : so + pb] == buf_r.raw[do : do + pb], (pb, layer, s, d)
+
+
 @pytest.fixture
 def ends():
     """(sender, receiver, released list, pump); connected over a private fabric."""
@@ -79,12 +89,7 @@ def test_round_trip_and_metrics(ends):
     assert tx.state(1) is TransferState.DONE
     tx.wait(1)
     assert [r.outcome for r in released] == [TransferState.DONE]
-    for src_buf, dst_buf, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
-                                         (smem.bufs[1], rmem.bufs[1], 64, 1)):
-        for layer in range(layers):
-            for s, d in zip((10, 11, 12), (3, 4, 5)):
-                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
-                assert src_buf.raw[so : so + pb] == dst_buf.raw[do : do + pb]
+    _assert_landed(smem, rmem, (10, 11, 12), (3, 4, 5))
     assert rx.metrics().num_done == 1 and tx.metrics().bytes_moved == rx.metrics().bytes_moved
 
 
@@ -217,12 +222,7 @@ def test_final_does_not_wait_for_page_writes_and_decode_waits_for_their_data(end
     pump(lambda: events)
     assert events == [Received(room=5, page_ids=(6, 7), aux_payload=b"seed5")]
     pump(lambda: tx.state(5) is TransferState.DONE)
-    for src_buf, dst_buf, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
-                                         (smem.bufs[1], rmem.bufs[1], 64, 1)):
-        for layer in range(layers):
-            for s, d in zip((1, 2), (6, 7)):
-                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
-                assert src_buf.raw[so : so + pb] == dst_buf.raw[do : do + pb]
+    _assert_landed(smem, rmem, (1, 2), (6, 7))
 
 
 def _pending():
@@ -273,12 +273,7 @@ def test_writes_built_before_go_are_posted_once_or_dropped(ends):
     tx.finish(2, b"s2")
     pump(lambda: events)
     assert events == [Received(room=2, page_ids=(6, 7), aux_payload=b"s2")]
-    for buf_s, buf_r, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
-                                     (smem.bufs[1], rmem.bufs[1], 64, 1)):
-        for layer in range(layers):
-            for s, d in ((20, 6), (21, 7)):
-                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
-                assert buf_s.raw[so : so + pb] == buf_r.raw[do : do + pb]
+    _assert_landed(smem, rmem, (20, 21), (6, 7))
     # an abort before GO releases what was built, staging slot included
     tx.start(rx.expect(3, [8], 2), [1])
     tx.abort(3)
@@ -333,12 +328,7 @@ def test_a_partial_push_keeps_the_built_writes_already_queued(ends):
     tx.finish(1, b"mix")
     pump(lambda: events)
     assert events == [Received(room=1, page_ids=(3, 4), aux_payload=b"mix")]
-    for buf_s, buf_r, pb, layers in ((smem.bufs[0], rmem.bufs[0], 128, 4),
-                                     (smem.bufs[1], rmem.bufs[1], 64, 1)):
-        for layer in range(layers):
-            for s, d in ((5, 3), (6, 4)):
-                so, do = (layer * 32 + s) * pb, (layer * 32 + d) * pb
-                assert buf_s.raw[so : so + pb] == buf_r.raw[do : do + pb], (pb, layer, s)
+    _assert_landed(smem, rmem, (5, 6), (3, 4))
     be = tx.backend
     assert be.num_prepared_posts == 1  # the draft's built write
     assert be.num_prepared_dropped == be.num_prepared - 1
