@@ -171,6 +171,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, epochs=args.epochs, lr=args.lr, ttt_steps=args.ttt_steps,
         save_every=args.save_every, seed=args.seed, extra_samples=tuple(args.extra_samples),
         init_head=args.init_head, self_prompts=args.self_prompts,
+        soft_labels=args.soft_labels, feature_weight=args.feature_weight,
     )
     engine = LLMEngine.from_config(engine_config_from_args(args))
     if engine.tokenizer is None:
@@ -535,6 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Also answer N prompts the target writes itself (given only the chat "
                         "template up to a user turn, as Magpie does; kept in OUT/"
                         "self_prompts.jsonl). Default: %(default)s")
+    p.add_argument("--soft-labels", action="store_true",
+                   help="Train against the target's whole next-token distribution (EAGLE's "
+                        "loss; computed from the target's features, no extra forward) instead "
+                        "of its greedy token alone")
+    p.add_argument("--feature-weight", type=float, default=0.0, metavar="W",
+                   help="EAGLE-1/2 heads: add W x smooth-L1 between each draft step's hidden "
+                        "and the target's next feature (EAGLE-1's regression term). "
+                        "Default: %(default)s (token loss alone)")
     p.add_argument("--generate-only", action="store_true",
                    help="Only let the target answer the prompts (resumable), then stop")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")

@@ -30,7 +30,7 @@ from tandem.spec.head import (DraftHeadConfig, DraftHeadError, EagleHead, HeadKi
                               read_head_checkpoint)
 from tandem.spec.train_data import (Sample, build_prompts, generate_samples, read_samples,
                                      self_prompts, unanswered)
-from tandem.spec.ttt import ttt_forward, ttt_loss
+from tandem.spec.ttt import target_log_probs, ttt_forward, ttt_loss
 from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,12 @@ class TrainConfig:
     # Prompts the target writes itself (train_data.self_prompts), answered next to the built
     # ones: the most varied chat the machine can offer. 0: none.
     self_prompts: int = 0
+    # Train against the target's whole next-token distribution (EAGLE's loss) instead of its
+    # greedy token alone.
+    soft_labels: bool = False
+    # EAGLE-1/2 heads: weight of the smooth-L1 term between each step's hidden and the
+    # target's next feature (EAGLE-1 trains with both); 0: token loss alone.
+    feature_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "epochs", "ttt_steps",
@@ -69,6 +75,11 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.kind not in ("eagle", "eagle3"):
             raise ValueError(f"kind: '{self.kind}' is not one of eagle, eagle3")
+        if self.feature_weight < 0:
+            raise ValueError(f"feature_weight: must be >= 0, got {self.feature_weight}")
+        if self.feature_weight > 0 and self.kind != "eagle":
+            raise ValueError("feature_weight: only an EAGLE-1/2 head's hidden is a target "
+                             "feature; an EAGLE-3 head trains on tokens alone")
         if self.self_prompts < 0:
             raise ValueError(f"self_prompts: must be >= 0, got {self.self_prompts}")
 
@@ -125,16 +136,27 @@ def trainable(head: EagleHead) -> list[torch.nn.Parameter]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class TargetBatch:
+    """One training batch from the target, padded to the longest sample (T = its length - 1)."""
+
+    tokens: torch.Tensor  # [B, T] int64: x_{t+1}, the token draft position t consumes
+    features: torch.Tensor  # [B, T, F]: the target's feature f_t
+    labels: torch.Tensor  # [B, T] int64: x_{t+2}, what draft position t proposes
+    mask: torch.Tensor  # [B, T] bool: positions whose label is part of the answer
+    next_hidden: torch.Tensor  # [B, T, H]: the target's final-normed hidden at t+1 (it scores x_{t+2})
+
+
 @torch.no_grad()
 def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_len: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the target over each sample. Returns (tokens [B, T] = x_{t+1}, features [B, T, F],
-    labels [B, T] = x_{t+2}, mask [B, T] = answer positions), padded to the longest."""
+                 ) -> TargetBatch:
+    """Run the target over each sample (one forward for the batch) and lay out what the head
+    trains on, on the engine's device."""
     seqs = [list(s.prompt_ids + s.answer_ids)[:max_len] for s in samples]
     plens = [len(s.prompt_ids) for s in samples]
     pages = [engine.allocator.alloc(engine.scheduler.pages_needed(len(x))) for x in seqs]
+    dev = engine.device
     try:
-        dev = engine.device
         layout = build_metadata([SeqSlice(page_ids=p, num_cached=0, num_new=len(x))
                                  for p, x in zip(pages, seqs)], engine.cfg.page_size, dev)
         flat = torch.tensor([t for x in seqs for t in x], dtype=torch.int64, device=dev)
@@ -145,25 +167,27 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
     finally:
         for p in pages:
             engine.allocator.free(p)
-    feats = head.target_features(out.hidden, out.aux_hidden)
-    t_len = max(len(x) for x in seqs) - 1
-    b = len(seqs)
-    tokens = torch.zeros(b, t_len, dtype=torch.int64)
-    labels = torch.zeros(b, t_len, dtype=torch.int64)
-    mask = torch.zeros(b, t_len, dtype=torch.bool)
-    features = torch.zeros(b, t_len, feats.shape[-1])
-    feats = feats.float().cpu()
-    offset = 0
-    for i, x in enumerate(seqs):
-        n = len(x)
-        tokens[i, : n - 1] = torch.tensor(x[1:])
-        features[i, : n - 1] = feats[offset : offset + n - 1].float()
-        labels[i, : n - 2] = torch.tensor(x[2:])
-        # Draft position t predicts x_{t+2}; train where that token is part of the answer.
-        mask[i, max(0, plens[i] - 2) : n - 2] = True
-        offset += n
-    dev = engine.device
-    return tokens.to(dev), features.to(dev), labels.to(dev), mask.to(dev)
+    feats = head.target_features(out.hidden, out.aux_hidden).float()  # [N, F]
+    hidden = out.hidden.float()  # [N, H]
+    b, t_len = len(seqs), max(len(x) for x in seqs) - 1
+    # Flat index of position t of sample i (padding points at row 0 and is masked out).
+    lens = torch.tensor([len(x) for x in seqs], device=dev)
+    starts = torch.cumsum(lens, 0) - lens  # [B]
+    t = torch.arange(t_len, device=dev)
+    at = (starts[:, None] + t[None, :]).clamp(max=len(flat) - 1)  # [B, T]
+    has_token = t[None, :] < (lens - 1)[:, None]  # x_{t+1} exists
+    has_label = t[None, :] < (lens - 2)[:, None]  # x_{t+2} exists
+    plen = torch.tensor(plens, device=dev)
+    # Draft position t predicts x_{t+2}; train where that token is part of the answer.
+    mask = has_label & (t[None, :] >= (plen - 2).clamp(min=0)[:, None])
+    nxt = (at + 1).clamp(max=len(flat) - 1)
+    return TargetBatch(
+        tokens=torch.where(has_token, flat[nxt], 0),
+        features=feats[at] * has_token[..., None],
+        labels=torch.where(has_label, flat[(at + 2).clamp(max=len(flat) - 1)], 0),
+        mask=mask,
+        next_hidden=hidden[nxt] * has_token[..., None],
+    )
 
 
 def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
@@ -267,6 +291,7 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
         t2d = torch.full((engine.model_cfg.vocab_size,), -1, dtype=torch.int64)
         t2d[vocab_ids] = torch.arange(len(vocab_ids))
         t2d = t2d.to(engine.device)
+    draft_ids = None if vocab_ids is None else vocab_ids.to(engine.device)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -279,13 +304,16 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
         order = list(range(len(samples)))
         random.Random(cfg.seed + epoch).shuffle(order)
         batch = [samples[i] for i in order[idx * cfg.batch_size : (idx + 1) * cfg.batch_size]]
-        tokens, features, labels, mask = target_batch(engine, batch, head, cfg.max_seq_len)
+        tb = target_batch(engine, batch, head, cfg.max_seq_len)
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (
             1 + math.cos(math.pi * step / total_steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        outs = ttt_forward(head, tokens, features, cfg.ttt_steps)
-        loss, accs = ttt_loss(head, outs, labels, mask, t2d)
+        outs = ttt_forward(head, tb.tokens, tb.features, cfg.ttt_steps)
+        soft = (target_log_probs(engine.model.lm_head, tb.next_hidden, tb.mask, draft_ids)
+                if cfg.soft_labels else None)
+        loss, accs = ttt_loss(head, outs, tb.labels, tb.mask, t2d, target_logp=soft,
+                              next_hidden=tb.next_hidden, feature_weight=cfg.feature_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         # Per-tensor clipping: fc's gradient is orders of magnitude larger than the rest (it
@@ -294,7 +322,7 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
             torch.nn.utils.clip_grad_norm_([p], 1.0)
         opt.step()
         step += 1
-        num_tokens += int(mask.sum())
+        num_tokens += int(tb.mask.sum())
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=",".join(f"{a:.2f}" for a in accs))

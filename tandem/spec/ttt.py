@@ -99,22 +99,59 @@ def _shift_t(x: torch.Tensor, by: int) -> torch.Tensor:
 def ttt_loss(
     head: EagleHead, outs: list[torch.Tensor], labels: torch.Tensor, mask: torch.Tensor,
     t2d: torch.Tensor | None, step_decay: float = 0.8,
+    target_logp: torch.Tensor | None = None,
+    next_hidden: torch.Tensor | None = None, feature_weight: float = 0.0,
 ) -> tuple[torch.Tensor, list[float]]:
-    """Cross-entropy of each step's prediction of x_{t+2} (labels [B, T] target ids, mask
-    [B, T] bool). t2d maps target ids to draft ids (-1 = not in the draft vocabulary, ignored).
-    Returns (loss, top-1 accuracy per step)."""
+    """Loss of each step's prediction of x_{t+2} (labels [B, T] target ids, mask [B, T] bool),
+    weighted by step_decay**s. Returns (loss, top-1 accuracy per step against the labels).
+
+    - Hard labels (target_logp None): cross-entropy against x_{t+2}; t2d maps target ids to
+      draft ids (-1 = not in the draft vocabulary, ignored).
+    - Soft labels: cross-entropy against the target's whole distribution for x_{t+2}
+      (target_logp [n, V_draft] float32 log-probs at the mask's positions, in mask order; see
+      `target_log_probs`), as EAGLE trains: the head learns which tokens the target also
+      considered, not only its first choice.
+    - feature_weight > 0 (EAGLE-1/2 heads): also smooth-L1 between the step's hidden and the
+      target's next feature (next_hidden [B, T, H], the target's final-normed hidden at t+1),
+      EAGLE-1's regression term, which keeps the hidden the next step reads close to a
+      real feature.
+    """
     total = torch.zeros((), device=labels.device)
     accs = []
     draft_labels = labels if t2d is None else t2d[labels]
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     for s, h in enumerate(outs):
-        valid = mask.clone()
-        valid[:, :s] = False
-        valid &= draft_labels >= 0
+        valid = mask & (positions >= s)
+        if target_logp is None:
+            valid &= draft_labels >= 0
         if not valid.any():
             accs.append(0.0)
             continue
         logp = head.log_probs(h[valid])  # [n, V_draft]
+        if target_logp is None:
+            step_loss = F.nll_loss(logp, draft_labels[valid])
+        else:
+            p = target_logp[valid[mask]].exp()  # [n, V_draft]
+            step_loss = -(p * logp).sum(-1).mean()
+        if feature_weight > 0:
+            assert next_hidden is not None
+            step_loss = step_loss + feature_weight * F.smooth_l1_loss(
+                h[valid].float(), next_hidden[valid].float())
+        total = total + (step_decay**s) * step_loss
         target = draft_labels[valid]
-        total = total + (step_decay**s) * F.nll_loss(logp, target)
         accs.append((logp.argmax(-1) == target).float().mean().item())
     return total, accs
+
+
+@torch.no_grad()
+def target_log_probs(target_lm_head: torch.nn.Module, next_hidden: torch.Tensor,
+                     mask: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """[n, V_draft] float32: the target's log-probabilities for x_{t+2} at the mask's
+    positions (next_hidden [B, T, H] = the target's final-normed hidden at t+1), over the
+    draft vocabulary `vocab_ids` (renormalized there) or the whole vocabulary (None)."""
+    hidden = next_hidden[mask]
+    dtype = target_lm_head.head_weight().dtype
+    logits = target_lm_head(hidden.to(dtype))  # [n, V] float32
+    if vocab_ids is not None:
+        logits = logits[:, vocab_ids]
+    return torch.log_softmax(logits, dim=-1)

@@ -59,10 +59,13 @@ def test_init_head_starts_training_from_a_trained_subset_head(smollm2_dir, tmp_p
     b = load_head(again, eng.model, torch.float32, torch.device("cpu"), 128)
     for name, t in a.state_for_saving().items():  # d2t: from the new run's answers
         assert name == "d2t" or torch.equal(t, b.state_for_saving()[name]), name
-    fresh = train(eng, TrainConfig(out_dir=str(tmp_path / "c"), lr=0.0, seed=1, **base),
-                  progress=False)
+    # (this run also takes the soft-label and feature-loss path end to end)
+    fresh = train(eng, TrainConfig(out_dir=str(tmp_path / "c"), lr=0.0, seed=1, soft_labels=True,
+                                   feature_weight=0.5, **base), progress=False)
     c = load_head(fresh, eng.model, torch.float32, torch.device("cpu"), 128)
     assert not torch.equal(a.fc.weight, c.fc.weight)  # without it: a different random init
+    with pytest.raises(ValueError, match="feature_weight"):
+        TrainConfig(out_dir="x", kind="eagle3", feature_weight=1.0)
     with pytest.raises(ValueError, match="init_head"):
         train(eng, TrainConfig(out_dir=str(tmp_path / "d"), init_head=str(first),
                                **(base | {"kind": "eagle3"})), progress=False)
@@ -128,3 +131,40 @@ def test_keep_self_prompt_drops_held_out_subjects_odd_text_and_bad_lengths():
     assert not keep_self_prompt("word " * 100)  # too long
     assert not keep_self_prompt("Sin parecerías para similástas desde él ñandú äöü éèê çà")
     assert not keep_self_prompt("{}[]<>{}[]<>{}[]<>##$$%%^^&&**")
+
+
+def test_target_batch_scores_each_label_with_the_targets_own_distribution(smollm2_dir, tmp_path):
+    """The soft labels are the target's distribution for the token each draft position
+    proposes: at every trained position their argmax is the token the target answered (greedy,
+    same dtype), the feature a position reads is the hidden the previous one's label came from,
+    and padding is never trained on."""
+    from tandem.spec.train import init_head, target_batch
+    from tandem.spec.ttt import target_log_probs
+
+    torch.set_num_threads(1)
+    eng = LLMEngine.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                             num_pages=256, max_num_batched_tokens=512))
+    cfg = TrainConfig(out_dir=str(tmp_path), kind="eagle", num_prompts=3, max_new_tokens=8,
+                      gen_batch_size=3)
+    from tandem.spec.train import answer_prompts
+
+    samples = read_samples(answer_prompts(eng, cfg, progress=False))
+    head = init_head(eng, cfg, None)
+    tb = target_batch(eng, samples, head, 256)
+    lens = [len(s.prompt_ids) + len(s.answer_ids) for s in samples]
+    assert tb.tokens.shape == (3, max(lens) - 1)
+    assert tb.mask.sum().item() == sum(len(s.answer_ids) for s in samples)
+    for i, s in enumerate(samples):  # the mask covers exactly answer labels
+        labels = tb.labels[i][tb.mask[i]].tolist()
+        assert labels == list(s.answer_ids)
+    logp = target_log_probs(eng.model.lm_head, tb.next_hidden, tb.mask, None)
+    assert torch.equal(logp.argmax(-1), tb.labels[tb.mask])
+    # EAGLE-1/2: the feature at t+1 is the next hidden of t.
+    n = tb.features.shape[1]
+    both = tb.mask[:, : n - 1]  # where position t+1 exists too
+    torch.testing.assert_close(tb.next_hidden[:, : n - 1][both], tb.features[:, 1:][both])
+    # Over a draft vocabulary: renormalized over its ids.
+    ids = torch.unique(torch.tensor([t for s in samples for t in s.answer_ids]))
+    sub = target_log_probs(eng.model.lm_head, tb.next_hidden, tb.mask, ids)
+    torch.testing.assert_close(sub.exp().sum(-1), torch.ones(len(sub)))
+    assert torch.equal(ids[sub.argmax(-1)], tb.labels[tb.mask])

@@ -49,3 +49,43 @@ def test_ttt_matches_chained_inference(tmp_path, kind):
             h = draft.forward(tokens[p0 + j : p0 + j + 1], h, lay)
         torch.testing.assert_close(outs[s][0, t], h[0], atol=1e-5, rtol=1e-5,
                                    msg=f"step {s}")
+
+
+def test_ttt_loss_soft_labels_and_feature_term(tmp_path):
+    """Soft labels: a target sure of one token gives the hard-label loss; a spread target
+    gives a different one (the loss reads the whole distribution). The feature term adds
+    weight x smooth-L1 per step, and vanishes when the hidden equals the next feature."""
+    from tandem.spec.ttt import ttt_loss
+
+    path, _ = save_tiny("llama", tmp_path)
+    model = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4)).model
+    head = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle"), model, torch.float32,
+                      torch.device("cpu"), 64, seed=1)
+    g = torch.Generator().manual_seed(0)
+    b, t, v, h = 2, 7, model.cfg.vocab_size, model.cfg.hidden_size
+    outs = [torch.randn(b, t, h, generator=g) for _ in range(3)]
+    labels = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, 5:] = False
+    with torch.no_grad():
+        hard, acc = ttt_loss(head, outs, labels, mask, None)
+        sure = torch.full((int(mask.sum()), v), -1e4).scatter(1, labels[mask][:, None], 0.0)
+        sure = torch.log_softmax(sure, -1)
+        soft, acc_soft = ttt_loss(head, outs, labels, mask, None, target_logp=sure)
+        torch.testing.assert_close(soft, hard)
+        assert acc == acc_soft
+        spread = torch.log_softmax(torch.randn(int(mask.sum()), v, generator=g), -1)
+        other, _ = ttt_loss(head, outs, labels, mask, None, target_logp=spread)
+        assert (other - hard).abs() > 1e-3
+        nxt = torch.randn(b, t, h, generator=g)
+        with_feat, _ = ttt_loss(head, outs, labels, mask, None, next_hidden=nxt,
+                                feature_weight=0.5)
+        expect = hard + sum(0.5 * 0.8**s * torch.nn.functional.smooth_l1_loss(
+            outs[s][mask & (torch.arange(t) >= s)], nxt[mask & (torch.arange(t) >= s)])
+            for s in range(3))
+        torch.testing.assert_close(with_feat, expect)
+        same = [nxt.clone() for _ in range(3)]
+        base, _ = ttt_loss(head, same, labels, mask, None)
+        zero_feat, _ = ttt_loss(head, same, labels, mask, None, next_hidden=nxt,
+                                feature_weight=2.0)
+        torch.testing.assert_close(zero_feat, base)
