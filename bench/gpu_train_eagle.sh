@@ -26,14 +26,15 @@ if [ -f /tmp/devsite/.ok ]; then export PYTHONPATH="$PYTHONPATH:/tmp/devsite"; f
 KIND=${KIND:-eagle}
 # NAME: the run's working directory (/tmp/gc/train_NAME), so several runs can train side by side
 # on one GPU (e.g. two `PHASE=train ... &` in one call); INIT: a trained head to start from;
-# SOFT=1: soft labels (the target's distribution); FEAT=W: EAGLE-1's feature term at weight W.
+# SOFT=1: soft labels (the target's distribution); FEAT=W: EAGLE-1's feature term at weight W;
+# LAYERS=N: an N-layer head (grown from INIT's layers, see --num-layers).
 WORK=/tmp/gc/train_${NAME:-$KIND}
 ENGINE="--model /tmp/gc/smollm2 --device ${DEVICE:-cuda} --attention-backend ${ATTN:-torch} --dtype bfloat16"
 TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${MAX_NEW:-256}
   --max-seq-len 640 --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
   --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress ${INIT:+--init-head $INIT}
   ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SOFT:+--soft-labels}
-  ${FEAT:+--feature-weight $FEAT}"
+  ${FEAT:+--feature-weight $FEAT} ${LAYERS:+--num-layers $LAYERS}"
 # Earlier answers: trained on next to this run's, and their prompts are not answered again.
 EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done

@@ -172,6 +172,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         save_every=args.save_every, seed=args.seed, extra_samples=tuple(args.extra_samples),
         init_head=args.init_head, self_prompts=args.self_prompts,
         soft_labels=args.soft_labels, feature_weight=args.feature_weight,
+        num_layers=args.num_layers,
     )
     engine = LLMEngine.from_config(engine_config_from_args(args))
     if engine.tokenizer is None:
@@ -536,6 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Also answer N prompts the target writes itself (given only the chat "
                         "template up to a user turn, as Magpie does; kept in OUT/"
                         "self_prompts.jsonl). Default: %(default)s")
+    p.add_argument("--num-layers", type=int, default=1,
+                   help="Decoder layers of an EAGLE-1/2 head. With --init-head of a head with "
+                        "fewer, the new layers start as copies of its last one with their output "
+                        "projections zeroed (the grown head starts out computing the same). "
+                        "Default: %(default)s")
     p.add_argument("--soft-labels", action="store_true",
                    help="Train against the target's whole next-token distribution (EAGLE's "
                         "loss; computed from the target's features, no extra forward) instead "

@@ -90,6 +90,8 @@ def tiny_head(model: DecoderLM, kind: str = "eagle", *, live: Sequence[int] | No
     mc = model.cfg
     if kind == "eagle":
         cfg = DraftHeadConfig.like_target(mc, "eagle")
+    elif kind == "eagle-2layer":  # EAGLE-1 head with a second decoder layer (own KV layer)
+        cfg = DraftHeadConfig.like_target(mc, "eagle", num_layers=2)
     elif kind == "eagle-subset":  # EAGLE-1 head drafting over a reduced vocabulary
         # Drafts over the live tokens (or every other token when no vocabulary is live).
         ids = torch.tensor(sorted(live)) if live else torch.arange(0, mc.vocab_size, 2)

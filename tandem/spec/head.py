@@ -1,7 +1,9 @@
 """EAGLE draft heads: EAGLE-1/2 (feature head) and EAGLE-3 (fused-feature head, draft vocab).
 
-Both are one decoder layer that reads a token embedding and a feature and predicts the next
+Both are a decoder layer that reads a token embedding and a feature and predicts the next
 feature. A draft position t consumes the pair (feature f_t, token x_{t+1}) and proposes x_{t+2}.
+An EAGLE-1/2 head may stack more layers after the first (`num_hidden_layers` > 1, EAGLE's own
+`layers.{i}`): plain pre-norm decoder layers, each with its own KV layer in the draft group.
 
 - EAGLE-1/2: f_t is the target's final-normed hidden state at t (or the draft's own output for
   later draft steps). x = fc([embed(x_{t+1}), f_t]) (bias), then a decoder layer WITHOUT input
@@ -62,8 +64,13 @@ class DraftHeadConfig:
     draft_vocab_size: int  # == vocab_size for EAGLE-1/2
     fc_bias: bool
     feature_layers: tuple[int, ...]  # target layers whose input stream EAGLE-3 fuses; () for EAGLE
+    num_layers: int = 1  # decoder layers; > 1 only for EAGLE-1/2 (EAGLE-3 has one midlayer)
 
     def __post_init__(self) -> None:
+        if self.num_layers < 1 or (self.kind == "eagle3" and self.num_layers != 1):
+            raise DraftHeadError(
+                f"num_hidden_layers: {self.num_layers} is not supported for a {self.kind} head "
+                f"(EAGLE-1/2: 1 or more; EAGLE-3: 1)")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise DraftHeadError(f"draft_vocab_size: {self.draft_vocab_size} is not in [1, "
                                  f"{self.vocab_size}] (the target's vocabulary)")
@@ -80,8 +87,9 @@ class DraftHeadConfig:
 
     @staticmethod
     def like_target(target: ModelConfig, kind: HeadKind = "eagle",
-                    draft_vocab_size: int | None = None) -> DraftHeadConfig:
-        """A head shaped like one target layer (what the EAGLE papers and our trainer use)."""
+                    draft_vocab_size: int | None = None, num_layers: int = 1) -> DraftHeadConfig:
+        """A head shaped like one target layer (what the EAGLE papers and our trainer use), or
+        `num_layers` of them."""
         n = target.num_layers
         return DraftHeadConfig(
             kind=kind, hidden_size=target.hidden_size, num_heads=target.num_heads,
@@ -92,6 +100,7 @@ class DraftHeadConfig:
             draft_vocab_size=draft_vocab_size or target.vocab_size,
             fc_bias=kind == "eagle",
             feature_layers=default_feature_layers(n) if kind == "eagle3" else (),
+            num_layers=num_layers,
         )
 
     def to_json(self) -> dict[str, object]:
@@ -103,7 +112,7 @@ class DraftHeadConfig:
             "intermediate_size": self.intermediate_size, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta, "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size, "bias": self.fc_bias,
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_layers,
         }
         if self.feature_layers:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
@@ -139,6 +148,7 @@ class DraftHeadConfig:
             draft_vocab_size=int(raw.get("draft_vocab_size") or target.vocab_size),
             fc_bias=bool(raw.get("bias", kind == "eagle")),
             feature_layers=layers,
+            num_layers=int(raw.get("num_hidden_layers") or 1),
         )
 
 
@@ -155,6 +165,25 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     if len(picks) < 2:
         picks = sorted({0, n - 1})
     return tuple(picks)
+
+
+class _LaterLayer(nn.Module):
+    """Layer i >= 1 of a multi-layer EAGLE-1/2 head: a pre-norm decoder layer over the previous
+    layer's output (EAGLE's `layers.{i}`, which, unlike layer 0, has an input norm)."""
+
+    def __init__(self, index: int, cfg: DraftHeadConfig, heads: HeadLayout,
+                 rotary: RotaryEmbedding, single: ParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.attn = SelfAttention(index, h, heads, False, False, None, rotary, single, dtype)
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.mlp = DenseMLP(h, cfg.intermediate_size, single, dtype)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, ctx: ForwardContext
+                ) -> torch.Tensor:  # [T, H] -> [T, H]
+        h = h + self.attn(positions, self.input_norm(h), ctx)
+        return h + self.mlp(self.post_attn_norm(h))
 
 
 class EagleHead(nn.Module):
@@ -178,6 +207,9 @@ class EagleHead(nn.Module):
                                   qkv_in_features=2 * h if eagle3 else h)
         self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.mlp = DenseMLP(h, cfg.intermediate_size, single, dtype)
+        # Layers 1.. of a multi-layer EAGLE-1/2 head (KV layers 1.. of the draft group).
+        self.later = nn.ModuleList(_LaterLayer(i, cfg, self.heads, rotary, single, dtype)
+                                   for i in range(1, cfg.num_layers))
         if eagle3:
             self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
@@ -239,7 +271,10 @@ class EagleHead(nn.Module):
                 features = self.fc(features)  # fuse low/mid/high target features
             attn_in = torch.cat([self.input_norm(emb), self.hidden_norm(features)], dim=-1)
             h = features + self.attn(positions, attn_in, ctx)
-        return h + self.mlp(self.post_attn_norm(h))
+        h = h + self.mlp(self.post_attn_norm(h))
+        for layer in self.later:
+            h = layer(positions, h, ctx)
+        return h
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V_draft] float32 log-probabilities over the head's vocabulary."""
@@ -284,6 +319,11 @@ class EagleHead(nn.Module):
                f"{p}.mlp.down_proj.weight": self.mlp.down.weight}
         if self.fc.bias is not None:
             out["fc.bias"] = self.fc.bias
+        for i, layer in enumerate(self.later, start=1):
+            out.update({f"layers.{i}.input_layernorm.weight": layer.input_norm.weight,
+                        f"layers.{i}.post_attention_layernorm.weight": layer.post_attn_norm.weight,
+                        f"layers.{i}.self_attn.o_proj.weight": layer.attn.o_proj.weight,
+                        f"layers.{i}.mlp.down_proj.weight": layer.mlp.down.weight})
         if eagle3:
             out.update({f"{p}.input_layernorm.weight": self.input_norm.weight,
                         f"{p}.hidden_norm.weight": self.hidden_norm.weight,
@@ -295,11 +335,11 @@ class EagleHead(nn.Module):
 
     def load_state(self, state: dict[str, torch.Tensor], source: str) -> None:
         """Load a head checkpoint's tensors; errors name the missing/misshapen tensor."""
-        eagle3 = self.cfg.kind == "eagle3"
-        p = "midlayer" if eagle3 else "layers.0"
         h = self.cfg.hidden_size
-        needed = set(self.weight_names()) | {f"{p}.self_attn.{x}_proj.weight" for x in "qkv"} | {
-            f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")}
+        needed = set(self.weight_names())
+        for prefix, _ in self._merged():
+            needed |= {f"{prefix}.self_attn.{x}_proj.weight" for x in "qkv"}
+            needed |= {f"{prefix}.mlp.{x}_proj.weight" for x in ("gate", "up")}
         missing = sorted(n for n in needed if n not in state)
         if missing:
             raise DraftHeadError(f"{source}: missing draft weight(s) {', '.join(missing[:5])}")
@@ -315,12 +355,13 @@ class EagleHead(nn.Module):
             for name, dst in self.weight_names().items():
                 check_shape(name, state[name].shape, tuple(dst.shape))
                 dst.data.copy_(state[name])
-            for part, x in enumerate("qkv"):
-                self.attn.qkv.load_part(f"{p}.self_attn.{x}_proj.weight", part,
-                                        state[f"{p}.self_attn.{x}_proj.weight"])
-            for part, x in enumerate(("gate", "up")):
-                self.mlp.gate_up.load_part(f"{p}.mlp.{x}_proj.weight", part,
-                                           state[f"{p}.mlp.{x}_proj.weight"])
+            for prefix, (attn, mlp) in self._merged():
+                for part, x in enumerate("qkv"):
+                    attn.qkv.load_part(f"{prefix}.self_attn.{x}_proj.weight", part,
+                                       state[f"{prefix}.self_attn.{x}_proj.weight"])
+                for part, x in enumerate(("gate", "up")):
+                    mlp.gate_up.load_part(f"{prefix}.mlp.{x}_proj.weight", part,
+                                          state[f"{prefix}.mlp.{x}_proj.weight"])
             emb = state.get("embed_tokens.weight")
             if emb is not None:
                 check_shape("embed_tokens.weight", emb.shape, (self.cfg.vocab_size, h))
@@ -337,15 +378,21 @@ class EagleHead(nn.Module):
 
     def state_for_saving(self) -> dict[str, torch.Tensor]:
         """The checkpoint layout `load_state` reads (q/k/v and gate/up unmerged)."""
-        eagle3 = self.cfg.kind == "eagle3"
-        p = "midlayer" if eagle3 else "layers.0"
         out = {k: v.detach().contiguous() for k, v in self.weight_names().items()}
-        q, k, v = self.attn.qkv.weight.split(self.attn.qkv.local_sizes(), dim=0)
-        out.update({f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": k,
-                    f"{p}.self_attn.v_proj.weight": v})
-        gate, up = self.mlp.gate_up.weight.chunk(2, dim=0)
-        out.update({f"{p}.mlp.gate_proj.weight": gate, f"{p}.mlp.up_proj.weight": up})
+        for p, (attn, mlp) in self._merged():
+            q, k, v = attn.qkv.weight.split(attn.qkv.local_sizes(), dim=0)
+            out.update({f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": k,
+                        f"{p}.self_attn.v_proj.weight": v})
+            gate, up = mlp.gate_up.weight.chunk(2, dim=0)
+            out.update({f"{p}.mlp.gate_proj.weight": gate, f"{p}.mlp.up_proj.weight": up})
         return {k: t.detach().clone().contiguous() for k, t in out.items()}
+
+    def _merged(self) -> list[tuple[str, tuple[SelfAttention, DenseMLP]]]:
+        """(checkpoint prefix, (attention, MLP)) of each layer: the modules whose merged q/k/v
+        and gate/up weights are stored as separate tensors."""
+        first = "midlayer" if self.cfg.kind == "eagle3" else "layers.0"
+        return [(first, (self.attn, self.mlp))] + [
+            (f"layers.{i}", (layer.attn, layer.mlp)) for i, layer in enumerate(self.later, 1)]
 
 
 def read_head_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -67,6 +67,10 @@ class TrainConfig:
     # EAGLE-1/2 heads: weight of the smooth-L1 term between each step's hidden and the
     # target's next feature (EAGLE-1 trains with both); 0: token loss alone.
     feature_weight: float = 0.0
+    # Decoder layers of an EAGLE-1/2 head. Starting from a head with fewer (--init-head), the
+    # new layers copy its last layer with their output projections zeroed: the grown head
+    # computes exactly what the old one did, and training goes on from there.
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "batch_size", "epochs", "ttt_steps",
@@ -75,6 +79,9 @@ class TrainConfig:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if self.kind not in ("eagle", "eagle3"):
             raise ValueError(f"kind: '{self.kind}' is not one of eagle, eagle3")
+        if self.num_layers < 1 or (self.kind == "eagle3" and self.num_layers != 1):
+            raise ValueError(f"num_layers: {self.num_layers} is not supported for a {self.kind} "
+                             f"head (EAGLE-1/2: 1 or more; EAGLE-3: 1)")
         if self.feature_weight < 0:
             raise ValueError(f"feature_weight: must be >= 0, got {self.feature_weight}")
         if self.feature_weight > 0 and self.kind != "eagle":
@@ -87,7 +94,8 @@ class TrainConfig:
 def init_head(engine: LLMEngine, cfg: TrainConfig, vocab_ids: torch.Tensor | None) -> EagleHead:
     target = engine.model
     dcfg = DraftHeadConfig.like_target(
-        target.cfg, cfg.kind, draft_vocab_size=len(vocab_ids) if vocab_ids is not None else None)
+        target.cfg, cfg.kind, draft_vocab_size=len(vocab_ids) if vocab_ids is not None else None,
+        num_layers=cfg.num_layers)
     max_len = engine.max_model_len
     with torch.device(engine.device):
         head = EagleHead(dcfg, target, torch.float32, max_len)
@@ -120,9 +128,35 @@ def start_from(head: EagleHead, path: Path) -> None:
                              f"{head.cfg.kind}")
     if head.cfg.kind == "eagle":
         state.pop("d2t", None)
+        state = grow_layers(state, head.cfg.num_layers, str(path))
     head.load_state({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
                     str(path))
     log.info("starting from the head in %s", path)
+
+
+def grow_layers(state: dict[str, torch.Tensor], num_layers: int, source: str
+                ) -> dict[str, torch.Tensor]:
+    """An EAGLE-1/2 checkpoint with fewer layers than `num_layers`, grown: each new layer i
+    copies the checkpoint's last layer, with an input norm of ones and o_proj and down_proj
+    zeroed, so it adds nothing to the residual stream and the grown head's output equals the
+    old head's (training then moves the new layers off zero)."""
+    have = 0
+    while f"layers.{have}.self_attn.q_proj.weight" in state:
+        have += 1
+    if have > num_layers:
+        raise DraftHeadError(f"init_head: {source} has {have} layers, more than the "
+                             f"{num_layers} trained (num_layers)")
+    out = dict(state)
+    last = f"layers.{have - 1}."
+    for i in range(have, num_layers):
+        for name, t in state.items():
+            if name.startswith(last):
+                rest = name[len(last):]
+                zero = rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+                out[f"layers.{i}.{rest}"] = torch.zeros_like(t) if zero else t.clone()
+        norm = state[f"{last}post_attention_layernorm.weight"]
+        out[f"layers.{i}.input_layernorm.weight"] = torch.ones_like(norm)
+    return out
 
 
 def trainable(head: EagleHead) -> list[torch.nn.Parameter]:

@@ -47,44 +47,59 @@ def ttt_forward(
     num_steps: int,
 ) -> list[torch.Tensor]:
     """Returns the draft hidden of each unrolled step, each [B, T, H]. Step s is meaningful
-    at positions t >= s."""
+    at positions t >= s. Every layer of the head keeps its own keys per step, as every layer
+    has its own KV layer at inference."""
     b, t_len = tokens.shape
-    heads = head.heads
-    d, hq, hkv = heads.head_dim, heads.local_heads, heads.local_kv_heads
-    group = hq // hkv
     positions = torch.arange(t_len, device=tokens.device).repeat(b)  # [B*T]
     emb = head.embed(tokens.reshape(-1)).view(b, t_len, -1).to(features.dtype)
     causal = torch.ones(t_len, t_len, dtype=torch.bool, device=tokens.device).tril()
-    keys, values, outs = [], [], []
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(1 + len(head.later))]
+    outs = []
     feat = features
     for s in range(num_steps):
         attn_in, residual = _layer_inputs(head, emb, feat)
-        q, k, v = head.attn.qkv(attn_in).split(head.attn.qkv.local_sizes(), dim=-1)
-        q, k = head.attn.rotary(positions, q.reshape(b * t_len, hq, d), k.reshape(b * t_len, hkv, d))
-        q = q.view(b, t_len, hq, d).transpose(1, 2)  # [B, Hq, T, D]
-        k = k.view(b, t_len, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
-        v = v.view(b, t_len, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
-        keys.append(k)
-        values.append(v)
-        scale = d**-0.5
-        # Scores against the true-feature keys of positions <= t - s.
-        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, Hq, T, T]
-        mask0 = _shift(causal.unsqueeze(0), s)[0] if s else causal
-        s0 = s0.masked_fill(~mask0, float("-inf"))
-        diag = [((q * _shift_t(keys[j], s - j)).sum(-1) * scale).unsqueeze(-1)  # [B, Hq, T, 1]
-                for j in range(1, s + 1)]
-        probs = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
-        # Rows t < s have no valid key among K_0 and may be all -inf: zero them (ignored).
-        probs = torch.nan_to_num(probs, nan=0.0)
-        o = probs[..., :t_len] @ values[0]
-        for idx, j in enumerate(range(1, s + 1)):
-            o = o + probs[..., t_len + idx : t_len + idx + 1] * _shift_t(values[j], s - j)
-        o = o.transpose(1, 2).reshape(b, t_len, hq * d)
-        h = residual + head.attn.o_proj(o)
+        h = residual + head.attn.o_proj(_attend(head, head.attn, attn_in, positions, causal,
+                                                kv[0], s))
         h = h + head.mlp(head.post_attn_norm(h))
+        for layer, layer_kv in zip(head.later, kv[1:]):
+            h = h + layer.attn.o_proj(_attend(head, layer.attn, layer.input_norm(h), positions,
+                                              causal, layer_kv, s))
+            h = h + layer.mlp(layer.post_attn_norm(h))
         outs.append(h)
         feat = _shift(h, 1)  # step s+1 at position t continues from step s at t-1
     return outs
+
+
+def _attend(head: EagleHead, attn: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
+            causal: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], s: int
+            ) -> torch.Tensor:
+    """One layer's attention at unrolled step s: x [B, T, in] -> [B, T, Hq*D] (before o_proj).
+    Appends this step's (keys, values) to `kv`; the step attends to step 0's keys of positions
+    <= t - s and, on the diagonal, to the key each later step j wrote at t - s + j."""
+    b, t_len = x.shape[:2]
+    heads = head.heads
+    d, hq, hkv = heads.head_dim, heads.local_heads, heads.local_kv_heads
+    group = hq // hkv
+    q, k, v = attn.qkv(x).split(attn.qkv.local_sizes(), dim=-1)
+    q, k = attn.rotary(positions, q.reshape(b * t_len, hq, d), k.reshape(b * t_len, hkv, d))
+    q = q.view(b, t_len, hq, d).transpose(1, 2)  # [B, Hq, T, D]
+    k = k.view(b, t_len, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+    v = v.view(b, t_len, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+    kv.append((k, v))
+    scale = d**-0.5
+    # Scores against the true-feature keys of positions <= t - s.
+    s0 = (q @ kv[0][0].transpose(-1, -2)) * scale  # [B, Hq, T, T]
+    mask0 = _shift(causal.unsqueeze(0), s)[0] if s else causal
+    s0 = s0.masked_fill(~mask0, float("-inf"))
+    diag = [((q * _shift_t(kv[j][0], s - j)).sum(-1) * scale).unsqueeze(-1)  # [B, Hq, T, 1]
+            for j in range(1, s + 1)]
+    probs = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
+    # Rows t < s have no valid key among K_0 and may be all -inf: zero them (ignored).
+    probs = torch.nan_to_num(probs, nan=0.0)
+    o = probs[..., :t_len] @ kv[0][1]
+    for idx, j in enumerate(range(1, s + 1)):
+        o = o + probs[..., t_len + idx : t_len + idx + 1] * _shift_t(kv[j][1], s - j)
+    return o.transpose(1, 2).reshape(b, t_len, hq * d)
 
 
 def _shift_t(x: torch.Tensor, by: int) -> torch.Tensor:

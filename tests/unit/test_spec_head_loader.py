@@ -42,8 +42,9 @@ def _rand(gen, *shape, norm=False):
     return 1.0 + t if norm else t
 
 
-def eagle_checkpoint(seed=0, with_embed=False):
-    """(config.json dict, state dict) of an EAGLE-1/2 head: 2 heads x 32, 1 KV head."""
+def eagle_checkpoint(seed=0, with_embed=False, num_layers=1):
+    """(config.json dict, state dict) of an EAGLE-1/2 head: 2 heads x 32, 1 KV head;
+    num_layers > 1 adds EAGLE's `layers.{i}` (with an input_layernorm, which layer 0 lacks)."""
     gen = torch.Generator().manual_seed(seed)
     nh, nkv, hd, inter = 2, 1, 32, 96
     p = "layers.0"
@@ -58,11 +59,24 @@ def eagle_checkpoint(seed=0, with_embed=False):
         f"{p}.mlp.down_proj.weight": _rand(gen, H, inter),
         f"{p}.post_attention_layernorm.weight": _rand(gen, H, norm=True),
     }
+    for i in range(1, num_layers):
+        q = f"layers.{i}"
+        sd.update({
+            f"{q}.input_layernorm.weight": _rand(gen, H, norm=True),
+            f"{q}.self_attn.q_proj.weight": _rand(gen, nh * hd, H),
+            f"{q}.self_attn.k_proj.weight": _rand(gen, nkv * hd, H),
+            f"{q}.self_attn.v_proj.weight": _rand(gen, nkv * hd, H),
+            f"{q}.self_attn.o_proj.weight": _rand(gen, H, nh * hd),
+            f"{q}.mlp.gate_proj.weight": _rand(gen, inter, H),
+            f"{q}.mlp.up_proj.weight": _rand(gen, inter, H),
+            f"{q}.mlp.down_proj.weight": _rand(gen, H, inter),
+            f"{q}.post_attention_layernorm.weight": _rand(gen, H, norm=True),
+        })
     if with_embed:
         sd["embed_tokens.weight"] = _rand(gen, VOCAB, H)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
            "num_attention_heads": nh, "num_key_value_heads": nkv, "intermediate_size": inter,
-           "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 5000.0,
+           "num_hidden_layers": num_layers, "rms_norm_eps": 1e-5, "rope_theta": 5000.0,
            "vocab_size": VOCAB, "max_position_embeddings": 512, "hidden_act": "silu",
            "bias": True, "torch_dtype": "float32"}
     return cfg, sd
@@ -160,8 +174,12 @@ def ref_eagle(sd, cfg, target, tokens, feats, pos):
     emb = F.embedding(tokens, sd.get("embed_tokens.weight", target.embed.weight))
     x = torch.cat([emb, feats], -1) @ sd["fc.weight"].T + sd["fc.bias"]
     h = x + _attention(x, sd, "layers.0", cfg, pos)
-    out = h + _mlp(_rms(h, sd["layers.0.post_attention_layernorm.weight"], cfg["rms_norm_eps"]),
-                   sd, "layers.0")
+    eps = cfg["rms_norm_eps"]
+    out = h + _mlp(_rms(h, sd["layers.0.post_attention_layernorm.weight"], eps), sd, "layers.0")
+    for i in range(1, cfg["num_hidden_layers"]):  # later layers: pre-norm decoder layers
+        p = f"layers.{i}"
+        h = out + _attention(_rms(out, sd[f"{p}.input_layernorm.weight"], eps), sd, p, cfg, pos)
+        out = h + _mlp(_rms(h, sd[f"{p}.post_attention_layernorm.weight"], eps), sd, p)
     return out, out @ target.lm_head.weight.T
 
 
@@ -194,12 +212,14 @@ def run_head(head, tokens, feats, split):
 # ---- tests ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("num_layers", [1, 3], ids=["1-layer", "3-layer"])
 @pytest.mark.parametrize("with_embed", [False, True], ids=["shared-embed", "own-embed"])
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
-def test_eagle_head_matches_reference(tmp_path, target, fmt, with_embed):
-    cfg, sd = eagle_checkpoint(with_embed=with_embed)
+def test_eagle_head_matches_reference(tmp_path, target, fmt, with_embed, num_layers):
+    cfg, sd = eagle_checkpoint(with_embed=with_embed, num_layers=num_layers)
     head = load(write(tmp_path, cfg, sd, fmt), target)
     assert head.cfg.kind == "eagle" and head.cfg.fc_bias and head.cfg.head_dim == 32
+    assert head.cfg.num_layers == num_layers and draft_kv_group(head).num_layers == num_layers
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (11,), generator=gen)
     feats = torch.randn(11, H, generator=gen)
@@ -238,8 +258,9 @@ def test_eagle3_head_matches_reference(tmp_path, target, fmt, with_embed):
         assert ids.max() < VOCAB and not torch.equal(ids, draft_ids)
 
 
-def test_saved_head_round_trips(tmp_path, target):
-    cfg, sd = eagle3_checkpoint()
+@pytest.mark.parametrize("kind", ["eagle3", "eagle-2layer"])
+def test_saved_head_round_trips(tmp_path, target, kind):
+    cfg, sd = eagle3_checkpoint() if kind == "eagle3" else eagle_checkpoint(num_layers=2)
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
     out.mkdir()
@@ -321,6 +342,25 @@ def test_directory_problems_are_named(tmp_path, target):
     write(tmp_path, cfg, sd, "safetensors")
     with pytest.raises(DraftHeadError, match="missing field 'num_attention_heads'"):
         load(tmp_path, target)
+
+
+def test_layer_count_and_checkpoint_must_agree(tmp_path, target):
+    """A second layer's tensor missing is named; a layer the config does not announce is
+    refused (not silently dropped); EAGLE-3 heads have one layer."""
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    cfg, sd = eagle_checkpoint(num_layers=2)
+    del sd["layers.1.input_layernorm.weight"]
+    _expect_error(tmp_path / "a", target, cfg, sd, r"missing draft weight.*layers.1.input_layernorm",
+                  exc=DraftHeadError)
+    cfg, sd = eagle_checkpoint(num_layers=2)
+    cfg["num_hidden_layers"] = 1
+    _expect_error(tmp_path / "b", target, cfg, sd, r"unexpected draft weight.*layers.1.",
+                  exc=DraftHeadError)
+    cfg, sd = eagle3_checkpoint()
+    cfg["num_hidden_layers"] = 2
+    _expect_error(tmp_path / "c", target, cfg, sd, "num_hidden_layers: 2 is not supported",
+                  exc=DraftHeadError)
 
 
 def test_unexpected_head_tensor_is_refused(tmp_path):

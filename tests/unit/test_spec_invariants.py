@@ -400,7 +400,7 @@ def test_phase_functions_never_modify_their_inputs(spec, monkeypatch):
 # ---- the draft KV follows the accepted path ---------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle-2layer"])
 @pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
 def test_caches_equal_a_fresh_prefill_of_the_committed_tokens(spec, kind):
     """Mid-generation, after rounds with different acceptance per request (tree paths through

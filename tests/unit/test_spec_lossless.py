@@ -44,6 +44,9 @@ BATCH_SIZES = (1, 3, 8)
 
 CASES = [pytest.param(arch, kind, name, bs, id=f"{arch}-{kind}-{name}-bs{bs}")
          for arch in ARCHS for kind in KINDS for name in CONFIGS for bs in BATCH_SIZES]
+# A two-layer EAGLE head (each layer its own draft KV layer), on one architecture.
+CASES += [pytest.param("llama", "eagle-2layer", name, bs, id=f"llama-eagle-2layer-{name}-bs{bs}")
+          for name in CONFIGS for bs in BATCH_SIZES]
 
 
 @cache

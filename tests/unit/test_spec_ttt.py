@@ -13,13 +13,14 @@ from tandem.spec import DraftHeadConfig, DraftRunner, draft_kv_group, dummy_head
 from tandem.spec.ttt import ttt_forward
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_ttt_matches_chained_inference(tmp_path, kind):
+@pytest.mark.parametrize("kind, layers", [("eagle", 1), ("eagle3", 1), ("eagle", 2)],
+                         ids=["eagle", "eagle3", "eagle-2layer"])
+def test_ttt_matches_chained_inference(tmp_path, kind, layers):
     path, _ = save_tiny("llama", tmp_path)
     base = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4))
     model = base.model
-    head = dummy_head(DraftHeadConfig.like_target(model.cfg, kind), model, torch.float32,
-                      torch.device("cpu"), 512, seed=3)
+    head = dummy_head(DraftHeadConfig.like_target(model.cfg, kind, num_layers=layers), model,
+                      torch.float32, torch.device("cpu"), 512, seed=3)
     eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_pages=64, page_size=4),
                     model, extra_kv_groups=[draft_kv_group(head)])
     draft = DraftRunner(head, eng.kv_pool, eng.runner.backend)
@@ -89,3 +90,38 @@ def test_ttt_loss_soft_labels_and_feature_term(tmp_path):
         zero_feat, _ = ttt_loss(head, same, labels, mask, None, next_hidden=nxt,
                                 feature_weight=2.0)
         torch.testing.assert_close(zero_feat, base)
+
+
+def test_a_grown_head_starts_out_computing_what_the_smaller_one_did(tmp_path):
+    """--num-layers with --init-head of a one-layer head: the new layer copies the last one
+    with o_proj and down_proj zeroed, so the two-layer head's hidden equals the one-layer
+    head's (and training can move the new layer off zero: its outputs get gradients)."""
+    from tandem.spec.head import EagleHead
+    from tandem.spec.train import export_head, grow_layers, start_from, trainable
+
+    path, _ = save_tiny("llama", tmp_path)
+    model = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4)).model
+    one = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle"), model, torch.float32,
+                     torch.device("cpu"), 512, seed=3)
+    export_head(one, tmp_path / "one", {})
+    two = EagleHead(DraftHeadConfig.like_target(model.cfg, "eagle", num_layers=2), model,
+                    torch.float32, 512)
+    start_from(two, tmp_path / "one")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, 9), generator=g)
+    feats = torch.randn(1, 9, model.cfg.hidden_size, generator=g)
+    b = ttt_forward(two, tokens, feats, 2)
+    # The export is bf16: compare with the one-layer head loaded back from it.
+    one_saved = EagleHead(DraftHeadConfig.like_target(model.cfg, "eagle"), model, torch.float32,
+                          512)
+    start_from(one_saved, tmp_path / "one")
+    for x, y in zip(ttt_forward(one_saved, tokens, feats, 2), b):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)
+    assert two.later[0].attn.o_proj.weight.abs().max() == 0
+    params = trainable(two)
+    sum(o.sum() for o in ttt_forward(two, tokens, feats, 2)).backward()
+    assert two.later[0].attn.o_proj.weight.grad.abs().max() > 0
+    assert two.later[0].mlp.down.weight.grad.abs().max() > 0
+    assert len(params) > len(trainable(one_saved))
+    with pytest.raises(ValueError, match="more than the 1 trained"):
+        grow_layers(two.state_for_saving(), 1, "two-layer head")
