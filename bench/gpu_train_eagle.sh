@@ -34,7 +34,8 @@ TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${M
   --max-seq-len 640 --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
   --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress ${INIT:+--init-head $INIT}
   ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SOFT:+--soft-labels}
-  ${FEAT:+--feature-weight $FEAT} ${LAYERS:+--num-layers $LAYERS}"
+  ${FEAT:+--feature-weight $FEAT} ${LAYERS:+--num-layers $LAYERS}
+  ${STYLE:+--self-prompt-style $STYLE}"
 # Earlier answers: trained on next to this run's, and their prompts are not answered again.
 EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done

@@ -172,7 +172,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         save_every=args.save_every, seed=args.seed, extra_samples=tuple(args.extra_samples),
         init_head=args.init_head, self_prompts=args.self_prompts,
         soft_labels=args.soft_labels, feature_weight=args.feature_weight,
-        num_layers=args.num_layers,
+        num_layers=args.num_layers, self_prompt_style=args.self_prompt_style,
     )
     engine = LLMEngine.from_config(engine_config_from_args(args))
     if engine.tokenizer is None:
@@ -338,7 +338,20 @@ def cmd_eval_eagle(args: argparse.Namespace) -> int:
 
     spec = SpecConfig(draft_model=args.draft_model, num_steps=args.num_draft_steps,
                       topk=args.draft_topk)
-    r = evaluate_head(engine_config_from_args(args), spec, args.max_new_tokens)
+    if args.prompts_file:
+        from pathlib import Path
+
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            print(f"eval-eagle: --prompts-file {path} does not exist", file=sys.stderr)
+            return 2
+        questions = tuple(q.strip() for q in path.read_text().splitlines() if q.strip())
+        if not questions:
+            print(f"eval-eagle: --prompts-file {path} holds no prompts", file=sys.stderr)
+            return 2
+        r = evaluate_head(engine_config_from_args(args), spec, args.max_new_tokens, questions)
+    else:
+        r = evaluate_head(engine_config_from_args(args), spec, args.max_new_tokens)
     per_pos = " ".join(f"{p:.2f}" for p in r.per_position)
     print(f"tau {r.tau:.2f} over {r.num_rounds} rounds of {r.num_prompts} held-out prompts "
           f"(chain k={args.num_draft_steps} topk={args.draft_topk}, greedy, {args.dtype}); "
@@ -550,6 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-1/2 heads: add W x smooth-L1 between each draft step's hidden "
                         "and the target's next feature (EAGLE-1's regression term). "
                         "Default: %(default)s (token loss alone)")
+    p.add_argument("--self-prompt-style", choices=["open", "short"], default="open",
+                   help="open: user turns started empty or with one opening word (long, varied "
+                        "requests); short: started with a question phrase ('What is', 'How "
+                        "does', ...) and kept under 120 characters. Default: %(default)s")
     p.add_argument("--generate-only", action="store_true",
                    help="Only let the target answer the prompts (resumable), then stop")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
@@ -580,6 +597,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-steps", type=int, default=4, help="Default: %(default)s")
     p.add_argument("--draft-topk", type=int, default=1, help="Default: %(default)s")
     p.add_argument("--max-new-tokens", type=int, default=128, help="Default: %(default)s")
+    p.add_argument("--prompts-file", default=None, metavar="TXT",
+                   help="Chat prompts to measure on, one per line (default: the 10 held-out "
+                        "questions whose subjects no training prompt mentions; "
+                        "bench/data/chat-prompts-50.txt holds 50 more that no training prompt "
+                        "contains)")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_eagle)
 

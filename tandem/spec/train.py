@@ -28,8 +28,8 @@ import torch
 from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
 from tandem.spec.head import (DraftHeadConfig, DraftHeadError, EagleHead, HeadKind, detect_kind,
                               read_head_checkpoint)
-from tandem.spec.train_data import (Sample, build_prompts, generate_samples, read_samples,
-                                     self_prompts, unanswered)
+from tandem.spec.train_data import (Sample, SelfPromptConfig, build_prompts, generate_samples,
+                                     read_samples, self_prompts, unanswered)
 from tandem.spec.ttt import target_log_probs, ttt_forward, ttt_loss
 from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
 
@@ -64,6 +64,8 @@ class TrainConfig:
     # Train against the target's whole next-token distribution (EAGLE's loss) instead of its
     # greedy token alone.
     soft_labels: bool = False
+    # Style of the self-written prompts (train_data.SelfPromptConfig): "open" or "short".
+    self_prompt_style: str = "open"
     # EAGLE-1/2 heads: weight of the smooth-L1 term between each step's hidden and the
     # target's next feature (EAGLE-1 trains with both); 0: token loss alone.
     feature_weight: float = 0.0
@@ -87,6 +89,7 @@ class TrainConfig:
         if self.feature_weight > 0 and self.kind != "eagle":
             raise ValueError("feature_weight: only an EAGLE-1/2 head's hidden is a target "
                              "feature; an EAGLE-3 head trains on tokens alone")
+        SelfPromptConfig.of_style(self.self_prompt_style)  # checks the style's name
         if self.self_prompts < 0:
             raise ValueError(f"self_prompts: must be >= 0, got {self.self_prompts}")
 
@@ -281,6 +284,7 @@ def written_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) 
     seed = cfg.seed * 7919 + len(kept)
     known = set(kept)
     for batch in self_prompts(engine, cfg.self_prompts - len(kept), seed,
+                              SelfPromptConfig.of_style(cfg.self_prompt_style),
                               batch_size=max(cfg.gen_batch_size, 64)):
         batch = [p for p in batch if p not in known]
         known.update(batch)

@@ -235,6 +235,14 @@ SELF_PROMPT_OPENINGS = ("What", "How", "Why", "Can you", "Explain", "Give me", "
                         "Help me", "I need", "Summarize", "Compare")
 
 
+# Openings of the "short" style: the plain questions and requests a chat user types first
+# (what the held-out evaluation asks), rather than the long, often odd requests an open user
+# turn gives.
+SHORT_OPENINGS = ("What is", "What are", "How do", "How does", "How can I", "Why do", "Why is",
+                  "Why does", "Explain", "Describe", "Give me three", "Write a short",
+                  "What causes", "What is the difference between", "How should I", "Tell me")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SelfPromptConfig:
     temperature: float = 0.9
@@ -242,6 +250,18 @@ class SelfPromptConfig:
     max_tokens: int = 96  # a prompt longer than this (no end-of-turn) is dropped
     min_chars: int = 12
     max_chars: int = 400
+    # "open": half the user turns start empty, half with a SELF_PROMPT_OPENINGS word;
+    # "short": every turn starts with a SHORT_OPENINGS phrase and at most 120 characters are
+    # kept -- short plain questions.
+    style: str = "open"
+
+    def __post_init__(self) -> None:
+        if self.style not in ("open", "short"):
+            raise ValueError(f"style: '{self.style}' is not one of open, short")
+
+    @staticmethod
+    def of_style(style: str) -> SelfPromptConfig:
+        return SelfPromptConfig(style=style, max_chars=120 if style == "short" else 400)
 
 
 def _user_turn_prefix(tok) -> str:
@@ -285,8 +305,11 @@ def self_prompts(engine, num: int, seed: int = 0, cfg: SelfPromptConfig = SelfPr
     kept = tried = 0
     while kept < num and tried < 4 * num:
         n = min(batch_size, 4 * num - tried)
-        openings = [rng.choice(SELF_PROMPT_OPENINGS) if rng.random() < 0.5 else ""
-                    for _ in range(n)]
+        if cfg.style == "short":
+            openings = [rng.choice(SHORT_OPENINGS) for _ in range(n)]
+        else:
+            openings = [rng.choice(SELF_PROMPT_OPENINGS) if rng.random() < 0.5 else ""
+                        for _ in range(n)]
         ids = [tok.encode(prefix + o) for o in openings]
         # No per-request seeds: unseeded rows are sampled in one batched draw (a seeded row
         # draws alone, ~10 kernel launches each per step); torch's RNG is seeded per batch.
@@ -299,6 +322,8 @@ def self_prompts(engine, num: int, seed: int = 0, cfg: SelfPromptConfig = SelfPr
             if c.finish_reason is not FinishReason.STOP:
                 continue  # ran out of tokens: no end of turn
             text = (o + tok.decode(c.output_ids)).strip()
+            if cfg.style == "short":  # the opening and its continuation: "What is" + " a ..."
+                text = " ".join(text.split())
             if text not in seen and keep_self_prompt(text, cfg):
                 seen.add(text)
                 out.append(text)

@@ -6,6 +6,7 @@ starting over."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +169,31 @@ def test_target_batch_scores_each_label_with_the_targets_own_distribution(smollm
     sub = target_log_probs(eng.model.lm_head, tb.next_hidden, tb.mask, ids)
     torch.testing.assert_close(sub.exp().sum(-1), torch.ones(len(sub)))
     assert torch.equal(ids[sub.argmax(-1)], tb.labels[tb.mask])
+
+
+def test_eval_eagle_measures_tau_on_a_prompts_file(smollm2_dir, tmp_path, capsys):
+    """`tandem eval-eagle --prompts-file`: greedy speculative answers equal the target's in
+    float32, tau is printed with P(draft j accepted) per position (non-increasing: draft j is
+    accepted only after drafts 1..j-1); a missing or empty file is a clear error."""
+    from tandem.cli import main
+    from tandem.spec import SpecConfig
+    from tandem.spec.evaluate import evaluate_head
+
+    torch.set_num_threads(1)
+    cfg = EngineConfig(model="default", dtype="float32", num_pages=256)
+    r = evaluate_head(cfg, SpecConfig(num_steps=4), max_new_tokens=12,
+                      questions=("What is a glacier?", "Why do stars twinkle at night?"))
+    assert r.num_prompts == 2 and r.num_identical == 2 and r.num_rounds > 0
+    assert 1.0 <= r.tau <= 5.0 and len(r.per_position) == 4
+    assert all(a >= b for a, b in zip(r.per_position, r.per_position[1:]))
+    # tau counts the accepted drafts + 1 per round: sum(P(draft j accepted)) + 1
+    assert abs(r.tau - (1 + sum(r.per_position))) < 1e-6
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert main(["eval-eagle", "--prompts-file", str(tmp_path / "nope.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["eval-eagle", "--prompts-file", str(tmp_path / "empty.txt")]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
+    shipped = Path(__file__).resolve().parents[2] / "bench/data/chat-prompts-50.txt"
+    lines = [q for q in shipped.read_text().splitlines() if q.strip()]
+    assert len(lines) == 50 and len(set(lines)) == 50
+    assert not set(lines) & set(HELD_OUT_QUESTIONS)
