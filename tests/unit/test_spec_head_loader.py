@@ -47,30 +47,20 @@ def eagle_checkpoint(seed=0, with_embed=False, num_layers=1):
     num_layers > 1 adds EAGLE's `layers.{i}` (with an input_layernorm, which layer 0 lacks)."""
     gen = torch.Generator().manual_seed(seed)
     nh, nkv, hd, inter = 2, 1, 32, 96
-    p = "layers.0"
-    sd = {
-        "fc.weight": _rand(gen, H, 2 * H), "fc.bias": _rand(gen, H),
-        f"{p}.self_attn.q_proj.weight": _rand(gen, nh * hd, H),
-        f"{p}.self_attn.k_proj.weight": _rand(gen, nkv * hd, H),
-        f"{p}.self_attn.v_proj.weight": _rand(gen, nkv * hd, H),
-        f"{p}.self_attn.o_proj.weight": _rand(gen, H, nh * hd),
-        f"{p}.mlp.gate_proj.weight": _rand(gen, inter, H),
-        f"{p}.mlp.up_proj.weight": _rand(gen, inter, H),
-        f"{p}.mlp.down_proj.weight": _rand(gen, H, inter),
-        f"{p}.post_attention_layernorm.weight": _rand(gen, H, norm=True),
-    }
-    for i in range(1, num_layers):
-        q = f"layers.{i}"
+    sd = {"fc.weight": _rand(gen, H, 2 * H), "fc.bias": _rand(gen, H)}
+    for i in range(num_layers):
+        p = f"layers.{i}"
+        if i:
+            sd[f"{p}.input_layernorm.weight"] = _rand(gen, H, norm=True)
         sd.update({
-            f"{q}.input_layernorm.weight": _rand(gen, H, norm=True),
-            f"{q}.self_attn.q_proj.weight": _rand(gen, nh * hd, H),
-            f"{q}.self_attn.k_proj.weight": _rand(gen, nkv * hd, H),
-            f"{q}.self_attn.v_proj.weight": _rand(gen, nkv * hd, H),
-            f"{q}.self_attn.o_proj.weight": _rand(gen, H, nh * hd),
-            f"{q}.mlp.gate_proj.weight": _rand(gen, inter, H),
-            f"{q}.mlp.up_proj.weight": _rand(gen, inter, H),
-            f"{q}.mlp.down_proj.weight": _rand(gen, H, inter),
-            f"{q}.post_attention_layernorm.weight": _rand(gen, H, norm=True),
+            f"{p}.self_attn.q_proj.weight": _rand(gen, nh * hd, H),
+            f"{p}.self_attn.k_proj.weight": _rand(gen, nkv * hd, H),
+            f"{p}.self_attn.v_proj.weight": _rand(gen, nkv * hd, H),
+            f"{p}.self_attn.o_proj.weight": _rand(gen, H, nh * hd),
+            f"{p}.mlp.gate_proj.weight": _rand(gen, inter, H),
+            f"{p}.mlp.up_proj.weight": _rand(gen, inter, H),
+            f"{p}.mlp.down_proj.weight": _rand(gen, H, inter),
+            f"{p}.post_attention_layernorm.weight": _rand(gen, H, norm=True),
         })
     if with_embed:
         sd["embed_tokens.weight"] = _rand(gen, VOCAB, H)
