@@ -17,8 +17,8 @@ DRAFT_GROUP = "draft"
 
 
 def draft_kv_group(head: EagleHead) -> KVGroupSpec:
-    return KVGroupSpec(name=DRAFT_GROUP, num_layers=head.cfg.num_layers, num_kv_heads=head.heads.local_kv_heads,
-                       head_dim=head.cfg.head_dim)
+    return KVGroupSpec(name=DRAFT_GROUP, num_layers=head.cfg.num_layers,
+                       num_kv_heads=head.heads.local_kv_heads, head_dim=head.cfg.head_dim)
 
 
 class DraftRunner:

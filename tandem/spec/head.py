@@ -187,8 +187,9 @@ class _LaterLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """One draft layer plus the glue of its kind. Shares the target's embedding (and, for
-    EAGLE-1/2, its lm_head); runs replicated on every rank (it is one layer)."""
+    """One draft layer (EAGLE-1/2: or more, `later`) plus the glue of its kind. Shares the
+    target's embedding (and, for EAGLE-1/2, its lm_head); runs replicated on every rank (it is
+    a layer or a few)."""
 
     def __init__(self, cfg: DraftHeadConfig, target: DecoderLM, dtype: torch.dtype,
                  max_position: int) -> None:

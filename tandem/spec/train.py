@@ -181,7 +181,7 @@ class TargetBatch:
     features: torch.Tensor  # [B, T, F]: the target's feature f_t
     labels: torch.Tensor  # [B, T] int64: x_{t+2}, what draft position t proposes
     mask: torch.Tensor  # [B, T] bool: positions whose label is part of the answer
-    next_hidden: torch.Tensor  # [B, T, H]: the target's final-normed hidden at t+1 (it scores x_{t+2})
+    next_hidden: torch.Tensor  # [B, T, H]: the target's final-normed hidden at t+1 (scores x_{t+2})
 
 
 @torch.no_grad()

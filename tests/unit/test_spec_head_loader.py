@@ -341,8 +341,8 @@ def test_layer_count_and_checkpoint_must_agree(tmp_path, target):
         (tmp_path / sub).mkdir()
     cfg, sd = eagle_checkpoint(num_layers=2)
     del sd["layers.1.input_layernorm.weight"]
-    _expect_error(tmp_path / "a", target, cfg, sd, r"missing draft weight.*layers.1.input_layernorm",
-                  exc=DraftHeadError)
+    _expect_error(tmp_path / "a", target, cfg, sd,
+                  r"missing draft weight.*layers.1.input_layernorm", exc=DraftHeadError)
     cfg, sd = eagle_checkpoint(num_layers=2)
     cfg["num_hidden_layers"] = 1
     _expect_error(tmp_path / "b", target, cfg, sd, r"unexpected draft weight.*layers.1.",

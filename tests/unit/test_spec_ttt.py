@@ -59,7 +59,8 @@ def test_ttt_loss_soft_labels_and_feature_term(tmp_path):
     from tandem.spec.ttt import ttt_loss
 
     path, _ = save_tiny("llama", tmp_path)
-    model = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4)).model
+    eng = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4))
+    model = eng.model
     head = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle"), model, torch.float32,
                       torch.device("cpu"), 64, seed=1)
     g = torch.Generator().manual_seed(0)
@@ -100,7 +101,8 @@ def test_a_grown_head_starts_out_computing_what_the_smaller_one_did(tmp_path):
     from tandem.spec.train import export_head, grow_layers, start_from, trainable
 
     path, _ = save_tiny("llama", tmp_path)
-    model = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4)).model
+    eng = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4))
+    model = eng.model
     one = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle"), model, torch.float32,
                      torch.device("cpu"), 512, seed=3)
     export_head(one, tmp_path / "one", {})
@@ -112,8 +114,8 @@ def test_a_grown_head_starts_out_computing_what_the_smaller_one_did(tmp_path):
     feats = torch.randn(1, 9, model.cfg.hidden_size, generator=g)
     b = ttt_forward(two, tokens, feats, 2)
     # The export is bf16: compare with the one-layer head loaded back from it.
-    one_saved = EagleHead(DraftHeadConfig.like_target(model.cfg, "eagle"), model, torch.float32,
-                          512)
+    one_saved = EagleHead(DraftHeadConfig.like_target(model.cfg, "eagle"), model,
+                          torch.float32, 512)
     start_from(one_saved, tmp_path / "one")
     for x, y in zip(ttt_forward(one_saved, tokens, feats, 2), b):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
