@@ -353,7 +353,8 @@ def cmd_eval_eagle(args: argparse.Namespace) -> int:
     else:
         r = evaluate_head(engine_config_from_args(args), spec, args.max_new_tokens)
     per_pos = " ".join(f"{p:.2f}" for p in r.per_position)
-    print(f"tau {r.tau:.2f} over {r.num_rounds} rounds of {r.num_prompts} held-out prompts "
+    print(f"tau {r.tau:.2f} (standard error {r.tau_stderr:.2f}) over {r.num_rounds} rounds "
+          f"of {r.num_prompts} held-out prompts "
           f"(chain k={args.num_draft_steps} topk={args.draft_topk}, greedy, {args.dtype}); "
           f"P(draft j accepted) j=1..{len(r.per_position)}: {per_pos}; "
           f"identical to the target alone: {r.num_identical}/{r.num_prompts}")

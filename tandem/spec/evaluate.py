@@ -16,6 +16,7 @@ from tandem.spec.train_data import HELD_OUT_QUESTIONS
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HeadEval:
     tau: float
+    tau_stderr: float  # rounds taken as independent (see SpecStats.tau_stderr)
     per_position: tuple[float, ...]
     num_rounds: int
     num_prompts: int
@@ -34,5 +35,6 @@ def evaluate_head(engine_cfg: EngineConfig, spec: SpecConfig, max_new_tokens: in
     plain = LLMEngine(engine_cfg, eng.model, tok).generate(prompts, params)
     same = sum(a.output_ids == b.output_ids for a, b in zip(spec_out, plain))
     st = eng.spec_stats
-    return HeadEval(tau=st.mean_acceptance_length, per_position=tuple(st.per_position()),
+    return HeadEval(tau=st.mean_acceptance_length, tau_stderr=st.tau_stderr(),
+                    per_position=tuple(st.per_position()),
                     num_rounds=st.num_rounds, num_prompts=len(prompts), num_identical=same)

@@ -188,6 +188,7 @@ def test_eval_eagle_measures_tau_on_a_prompts_file(smollm2_dir, tmp_path, capsys
     assert all(a >= b for a, b in zip(r.per_position, r.per_position[1:]))
     # tau counts the accepted drafts + 1 per round: sum(P(draft j accepted)) + 1
     assert abs(r.tau - (1 + sum(r.per_position))) < 1e-6
+    assert 0 < r.tau_stderr < 1
     (tmp_path / "empty.txt").write_text("\n\n")
     assert main(["eval-eagle", "--prompts-file", str(tmp_path / "nope.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -127,3 +127,23 @@ def test_a_grown_head_starts_out_computing_what_the_smaller_one_did(tmp_path):
     assert len(params) > len(trainable(one_saved))
     with pytest.raises(ValueError, match="more than the 1 trained"):
         grow_layers(two.state_for_saving(), 1, "two-layer head")
+
+
+def test_spec_stats_tau_and_its_standard_error():
+    """SpecStats from recorded rounds: tau, P(draft j accepted), and the standard error of tau
+    (rounds as independent samples) equal those computed from the raw accepted counts."""
+    import statistics
+
+    from tandem.spec.engine import SpecStats
+
+    accepted = [0, 4, 2, 2, 1, 0, 3, 0, 4, 1, 2]
+    st = SpecStats()
+    for a in accepted:
+        st.record(a, 4)
+    lengths = [a + 1 for a in accepted]
+    assert st.mean_acceptance_length == pytest.approx(statistics.mean(lengths))
+    assert st.per_position() == pytest.approx(
+        [sum(a >= j for a in accepted) / len(accepted) for j in range(1, 5)])
+    want = statistics.stdev(lengths) / len(lengths) ** 0.5
+    assert st.tau_stderr() == pytest.approx(want)
+    assert SpecStats().tau_stderr() == 0.0
