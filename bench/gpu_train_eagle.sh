@@ -40,6 +40,8 @@ TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${M
 # Earlier answers: trained on next to this run's, and their prompts are not answered again.
 EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
+# VOCAB: answer files counted for the draft vocabulary only (--vocab-samples).
+for e in ${VOCAB:-}; do EXTRA_ARGS="$EXTRA_ARGS --vocab-samples $e"; done
 case "${PHASE:?set PHASE to part0, gen, train or eval}" in
 part0)
   cp .gpucache/part_00 /tmp/gc/

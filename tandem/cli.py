@@ -173,6 +173,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         init_head=args.init_head, self_prompts=args.self_prompts,
         soft_labels=args.soft_labels, feature_weight=args.feature_weight,
         num_layers=args.num_layers, self_prompt_style=args.self_prompt_style,
+        vocab_samples=tuple(args.vocab_samples),
     )
     engine = LLMEngine.from_config(engine_config_from_args(args))
     if engine.tokenizer is None:
@@ -544,6 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-samples", action="append", default=[], metavar="JSONL",
                    help="More answered samples to train on (samples.jsonl[.gz] of an earlier "
                         "run); repeatable")
+    p.add_argument("--vocab-samples", action="append", default=[], metavar="JSONL",
+                   help="Answered samples whose tokens count toward the draft vocabulary only "
+                        "(not trained on), so a stage on a narrow prompt set keeps the "
+                        "vocabulary of every set the head serves; repeatable")
     p.add_argument("--init-head", default=None, metavar="DIR",
                    help="Start from this trained head (same kind and shape) instead of a random "
                         "init, e.g. the shipped one to train it further (default: random)")

@@ -64,6 +64,9 @@ class TrainConfig:
     # Train against the target's whole next-token distribution (EAGLE's loss) instead of its
     # greedy token alone.
     soft_labels: bool = False
+    # More answered samples whose tokens count toward the draft vocabulary only (not trained
+    # on): a stage trained on a narrow set keeps the vocabulary of every set the head serves.
+    vocab_samples: tuple[str, ...] = ()
     # Style of the self-written prompts (train_data.SelfPromptConfig): "open" or "short".
     self_prompt_style: str = "open"
     # EAGLE-1/2 heads: weight of the smooth-L1 term between each step's hidden and the
@@ -241,10 +244,14 @@ def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
 
 def extra_samples(cfg: TrainConfig) -> list[Sample]:
     """The samples of `cfg.extra_samples` (answered earlier, e.g. by another prompt set)."""
-    for extra in cfg.extra_samples:
-        if not Path(extra).is_file():
-            raise FileNotFoundError(f"extra_samples: {extra} does not exist")
-    return [s for extra in cfg.extra_samples for s in read_samples(Path(extra))]
+    return _read_all(cfg.extra_samples, "extra_samples")
+
+
+def _read_all(files: tuple[str, ...], field: str) -> list[Sample]:
+    for f in files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"{field}: {f} does not exist")
+    return [s for f in files for s in read_samples(Path(f))]
 
 
 def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True,
@@ -307,7 +314,8 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     samples = [s for s in samples if len(s.answer_ids) >= 2]
     log.info("training on %d samples (%d answer tokens)", len(samples),
              sum(len(s.answer_ids) for s in samples))
-    vocab_ids = (frequent_tokens(samples, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
+    vocab_from = samples + _read_all(cfg.vocab_samples, "vocab_samples")
+    vocab_ids = (frequent_tokens(vocab_from, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
                  if cfg.kind == "eagle3" else None)
     head = init_head(engine, cfg, vocab_ids)
     if cfg.init_head is not None:
@@ -383,6 +391,6 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     if cfg.kind == "eagle" and cfg.draft_vocab_size < vocab:
         # An EAGLE-1/2 head learns over the whole vocabulary and drafts over the most frequent
         # answer tokens (see vocab.py): the same restriction `tandem draft-vocab` applies.
-        restrict_head_vocab(out / "head", frequent_tokens(samples, cfg.draft_vocab_size, vocab),
-                            out / "head")
+        restrict_head_vocab(out / "head",
+                            frequent_tokens(vocab_from, cfg.draft_vocab_size, vocab), out / "head")
     return out / "head"

@@ -198,3 +198,28 @@ def test_eval_eagle_measures_tau_on_a_prompts_file(smollm2_dir, tmp_path, capsys
     lines = [q for q in shipped.read_text().splitlines() if q.strip()]
     assert len(lines) == 50 and len(set(lines)) == 50
     assert not set(lines) & set(HELD_OUT_QUESTIONS)
+
+
+def test_vocab_samples_count_toward_the_draft_vocabulary_only(smollm2_dir, tmp_path):
+    """--vocab-samples: tokens frequent there are in the exported head's draft vocabulary even
+    when no trained answer has them; a missing file is named."""
+    torch.set_num_threads(1)
+    eng = LLMEngine.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                             num_pages=256, max_num_batched_tokens=512))
+    rare = [40001, 40002, 40003]  # tokens a short greedy answer will not contain
+    vocab_file = tmp_path / "vocab.jsonl"
+    vocab_file.write_text(json.dumps({"p": [1, 2], "a": rare * 400}) + "\n")
+    base = dict(kind="eagle", draft_vocab_size=512, num_prompts=2, max_new_tokens=4,
+                gen_batch_size=2, max_seq_len=64, batch_size=2, epochs=1, save_every=1, lr=0.0)
+    head_dir = train(eng, TrainConfig(out_dir=str(tmp_path / "a"),
+                                      vocab_samples=(str(vocab_file),), **base), progress=False)
+    trained = read_samples(tmp_path / "a" / "samples.jsonl")
+    assert not set(rare) & {t for s in trained for t in s.answer_ids}
+    head = load_head(head_dir, eng.model, torch.float32, torch.device("cpu"), 128)
+    ids = set((torch.arange(512) + head.d2t).tolist())
+    assert set(rare) <= ids
+    assert {t for s in trained for t in s.answer_ids} <= ids  # the trained answers' too
+    with pytest.raises(FileNotFoundError, match="vocab_samples: .*nope.jsonl"):
+        train(eng, TrainConfig(out_dir=str(tmp_path / "b"),
+                               vocab_samples=(str(tmp_path / "nope.jsonl"),), **base),
+              progress=False)
