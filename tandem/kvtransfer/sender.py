@@ -189,13 +189,13 @@ class PrefillSender(EndpointBase):
         """Build the room's writes before GO, on backends with `prepare_write` (NIXL, fake):
         each group's page writes for a push of all its layers (what `send` and the prefill
         worker's push-after-prefill do; `start(whole_groups=False)` skips it for layer-wise
-        pushes) and the aux write that carries FINAL, so that from GO
-        on only the posts are left (descriptor planning and the library's transfer set-up cost
-        as much as the 64 MiB write itself on a GPU host). A push of part of a group drops that
-        group's built writes and the built aux write (FINAL's counts change) and plans as
-        before; writes already queued, and other groups' built writes, still go. Not for head slices or injected faults, and the aux write only
-        while two staging slots or more are free: the plain path keeps one, so a room without
-        a built aux write never waits on rooms that hold theirs."""
+        pushes) and the aux write that carries FINAL, so that from GO on only the posts are
+        left (descriptor planning and the library's transfer set-up cost as much as the 64 MiB
+        write itself on a GPU host). A push of part of a group drops that group's built writes
+        and the built aux write (FINAL's counts change) and plans as before; writes already
+        queued, and other groups' built writes, still go. Not for head slices or injected
+        faults, and the aux write only while two staging slots or more are free: the plain path
+        keeps one, so a room without a built aux write never waits on rooms that hold theirs."""
         if not self._can_prepare or s.piece is not None or s.fault is not None:
             return
         nbytes = count = 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.engine.layers.attention import HeadLayout
 from tandem.spec.head import EagleHead
 
 
@@ -58,26 +59,25 @@ def ttt_forward(
     feat = features
     for s in range(num_steps):
         attn_in, residual = _layer_inputs(head, emb, feat)
-        h = residual + head.attn.o_proj(_attend(head, head.attn, attn_in, positions, causal,
-                                                kv[0], s))
+        h = residual + head.attn.o_proj(_attend(head.heads, head.attn, attn_in, positions,
+                                                causal, kv[0], s))
         h = h + head.mlp(head.post_attn_norm(h))
         for layer, layer_kv in zip(head.later, kv[1:]):
-            h = h + layer.attn.o_proj(_attend(head, layer.attn, layer.input_norm(h), positions,
-                                              causal, layer_kv, s))
+            h = h + layer.attn.o_proj(_attend(head.heads, layer.attn, layer.input_norm(h),
+                                              positions, causal, layer_kv, s))
             h = h + layer.mlp(layer.post_attn_norm(h))
         outs.append(h)
         feat = _shift(h, 1)  # step s+1 at position t continues from step s at t-1
     return outs
 
 
-def _attend(head: EagleHead, attn: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
+def _attend(heads: HeadLayout, attn: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
             causal: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], s: int
             ) -> torch.Tensor:
     """One layer's attention at unrolled step s: x [B, T, in] -> [B, T, Hq*D] (before o_proj).
     Appends this step's (keys, values) to `kv`; the step attends to step 0's keys of positions
     <= t - s and, on the diagonal, to the key each later step j wrote at t - s + j."""
     b, t_len = x.shape[:2]
-    heads = head.heads
     d, hq, hkv = heads.head_dim, heads.local_heads, heads.local_kv_heads
     group = hq // hkv
     q, k, v = attn.qkv(x).split(attn.qkv.local_sizes(), dim=-1)

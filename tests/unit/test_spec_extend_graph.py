@@ -68,12 +68,13 @@ def _first_child_depth(parents) -> int:
     return d
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle-2layer"])
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("bs", [1, 3])  # 3 runs padded in the bucket of 4
-def test_extend_graph_equals_eager_extend_for_every_acceptance(name, bs, monkeypatch):
+def test_extend_graph_equals_eager_extend_for_every_acceptance(name, bs, kind, monkeypatch):
     model = tiny_target("llama", live=None)
     spec = SPECS[name]
-    eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle", live=None))
+    eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, kind, live=None))
     graphs = _attach_graphs(eng, monkeypatch)
     inp = _running_input(eng, bs)
     verify = propose(eng.draft, inp, spec)

@@ -167,15 +167,16 @@ SPECS = {"chain4": SpecConfig(num_steps=4), "chain2": SpecConfig(num_steps=2),
          "tree3x2n5": SpecConfig(num_steps=3, topk=2, num_draft_tokens=5)}
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle-2layer"])  # 2 layers: 2 draft KV layers
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("bs", [1, 3])  # 3 runs padded in the bucket of 4
-def test_graph_runner_round_equals_plain_greedy(name, bs, monkeypatch):
+def test_graph_runner_round_equals_plain_greedy(name, bs, kind, monkeypatch):
     model = tiny_target("llama")
     spec = SPECS[name]
     ps = prompts(bs, seed=40 + bs)
     params = greedy(12)
     want = [c.output_ids for c in reference(model, ps, params)]
-    eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle"))
+    eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, kind))
     graphs = _attach_graphs(eng, monkeypatch)
     calls = {"propose": 0, "verify": 0}
     for fn in ("propose", "verify"):
