@@ -4,6 +4,14 @@ the Llama-3.1-8B shape, plain and fused, over all Triton configs, next to the sm
 the fusions remove. Each number: a CUDA graph of repeated calls, median replay / calls.
 
     source .devbundle/activate.sh; PYTHONPATH=. python3 bench/gpu_micro.py --out $OUT
+
+`--skinny` instead measures the same sites with x of M in {1, 2, 4, 5, 8} rows (speculative
+verify, small decode batches): the unfused sequence (cuBLAS + the Triton elementwise kernels,
+what M > 1 ran before the multi-row kernel) against every candidate of the GEMV kernels,
+each checked against the float64 torch twin first. Torch and Triton only (no FlashInfer):
+
+    PYTHONPATH=. python3 bench/gpu_micro.py --skinny --out $OUT        # ~2 min on an H100
+    PYTHONPATH=. python3 bench/gpu_micro.py --skinny --sweep --out $OUT  # + a wide grid
 """
 
 from __future__ import annotations
@@ -42,7 +50,10 @@ def attention_decode(ctx: int = 1060) -> list[dict]:
     import flashinfer
 
     from tandem.engine.attention import AttentionShape, SeqSlice, build_metadata
-    from tandem.engine.attention.flashinfer_backend import FLOAT_WORKSPACE_BYTES, DecodeWrappers
+    from tandem.engine.attention.flashinfer_backend import (
+        FLOAT_WORKSPACE_BYTES,
+        DecodeWrappers,
+    )
 
     shape = AttentionShape(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                            scale=128**-0.5)
@@ -62,7 +73,7 @@ def attention_decode(ctx: int = 1060) -> list[dict]:
                                 use_tensor_cores=tc)
             plan = dw.plan(meta)
             row["tensor_core_us" if tc else "cuda_core_us"] = graph_us(
-                lambda: plan.wrapper.run(q, cache), calls=32)
+                lambda plan=plan, q=q, cache=cache: plan.wrapper.run(q, cache), calls=32)
         kv_bytes = bs * ctx * 8 * 128 * 2 * 2
         row["floor_us"] = kv_bytes / 4.2e12 * 1e6
         rows.append(row)
@@ -84,22 +95,23 @@ def gemv_sites() -> list[dict]:
         xk = x[:, :k].contiguous()
         nw = (1 + 0.1 * torch.randn(k, device=DEV)).bfloat16()
         res = torch.randn(1, n, device=DEV).bfloat16()
-        kwargs = {"norm": dict(norm_weight=nw, eps=1e-5), "residual": dict(residual=res),
-                  "silu_residual": dict(silu_mul=True, residual=res),
-                  "f32": dict(out_dtype=torch.float32)}[fused]
+        kwargs = {"norm": {"norm_weight": nw, "eps": 1e-5}, "residual": {"residual": res},
+                  "silu_residual": {"silu_mul": True, "residual": res},
+                  "f32": {"out_dtype": torch.float32}}[fused]
         for variant, (xin, kw) in (("plain", (xk, {})), (fused, (x, kwargs))):
             per_cfg = {}
             for cfg in triton_gemv.CONFIGS:
                 state = {"i": 0}
 
-                def call(cfg=cfg, xin=xin, kw=kw, state=state):
+                def call(cfg=cfg, xin=xin, kw=kw, state=state, ws=ws):
                     state["i"] ^= 1
                     triton_gemv.gemv(xin, ws[state["i"]], config=cfg, **kw)
 
                 per_cfg[cfg] = graph_us(call, calls=10)
             best = min(per_cfg, key=per_cfg.__getitem__)
             ranked = sorted(per_cfg.items(), key=lambda kv: kv[1])[:4]
-            cublas = graph_us(lambda: xk @ ws[0].t(), calls=10) if variant == "plain" else None
+            cublas = (graph_us(lambda xk=xk, w=ws[0]: xk @ w.t(), calls=10)
+                      if variant == "plain" else None)
             row = {"site": name, "variant": variant, "n": n, "k": k, "best_config": best,
                    "us": per_cfg[best], "tbs": n * k * 2 / (per_cfg[best] * 1e-6) / 1e12,
                    "top4": ranked, "cublas_us": cublas}
@@ -120,11 +132,150 @@ def gemv_sites() -> list[dict]:
     return rows
 
 
+# Llama-3.1-8B projection sites: (N, K, the fusion its layer uses).
+SITES_8B = {"qkv": (6144, 4096, "norm"), "o_proj": (4096, 4096, "residual"),
+            "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu_residual"),
+            "lm_head": (128256, 4096, "f32")}
+SKINNY_ROWS = (1, 2, 4, 5, 8)
+
+
+def _sweep_grid() -> list:
+    """A wide grid of multi-row configs (--sweep): where ROWS_CONFIGS was pruned from."""
+    from tandem.engine.kernels.triton_gemv import RowsConfig
+
+    return [RowsConfig(bn, bk, warps, stages) for bn in (16, 32, 64, 128)
+            for bk in (128, 256, 512) for warps in (4, 8) for stages in (3, 5)
+            if bn * bk * 2 * stages <= 160 * 1024]  # pipeline buffers in shared memory
+
+
+def _unfused(x, w, fused: str, nw, res):
+    """The sequence the fused GEMVs replace (triton_gemv.UNFUSED, also for one row)."""
+    import torch.nn.functional as F
+
+    from tandem.engine.kernels import triton_ops
+
+    if fused == "silu_residual":
+        x = triton_ops.silu_and_mul(x)
+    if fused == "norm":
+        x = triton_ops.rms_norm(x, nw, 1e-5)
+    y = F.linear(x, w)
+    if res is not None:
+        y = y + res
+    return y.float() if fused == "f32" else y
+
+
+def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS) -> list[dict]:
+    """Every 8B site, plain and with its layer's fusion, for each row count in SKINNY_ROWS:
+    the unfused sequence vs each GEMV candidate (the one-row kernel's CONFIGS for M = 1,
+    ROWS_CONFIGS -- or the --sweep grid -- for M > 1), alternating two weights so that
+    no call finds its weight in L2."""
+    from tandem.engine.kernels import triton_gemv
+
+    rows = []
+    grid = _sweep_grid() if sweep else [c for c in triton_gemv.ROWS_CONFIGS
+                                        if c != triton_gemv.UNFUSED]
+    for name, (n, k, fused) in SITES_8B.items():
+        weights = [(0.02 * torch.randn(n, k, device=DEV)).bfloat16() for _ in range(2)]
+        w64 = weights[0].double()
+        nw = (1 + 0.1 * torch.randn(k, device=DEV)).bfloat16()
+        silu = fused == "silu_residual"
+        for m in row_counts:
+            x = torch.randn(m, 2 * k if silu else k, device=DEV).bfloat16()
+            xk = x[:, :k].contiguous()
+            res = torch.randn(m, n, device=DEV).bfloat16()
+            kwargs = {"norm": {"norm_weight": nw, "eps": 1e-5}, "residual": {"residual": res},
+                      "silu_residual": {"silu_mul": True, "residual": res},
+                      "f32": {"out_dtype": torch.float32}}[fused]
+            for variant, xin, kw in (("plain", xk, {}), (fused, x, kwargs)):
+                row = _skinny_row(name, variant, n, k, m, grid if m > 1 else
+                                  list(triton_gemv.CONFIGS), weights, w64, xin, kw,
+                                  (fused if variant != "plain" else "plain", nw, res))
+                rows.append(row)
+                print({kk: v for kk, v in row.items() if kk != "top4"}, flush=True)
+        del weights, w64
+    return rows
+
+
+def _skinny_row(name, variant, n, k, m, candidates, weights, w64, xin, kw, unfused_args):
+    """One (site, variant, M): check every candidate against the float64 twin, then time the
+    unfused sequence and every candidate (graph of 10 calls, alternating the two weights)."""
+    from tandem.engine.kernels import torch_ops, triton_gemv
+
+    fused, nw, res = unfused_args
+    want = torch_ops.fused_linear(  # [M, N] float64 twin
+        xin.double(), w64, nw.double() if fused == "norm" else None, 1e-5,
+        fused == "silu_residual", res.double() if res is not None and fused in (
+            "residual", "silu_residual") else None)
+    bad = {}
+    for cfg in candidates:
+        got = triton_gemv.gemv(xin, weights[0], config=cfg, **kw)
+        err = float((got.double() - want).norm() / want.norm())
+        if not err < 6e-3:  # the GPU test's bound
+            bad[str(cfg)] = err
+    got = _unfused(xin, weights[0], fused, nw, res if fused in ("residual", "silu_residual")
+                   else None)
+    unfused_err = float((got.double() - want).norm() / want.norm())
+
+    def timed(fn) -> float:
+        state = {"i": 0}
+
+        def call() -> None:
+            state["i"] ^= 1
+            fn(weights[state["i"]])
+
+        return graph_us(call, calls=10)
+
+    res_in = res if fused in ("residual", "silu_residual") else None
+    unfused_us = timed(lambda w: _unfused(xin, w, fused, nw, res_in))
+    per_cfg = {cfg: timed(lambda w, cfg=cfg: triton_gemv.gemv(xin, w, config=cfg, **kw))
+               for cfg in candidates if str(cfg) not in bad}
+    best = min(per_cfg, key=per_cfg.__getitem__)
+    gbs = n * k * 2 / 1e9
+    return {"site": name, "variant": variant, "m": m, "n": n, "k": k,
+            "unfused_us": unfused_us, "unfused_gbs": gbs / (unfused_us * 1e-6),
+            "best_config": tuple(best), "us": per_cfg[best],
+            "gbs": gbs / (per_cfg[best] * 1e-6), "speedup": unfused_us / per_cfg[best],
+            "unfused_rel_err": unfused_err, "failed_check": bad,
+            "top4": sorted(((str(c), t) for c, t in per_cfg.items()), key=lambda kv: kv[1])[:4]}
+
+
+def print_skinny(rows: list[dict], row_counts: tuple[int, ...] = SKINNY_ROWS) -> None:
+    print("\nsite      variant        M  unfused us   GB/s   kernel us   GB/s  speedup  config")
+    for r in rows:
+        failed = f"  FAILED CHECK {r['failed_check']}" if r["failed_check"] else ""
+        print(f"{r['site']:<9} {r['variant']:<14} {r['m']}  {r['unfused_us']:9.1f} "
+              f"{r['unfused_gbs']:6.0f} {r['us']:11.1f} {r['gbs']:6.0f} {r['speedup']:7.2f}x  "
+              f"{r['best_config']}{failed}")
+    # What one forward of M tokens spends in projections: 32 fused layers + the LM head.
+    print("\n8B forward, projections only (32 layers x fused sites + lm_head), us:")
+    print("M   unfused   kernel   best-of-both")
+    for m in row_counts:
+        fused = [r for r in rows if r["m"] == m and r["variant"] != "plain"]
+        scale = {r["site"]: 1 if r["site"] == "lm_head" else 32 for r in fused}
+        tot = {key: sum(scale[r["site"]] * f(r) for r in fused) for key, f in (
+            ("unfused", lambda r: r["unfused_us"]), ("kernel", lambda r: r["us"]),
+            ("best", lambda r: min(r["us"], r["unfused_us"])))}
+        print(f"{m}  {tot['unfused']:8.0f} {tot['kernel']:8.0f} {tot['best']:8.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--skinny", action="store_true",
+                    help="only the multi-row GEMV table (M = 1, 2, 4, 5, 8); no FlashInfer")
+    ap.add_argument("--sweep", action="store_true",
+                    help="with --skinny: time a wide grid of multi-row configs")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(SKINNY_ROWS),
+                    help="with --skinny: the row counts M (default: 1 2 4 5 8)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.skinny:
+        row_counts = tuple(args.rows)
+        res = {"device": torch.cuda.get_device_name(), "sweep": args.sweep,
+               "skinny": skinny_sites(args.sweep, row_counts)}
+        (args.out / "gpu_micro_skinny.json").write_text(json.dumps(res, indent=1, default=str))
+        print_skinny(res["skinny"], row_counts)
+        return
     res = {"device": torch.cuda.get_device_name(), "attention_decode": attention_decode()}
     (args.out / "gpu_micro.json").write_text(json.dumps(res, indent=1, default=str))
     res["gemv"] = gemv_sites()
@@ -133,7 +284,7 @@ def main() -> None:
     for r in res["gemv"]:
         if "variant" in r:
             cub = f"{r['cublas_us']:9.1f}" if r["cublas_us"] else ""
-            print(f"{r['site']:<9} {r['variant']:<14} {str(r['best_config']):<18} "
+            print(f"{r['site']:<9} {r['variant']:<14} {r['best_config']!s:<18} "
                   f"{r['us']:7.1f} {r['tbs']:7.2f} {cub}")
     for r in res["attention_decode"]:
         print(r)

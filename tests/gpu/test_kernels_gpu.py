@@ -93,6 +93,62 @@ def test_gemv(shape, variant):
     assert got.dtype == torch.bfloat16 and _rel(got, want) < 6e-3
 
 
+@pytest.mark.parametrize("num_rows", [2, 5, 8])
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (1000, 576)])
+@pytest.mark.parametrize("variant", ["plain", "norm", "silu_mul_residual", "norm_residual",
+                                     "f32"])
+def test_gemv_rows(num_rows, shape, variant):
+    """x of 2..8 rows (speculative verify, small batches): the tuned choice and every
+    multi-row kernel config equal the float64 twin row by row, in bf16."""
+    from tandem.engine.kernels import triton_gemv
+
+    g = torch.Generator(DEV).manual_seed(6)
+    n, k = shape
+    w = (0.02 * torch.randn(n, k, device=DEV, generator=g)).bfloat16()
+    silu = variant.startswith("silu_mul")
+    x = torch.randn(num_rows, 2 * k if silu else k, device=DEV, generator=g).bfloat16()
+    x[-1] *= 8  # rows of different scale: each needs its own RMSNorm statistics
+    norm = ((1 + 0.1 * torch.randn(k, device=DEV, generator=g)).bfloat16()
+            if variant.startswith("norm") else None)
+    res = (torch.randn(num_rows, n, device=DEV, generator=g).bfloat16()
+           if variant.endswith("residual") else None)
+    out_dtype = torch.float32 if variant == "f32" else None
+    want = torch_ops.fused_linear(x.double(), w.double(), None if norm is None else
+                                  norm.double(), 1e-5, silu, None if res is None else
+                                  res.double())  # [M, N] float64
+    configs = [None, *triton_gemv.ROWS_CONFIGS]
+    for cfg in configs:
+        got = triton_gemv.gemv(x, w, norm_weight=norm, eps=1e-5, silu_mul=silu, residual=res,
+                               out_dtype=out_dtype, config=cfg)
+        assert got.shape == (num_rows, n) and got.dtype == (out_dtype or torch.bfloat16)
+        for m in range(num_rows):
+            assert _rel(got[m], want[m]) < 6e-3, (cfg, m)
+        if variant == "f32" and cfg != triton_gemv.UNFUSED:  # float32 accumulator kept
+            assert _rel(got, want) < 1e-4, cfg
+    key = (n, k, "torch.bfloat16", norm is not None, silu, res is not None,
+           str(out_dtype or torch.bfloat16), num_rows)
+    assert triton_gemv.tuned_configs()[key] in triton_gemv.ROWS_CONFIGS
+
+
+def test_fused_linear_routes_up_to_max_rows():
+    """ops.fused_linear takes the GEMV kernels for 1..gemv_max_rows rows and equals the
+    layered sequence; gemv_max_rows=1 sends 5 rows to the unfused sequence again."""
+    from tandem.engine import kernels
+
+    g = torch.Generator(DEV).manual_seed(7)
+    w = (0.02 * torch.randn(6144, 4096, device=DEV, generator=g)).bfloat16()
+    nw = (1 + 0.1 * torch.randn(4096, device=DEV, generator=g)).bfloat16()
+    x = torch.randn(5, 4096, device=DEV, generator=g).bfloat16()
+    want = torch_ops.fused_linear(x.double(), w.double(), nw.double(), 1e-5)
+    with kernels.kernel_policy(triton=True, gemv=True, fused_decode=True, gemv_max_rows=8):
+        assert kernels.decode_fusion_ok(x)
+        fused = kernels.fused_linear(x, w, norm_weight=nw, eps=1e-5)
+        with kernels.kernel_policy(gemv_max_rows=1):
+            assert not kernels.decode_fusion_ok(x)
+            layered = kernels.fused_linear(x, w, norm_weight=nw, eps=1e-5)
+    assert _rel(fused, want) < 6e-3 and _rel(layered, want) < 6e-3
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_rotary_store(tri, page_size):
     from tandem.engine.layers.rotary import RotaryEmbedding

@@ -54,3 +54,62 @@ def test_fused_decode_path_equals_layered_path(monkeypatch, qk_norm):
     fused = run(5, [11])  # rewrites the same slot with the same K/V
     assert calls == [1] * cfg.num_layers
     torch.testing.assert_close(fused, layered, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_path_of_five_rows_equals_layered_path(monkeypatch, qk_norm):
+    """Speculative verify at batch 1 (k + 1 = 5 tokens) takes the fused path on CUDA (the
+    multi-row GEMV): every row keeps its own norm statistics and residual. Same model, same
+    cache contents, all five rows' logits compared."""
+    raw = dict(TINY, architectures=["Qwen3ForCausalLM"], head_dim=16) if qk_norm else TINY
+    cfg = ModelConfig.from_hf(raw)
+    model = DecoderLM(cfg, ParallelContext(), torch.float32, 128)
+    fill_dummy(model.weight_loaders(), torch.float32, torch.device("cpu"), seed=4)
+    group = KVGroupSpec(name="target", num_layers=cfg.num_layers,
+                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+    pool = KVPool([group], 8, 4, torch.float32, "cpu")
+    runner = ModelRunner(model.eval(), pool, TorchReferenceBackend(torch.device("cpu")))
+
+    def run(num_cached: int, ids: list[int]) -> torch.Tensor:  # -> [len(ids), V] float32
+        lay = build_metadata([SeqSlice(page_ids=[1, 2, 3, 4], num_cached=num_cached,
+                                       num_new=len(ids))], 4)
+        return runner.forward(ForwardBatch(
+            input_ids=torch.tensor(ids), positions=lay.positions, attn=lay.attn,
+            logits_indices=torch.arange(len(ids)))).logits
+
+    run(0, [5, 17, 3])  # the context (T=3, layered)
+    draft = [11, 42, 8, 64, 2]  # last accepted token + 4 draft tokens
+    layered = run(3, draft)
+    calls = []
+
+    def fuse_up_to_eight_rows(x: torch.Tensor) -> bool:
+        calls.append(x.shape[0])
+        return 1 <= x.shape[0] <= 8
+
+    monkeypatch.setattr(kernels, "decode_fusion_ok", fuse_up_to_eight_rows)
+    fused = run(3, draft)  # rewrites the same 5 slots with the same K/V
+    assert calls == [5] * cfg.num_layers
+    assert fused.shape == (5, cfg.vocab_size)
+    torch.testing.assert_close(fused, layered, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_path_row_limit_follows_the_policy(monkeypatch):
+    """decode_fusion_ok / the GEMV route take 1..gemv_max_rows rows (8: verify of k + 1
+    tokens, small batches; the default 1 is the batch-1-only behaviour). The Triton
+    module lookup is faked so that the row rule itself is checked on the CPU."""
+    from tandem.engine.kernels import ops
+
+    monkeypatch.setattr(ops, "_triton_for", lambda x: ops)  # "CUDA with Triton"
+    monkeypatch.setattr(ops, "_gemv_module", ops)
+    rows = {m: torch.zeros(m, 16) for m in (0, 1, 2, 5, 8, 9)}
+    assert kernels.KernelPolicy().gemv_max_rows == 1  # opt-in until run end to end on a GPU
+    # Explicit values: the process policy may come from TANDEM_* variables.
+    with kernels.kernel_policy(gemv=True, fused_decode=True, gemv_max_rows=8):
+        assert [m for m, x in rows.items() if kernels.decode_fusion_ok(x)] == [1, 2, 5, 8]
+        with kernels.kernel_policy(gemv_max_rows=1):
+            assert [m for m, x in rows.items() if kernels.decode_fusion_ok(x)] == [1]
+        with kernels.kernel_policy(gemv=False):
+            assert not any(kernels.decode_fusion_ok(x) for x in rows.values())
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="gemv_max_rows"):
+            kernels.KernelPolicy(gemv_max_rows=bad)

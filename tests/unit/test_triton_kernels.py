@@ -5,21 +5,13 @@ tests/gpu/test_kernels_gpu.py (compiled kernels, bf16)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_interp import require_triton_interpreter
 
-if torch.cuda.is_available():  # the interpreter flag is process-wide: tests/gpu covers CUDA
-    pytest.skip("CUDA machine: tests/gpu runs the compiled kernels", allow_module_level=True)
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
-pytest.importorskip("triton")
-pytest.importorskip("numpy")
+require_triton_interpreter()  # before triton is first imported
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
-
-from tandem.engine.kernels import torch_ops, triton_gemv, triton_ops  # noqa: E402
+from tandem.engine.kernels import torch_ops, triton_gemv, triton_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -115,6 +107,74 @@ def test_gemv_float32_logits_from_bf16():
     got = triton_gemv.gemv(x, w, out_dtype=torch.float32)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, x.float() @ w.float().t(), atol=2e-3, rtol=2e-3)
+
+
+# Multi-row GEMV (speculative verify, small batches): every row gets its own prologue and
+# epilogue. Odd shapes hit the row, column and K masks; configs cover one and several K steps,
+# the interpreter's default (None) and the UNFUSED sentinel (cuBLAS + elementwise kernels).
+ROWS_CASES = [(3, 2, "plain"), (5, 8, "norm"), (2, 5, "silu_mul"), (5, 2, "norm_residual"),
+              (8, 5, "silu_mul_residual"), (2, 8, "residual")]
+
+
+@pytest.mark.parametrize("shape", [(24, 64), (19, 100)])  # even blocks; ragged N and K
+@pytest.mark.parametrize(("seed", "num_rows", "variant"), ROWS_CASES)
+@pytest.mark.parametrize("config", [None, "small", "unfused"])
+def test_gemv_rows_equal_the_twin_row_by_row(shape, seed, num_rows, variant, config):
+    g = torch.Generator().manual_seed(seed)
+    n, k = shape
+    cfg = {None: None, "small": triton_gemv.RowsConfig(8, 32, 4, 2),
+           "unfused": triton_gemv.UNFUSED}[config]
+    w = torch.randn(n, k, generator=g)
+    silu = variant.startswith("silu_mul")
+    x = torch.randn(num_rows, 2 * k if silu else k, generator=g)
+    x[-1] *= 10  # rows of very different scale: each needs its own RMSNorm statistics
+    norm = (1 + 0.1 * torch.randn(k, generator=g)) if variant.startswith("norm") else None
+    res = torch.randn(num_rows, n, generator=g) if variant.endswith("residual") else None
+    got = triton_gemv.gemv(x, w, norm_weight=norm, eps=1e-5, silu_mul=silu, residual=res,
+                           config=cfg)
+    want = torch_ops.fused_linear(x, w, norm, 1e-5, silu, res)
+    assert got.shape == (num_rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # Row m of a batch equals that row alone through the one-row kernel.
+    one = triton_gemv.gemv(x[-1:].contiguous(), w, norm_weight=norm, eps=1e-5, silu_mul=silu,
+                           residual=None if res is None else res[-1:].contiguous())
+    torch.testing.assert_close(got[-1:], one, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_rows", [2, 5, 8])
+@pytest.mark.parametrize("config", [None, "unfused"])
+def test_gemv_rows_float32_logits_from_bf16(num_rows, config):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    x = torch.randn(num_rows, 96, generator=g).bfloat16()
+    got = triton_gemv.gemv(x, w, out_dtype=torch.float32,
+                           config=triton_gemv.UNFUSED if config else None)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, 40)
+    # The kernel keeps the float32 accumulator; UNFUSED widens the bf16 product, as
+    # `ops.linear` does off the GEMV path (bf16 tolerance).
+    tol = 2e-2 if config else 2e-3
+    torch.testing.assert_close(got, x.float() @ w.float().t(), atol=tol, rtol=tol)
+
+
+def test_gemv_rows_tuning_key_and_report():
+    """Each row count is tuned (and reported) separately; one-row keys keep their form."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(24, 64, generator=g)
+    for m in (1, 3):
+        triton_gemv.gemv(torch.randn(m, 64, generator=g), w)
+    tuned = triton_gemv.tuned_configs()
+    base = (24, 64, "torch.float32", False, False, False, "torch.float32")
+    assert tuned[base] in triton_gemv.CONFIGS
+    assert tuned[(*base, 3)] == triton_gemv.ROWS_CONFIGS[0]
+    assert triton_gemv.UNFUSED in triton_gemv.ROWS_CONFIGS
+
+
+def test_gemv_rejects_more_rows_than_the_kernel_takes():
+    x = torch.randn(triton_gemv.MAX_ROWS + 1, 64)
+    with pytest.raises(AssertionError):
+        triton_gemv.gemv(x, torch.randn(24, 64))
+    with pytest.raises(AssertionError):  # residual must be [M, N]
+        triton_gemv.gemv(x[:3], torch.randn(24, 64), residual=torch.randn(1, 24))
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -2,12 +2,15 @@
 
 The policy is process-wide and read-only during a forward (like `torch.backends` flags):
 `KernelPolicy.triton` turns the Triton kernels on for CUDA tensors (`TANDEM_TRITON=0` turns
-them off at start-up), `KernelPolicy.gemv` additionally routes batch-1 projections to the
-Triton matrix-vector kernel (`TANDEM_GEMV=0`), and `KernelPolicy.fused_decode` lets batch-1
-layers fold their norms, activation and residual adds into those GEMVs
-(`TANDEM_FUSED_DECODE=0`). `kernel_policy(...)` swaps the policy inside a `with` block
-(tests and benchmarks compare paths in one process). A policy change after a CUDA graph was
-captured does not affect the graph. Triton is imported on first CUDA use only.
+them off at start-up), `KernelPolicy.gemv` additionally routes projections of x with at most
+`KernelPolicy.gemv_max_rows` rows (batch-1 decode, speculative verify of k+1 tokens, small
+decode batches) to the Triton GEMV kernels (`TANDEM_GEMV=0`; `TANDEM_GEMV_MAX_ROWS=8` lets
+them take up to 8 rows, the default 1 keeps them to batch 1), and
+`KernelPolicy.fused_decode` lets layers of that many rows fold their norms, activation and
+residual adds into those GEMVs (`TANDEM_FUSED_DECODE=0`).
+`kernel_policy(...)` swaps the policy inside a `with` block (tests and benchmarks compare
+paths in one process). A policy change after a CUDA graph was captured does not affect the
+graph. Triton is imported on first CUDA use only.
 """
 
 from __future__ import annotations
@@ -27,15 +30,38 @@ from tandem.engine.kernels import torch_ops
 log = logging.getLogger(__name__)
 
 
+# Rows the Triton GEMV kernels take (triton_gemv.MAX_ROWS; not imported: triton is lazy).
+GEMV_ROWS_LIMIT = 8
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KernelPolicy:
     triton: bool = True  # Triton kernels for CUDA tensors
-    gemv: bool = True  # Triton matrix-vector kernel for [1, K] x [N, K] on CUDA
-    fused_decode: bool = True  # batch-1 layers fold norm/act/residual into the GEMVs
+    gemv: bool = True  # Triton GEMV kernels for [M, K] x [N, K] on CUDA, M <= gemv_max_rows
+    # Largest M routed to the GEMV kernels (and to the fused layer path); 1 = batch 1 only.
+    # 8 covers speculative verify (k + 1 = 5 tokens at batch 1) and decode batches up to 8.
+    # Default 1 until the multi-row path has run end to end on a GPU (engine, CUDA graphs,
+    # tuning before capture): only its micro-benchmark has (docs/perf.md, session 8).
+    gemv_max_rows: int = 1
+    fused_decode: bool = True  # layers of <= gemv_max_rows rows fold norm/act/residual in
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gemv_max_rows <= GEMV_ROWS_LIMIT:
+            raise ValueError(f"gemv_max_rows (TANDEM_GEMV_MAX_ROWS): must be in "
+                             f"[1, {GEMV_ROWS_LIMIT}], got {self.gemv_max_rows}")
+
+
+def _env_rows(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
 
 
 _policy = KernelPolicy(triton=os.environ.get("TANDEM_TRITON", "1") != "0",
                        gemv=os.environ.get("TANDEM_GEMV", "1") != "0",
+                       gemv_max_rows=_env_rows("TANDEM_GEMV_MAX_ROWS", 1),
                        fused_decode=os.environ.get("TANDEM_FUSED_DECODE", "1") != "0")
 _triton_module: ModuleType | None = None
 _gemv_module: ModuleType | None = None
@@ -47,8 +73,9 @@ def current_policy() -> KernelPolicy:
 
 
 @contextmanager
-def kernel_policy(**changes: bool) -> Iterator[KernelPolicy]:
-    """Run a block under a changed policy, e.g. `with kernel_policy(triton=False): ...`."""
+def kernel_policy(**changes: bool | int) -> Iterator[KernelPolicy]:
+    """Run a block under a changed policy, e.g. `with kernel_policy(triton=False): ...` or
+    `kernel_policy(gemv_max_rows=1)`."""
     global _policy
     saved = _policy
     _policy = replace(saved, **changes)
@@ -58,10 +85,22 @@ def kernel_policy(**changes: bool) -> Iterator[KernelPolicy]:
         _policy = saved
 
 
+def _on_triton_device(x: torch.Tensor) -> bool:
+    """Whether x lives where the Triton kernels run (a seam: CPU tests under the Triton
+    interpreter patch it)."""
+    return x.is_cuda
+
+
 def _triton_for(x: torch.Tensor) -> ModuleType | None:
-    """The Triton kernel module when `x` should use it, else None (torch twin)."""
+    """The Triton kernel module when `x` should use it, else None (torch twin).
+
+    The Triton kernels have no backward: while autograd records (training the draft head),
+    every op takes its differentiable torch twin. Without this, q/k of the head's attention
+    and its norm weights got no gradient on the GPU (rope and RMSNorm outputs were cut off
+    from the graph)."""
     global _triton_module, _gemv_module, _triton_failed
-    if not (x.is_cuda and _policy.triton) or _triton_failed:
+    if (not (_policy.triton and _on_triton_device(x)) or _triton_failed
+            or torch.is_grad_enabled()):
         return None
     if _triton_module is None:
         try:
@@ -75,14 +114,17 @@ def _triton_for(x: torch.Tensor) -> ModuleType | None:
 
 
 def _gemv_for(x: torch.Tensor) -> ModuleType | None:
-    """The Triton GEMV module when x is one CUDA row and the policy allows it, else None."""
-    if x.dim() != 2 or x.shape[0] != 1 or not _policy.gemv or _triton_for(x) is None:
+    """The Triton GEMV module when x is [M, K] on CUDA with 1 <= M <= gemv_max_rows and the
+    policy allows it, else None."""
+    if (x.dim() != 2 or not 1 <= x.shape[0] <= _policy.gemv_max_rows or not _policy.gemv
+            or _triton_for(x) is None):
         return None
     return _gemv_module
 
 
 def decode_fusion_ok(x: torch.Tensor) -> bool:
-    """Whether a layer given x [T, H] should take the fused batch-1 path (`fused_linear`)."""
+    """Whether a layer given x [T, H] should take the fused path (`fused_linear`): T rows,
+    1 <= T <= gemv_max_rows, on CUDA (batch-1 decode, speculative verify, small batches)."""
     return _policy.fused_decode and x.is_contiguous() and _gemv_for(x) is not None
 
 
@@ -148,8 +190,8 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """[M, K] x [N, K] (+ [N]) -> [M, N] (in out_dtype, default x.dtype). Batch-1 decode on
-    CUDA may take the Triton GEMV (which writes out_dtype directly)."""
+    """[M, K] x [N, K] (+ [N]) -> [M, N] (in out_dtype, default x.dtype). M <= gemv_max_rows
+    on CUDA may take the Triton GEMV (which writes out_dtype directly)."""
     gemv = _gemv_for(x) if bias is None and weight.stride(1) == 1 else None
     if gemv is not None:
         return gemv.gemv(x.contiguous(), weight, out_dtype=out_dtype)
@@ -161,8 +203,10 @@ def fused_linear(
     x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
     eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """weight @ prologue(x) (+ residual) in one launch at batch 1 on CUDA (see triton_gemv);
-    the unfused torch sequence elsewhere. Prologue: rms_norm (norm_weight) or silu_and_mul."""
+    """x [M, K] (or [M, 2K] with silu_mul), residual [M, N] -> weight @ prologue(x)
+    (+ residual) [M, N], in one launch for M <= gemv_max_rows on CUDA (see triton_gemv); the
+    unfused torch sequence elsewhere. Prologue: rms_norm (norm_weight) or silu_and_mul, per
+    row."""
     gemv = _gemv_for(x) if weight.stride(1) == 1 else None
     if gemv is not None and (residual is None or residual.is_contiguous()):
         return gemv.gemv(x.contiguous(), weight, norm_weight=norm_weight, eps=eps,

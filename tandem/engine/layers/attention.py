@@ -11,7 +11,11 @@ from torch import nn
 
 from tandem.engine import kernels
 from tandem.engine.attention.backend import AttentionBackend
-from tandem.engine.layers.linear import MergedColumnLinear, OutputPart, RowParallelLinear
+from tandem.engine.layers.linear import (
+    MergedColumnLinear,
+    OutputPart,
+    RowParallelLinear,
+)
 from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
 from tandem.engine.parallel import ParallelGroup
@@ -96,8 +100,9 @@ class SelfAttention(nn.Module):
     def forward_fused(
         self, positions: torch.Tensor, stream: torch.Tensor, norm: RMSNorm, ctx: ForwardContext
     ) -> torch.Tensor:
-        """Batch-1 decode: stream [1, H] (the residual stream) -> stream + attn(norm(stream)),
-        with the norm folded into the qkv GEMV and the add into o_proj's."""
+        """Decode / verify of T <= gemv_max_rows rows (kernels.decode_fusion_ok): stream
+        [T, H] (the residual stream) -> stream + attn(norm(stream)) [T, H], with each row's
+        norm folded into the qkv GEMV and each row's add into o_proj's."""
         qkv = kernels.fused_linear(stream, self.qkv.weight, norm_weight=norm.weight,
                                    eps=norm.eps)
         return kernels.fused_linear(self._attend(positions, qkv, ctx), self.o_proj.weight,

@@ -45,8 +45,9 @@ class DenseMLP(nn.Module):
         return self.down.tp.size == 1 and self.down.bias is None
 
     def forward_fused(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """Batch-1 decode: stream [1, H] -> stream + mlp(norm(stream)) in two GEMV launches
-        (norm folded into gate_up's, silu-and-mul and the residual add into down's)."""
+        """Decode / verify of T <= gemv_max_rows rows: stream [T, H] -> stream +
+        mlp(norm(stream)) [T, H] in two GEMV launches (each row's norm folded into gate_up's,
+        silu-and-mul and the residual add into down's)."""
         gate_up = kernels.fused_linear(stream, self.gate_up.weight, norm_weight=norm.weight,
                                        eps=norm.eps)
         return kernels.fused_linear(gate_up, self.down.weight, silu_mul=True, residual=stream)

@@ -61,7 +61,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta [T, H]; residual: the residual stream before it (None at
         layer 0, or when x already is the stream). Returns (mlp output, residual stream after
-        attention), or (stream after the layer, None) from the fused batch-1 path."""
+        attention), or (stream after the layer, None) from the fused path (T <= gemv_max_rows
+        on CUDA: batch-1 decode; with TANDEM_GEMV_MAX_ROWS, verify and small batches)."""
         if self.dp.size == 1 and self.attn.can_fuse() and kernels.decode_fusion_ok(x):
             return self._forward_fused(positions, x if residual is None else x + residual, ctx)
         if residual is None:
@@ -85,8 +86,9 @@ class DecoderLayer(nn.Module):
     def _forward_fused(
         self, positions: torch.Tensor, stream: torch.Tensor, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Batch-1 decode on CUDA: every norm, activation and residual add rides in a GEMV
-        launch (4 GEMVs + rope/store + attention per dense layer instead of ~11 kernels)."""
+        """stream [T, H], T <= gemv_max_rows on CUDA (batch-1 decode, speculative verify, small
+        batches): every norm, activation and residual add rides in a GEMV launch, per row
+        (4 GEMVs + rope/store + attention per dense layer instead of ~11 kernels)."""
         stream = self.attn.forward_fused(positions, stream, self.input_norm, ctx)
         if isinstance(self.mlp, DenseMLP) and self.mlp.can_fuse():
             return self.mlp.forward_fused(stream, self.post_attn_norm), None
