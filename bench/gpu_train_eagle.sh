@@ -3,7 +3,11 @@
 # fit one device call (10 minutes) on the same warm machine (/tmp persists between calls):
 #
 #   PHASE=part0  copy the first half of the GGUF to /tmp/gc (carry .gpucache/part_00)
-#   PHASE=gen    join the GGUF (carry .gpucache/part_01, .gpucache/py, .gpucache/md5), import it,
+#   PHASE=part1a copy the first quarter of the second half (carry .gpucache/p01_00): the tree
+#                plus part_01 plus py no longer fit one call's 64 MiB, so part_01 travels as
+#                p01_00 here and p01_01 with PHASE=gen (`split -b 24590608 -d part_01 p01_`)
+#   PHASE=gen    join the GGUF (carry .gpucache/p01_01 -- or part_01 where it fits --,
+#                .gpucache/py, .gpucache/md5), import it,
 #                and let the target answer NUM_PROMPTS prompts less those EXTRA answered
 #                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train);
 #                SELF_PROMPTS=N: also N prompts the target writes itself (--self-prompts)
@@ -42,14 +46,18 @@ EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
 # VOCAB: answer files counted for the draft vocabulary only (--vocab-samples).
 for e in ${VOCAB:-}; do EXTRA_ARGS="$EXTRA_ARGS --vocab-samples $e"; done
-case "${PHASE:?set PHASE to part0, gen, train or eval}" in
+case "${PHASE:?set PHASE to part0, part1a, gen, train or eval}" in
 part0)
   cp .gpucache/part_00 /tmp/gc/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   ;;
+part1a)
+  cp .gpucache/p01_00 /tmp/gc/
+  ;;
 gen)
   if [ ! -d /tmp/gc/smollm2 ]; then
-    cp .gpucache/part_01 /tmp/gc/
+    if [ -f .gpucache/part_01 ]; then cp .gpucache/part_01 /tmp/gc/
+    else cat /tmp/gc/p01_00 .gpucache/p01_01 > /tmp/gc/part_01; fi
     mkdir -p /tmp/gc/py && cp -r .gpucache/py/. /tmp/gc/py/  # later calls need not carry it
     cat /tmp/gc/part_00 /tmp/gc/part_01 > /tmp/gc/smollm2.gguf
     echo "gguf md5 $(md5sum /tmp/gc/smollm2.gguf | cut -c1-32), expected $(cat .gpucache/md5)"
