@@ -208,6 +208,9 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------
 
+    # A step never records autograd, whoever calls it (Ray worker loops, the CLI, tests): the
+    # kernels' dispatch keeps the Triton kernels (which have no backward) for inference only.
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if not plan.chunks:

@@ -152,6 +152,7 @@ class SpecEngine(LLMEngine):
 
     # ---- the loop ---------------------------------------------------------------------------
 
+    @torch.inference_mode()  # as LLMEngine.step
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self._drop_stale_seeds()
