@@ -143,9 +143,10 @@ def _sweep_grid() -> list:
     """A wide grid of multi-row configs (--sweep): where ROWS_CONFIGS was pruned from."""
     from tandem.engine.kernels.triton_gemv import RowsConfig
 
-    return [RowsConfig(bn, bk, warps, stages) for bn in (16, 32, 64, 128)
+    base = [RowsConfig(bn, bk, warps, stages) for bn in (16, 32, 64, 128)
             for bk in (128, 256, 512) for warps in (4, 8) for stages in (3, 5)
             if bn * bk * 2 * stages <= 160 * 1024]  # pipeline buffers in shared memory
+    return base + [c._replace(split_silu=True) for c in base]  # (SiLU-mul sites only)
 
 
 def _unfused(x, w, fused: str, nw, res):
@@ -187,8 +188,10 @@ def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS) -> list
                       "silu_residual": {"silu_mul": True, "residual": res},
                       "f32": {"out_dtype": torch.float32}}[fused]
             for variant, xin, kw in (("plain", xk, {}), (fused, x, kwargs)):
-                row = _skinny_row(name, variant, n, k, m, grid if m > 1 else
-                                  list(triton_gemv.CONFIGS), weights, w64, xin, kw,
+                # split_silu configs differ from their plain twins only with SiLU-mul
+                cands = ([c for c in grid if "silu_mul" in kw or not c.split_silu]
+                         if m > 1 else list(triton_gemv.CONFIGS))
+                row = _skinny_row(name, variant, n, k, m, cands, weights, w64, xin, kw,
                                   (fused if variant != "plain" else "plain", nw, res))
                 rows.append(row)
                 print({kk: v for kk, v in row.items() if kk != "top4"}, flush=True)

@@ -166,17 +166,26 @@ def _top2_gap(plain: LLMEngine, ids: list[int]) -> tuple[float, float, list[int]
     return float(top.values[0] - top.values[1]), float(top.values[0].abs()), top.indices.tolist()
 
 
+# The opt-in kernel paths (multi-row GEMVs for verify and small batches, the fused draft
+# head): captured into the graphs when the engines are built under the policy.
+POLICIES = {"default": {}, "rows8-fused-draft": {"gemv_max_rows": 8, "fused_draft": True}}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("which", ["chain", "tree"])
-def test_spec_with_graphs_is_lossless_up_to_bf16_near_ties(target, which):
+def test_spec_with_graphs_is_lossless_up_to_bf16_near_ties(target, which, policy):
+    from tandem.engine import kernels
+
     spec = CHAIN if which == "chain" else TREE
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 49152, (7 + 13 * i,), generator=g).tolist() for i in range(5)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    plain = LLMEngine(_cfg(True), target[0])
-    want = [c.output_ids for c in plain.generate(prompts, params)]
-    eng = SpecEngine(_cfg(True), spec, *target)
-    assert eng.spec_graphs is not None
-    got = [c.output_ids for c in eng.generate(prompts, params)]
+    with kernels.kernel_policy(**POLICIES[policy]):
+        plain = LLMEngine(_cfg(True), target[0])
+        want = [c.output_ids for c in plain.generate(prompts, params)]
+        eng = SpecEngine(_cfg(True), spec, *target)
+        assert eng.spec_graphs is not None
+        got = [c.output_ids for c in eng.generate(prompts, params)]
     for p, a, b in zip(prompts, got, want):
         d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if d is None:

@@ -113,3 +113,49 @@ def test_fused_path_row_limit_follows_the_policy(monkeypatch):
     for bad in (0, 9):
         with pytest.raises(ValueError, match="gemv_max_rows"):
             kernels.KernelPolicy(gemv_max_rows=bad)
+
+
+@pytest.mark.parametrize(("kind", "layers"), [("eagle", 1), ("eagle3", 1), ("eagle", 2)],
+                         ids=["eagle", "eagle3", "eagle-2layer"])
+def test_fused_draft_head_equals_its_layered_path(tmp_path, monkeypatch, kind, layers):
+    """The draft head's layers take the same fused path as the target's where
+    decode_fusion_ok (a draft step, a small extend on CUDA): o_proj's GEMV adds the residual,
+    the MLP folds its norm, SiLU-mul and add. On the CPU both run the torch twins: the same
+    numbers in float32, for prefill-, extend- and step-shaped batches."""
+    from hf_tiny import save_tiny
+
+    from tandem.engine import EngineConfig, LLMEngine
+    from tandem.spec import DraftHeadConfig, DraftRunner, draft_kv_group, dummy_head
+
+    path, _ = save_tiny("llama", tmp_path)
+    base = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", num_pages=4))
+    cfg = DraftHeadConfig.like_target(base.model.cfg, kind, num_layers=layers)
+    head = dummy_head(cfg, base.model, torch.float32, torch.device("cpu"), 128, seed=5)
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_pages=16, page_size=4),
+                    base.model, extra_kv_groups=[draft_kv_group(head)])
+    draft = DraftRunner(head, eng.kv_pool, eng.runner.backend)
+    pages = eng.allocator.alloc(8)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (12,), generator=g)
+    feats = torch.randn(12, cfg.feature_size, generator=g)
+
+    def run(num_cached: int, n: int) -> torch.Tensor:  # [n, H]
+        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=num_cached, num_new=n)], 4)
+        sl = slice(num_cached, num_cached + n)
+        return draft.forward(tokens[sl], feats[sl], lay)
+
+    layered = [run(0, 6), run(6, 5), run(11, 1)]  # prefill, extend, draft step
+    calls = []
+
+    def fuse_small(x: torch.Tensor) -> bool:
+        calls.append(x.shape[0])
+        return x.shape[0] <= 5
+
+    monkeypatch.setattr(kernels, "decode_fusion_ok", fuse_small)
+    run(11, 1)
+    assert calls == []  # off by default (fused_draft)
+    with kernels.kernel_policy(fused_draft=True):
+        fused = [run(0, 6), run(6, 5), run(11, 1)]  # rewrites the same slots, same K/V
+    assert sorted(set(calls)) == [1, 5, 6] and len(calls) == 3 * layers
+    for a, b in zip(fused, layered):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

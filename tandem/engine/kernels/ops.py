@@ -7,7 +7,8 @@ them off at start-up), `KernelPolicy.gemv` additionally routes projections of x 
 decode batches) to the Triton GEMV kernels (`TANDEM_GEMV=0`; `TANDEM_GEMV_MAX_ROWS=8` lets
 them take up to 8 rows, the default 1 keeps them to batch 1), and
 `KernelPolicy.fused_decode` lets layers of that many rows fold their norms, activation and
-residual adds into those GEMVs (`TANDEM_FUSED_DECODE=0`).
+residual adds into those GEMVs (`TANDEM_FUSED_DECODE=0`; `KernelPolicy.fused_draft`,
+`TANDEM_FUSED_DRAFT=1`, lets the draft head's layers do the same).
 `kernel_policy(...)` swaps the policy inside a `with` block (tests and benchmarks compare
 paths in one process). A policy change after a CUDA graph was captured does not affect the
 graph. Triton is imported on first CUDA use only.
@@ -44,6 +45,9 @@ class KernelPolicy:
     # tuning before capture): only its micro-benchmark has (docs/perf.md, session 8).
     gemv_max_rows: int = 1
     fused_decode: bool = True  # layers of <= gemv_max_rows rows fold norm/act/residual in
+    # The draft head's layers take that fused path too (spec/head.py). Off until it has run
+    # on a GPU (`pytest tests/gpu -k spec`, bench/gpu_spec.py); TANDEM_FUSED_DRAFT=1.
+    fused_draft: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.gemv_max_rows <= GEMV_ROWS_LIMIT:
@@ -62,7 +66,8 @@ def _env_rows(name: str, default: int) -> int:
 _policy = KernelPolicy(triton=os.environ.get("TANDEM_TRITON", "1") != "0",
                        gemv=os.environ.get("TANDEM_GEMV", "1") != "0",
                        gemv_max_rows=_env_rows("TANDEM_GEMV_MAX_ROWS", 1),
-                       fused_decode=os.environ.get("TANDEM_FUSED_DECODE", "1") != "0")
+                       fused_decode=os.environ.get("TANDEM_FUSED_DECODE", "1") != "0",
+                       fused_draft=os.environ.get("TANDEM_FUSED_DRAFT", "0") == "1")
 _triton_module: ModuleType | None = None
 _gemv_module: ModuleType | None = None
 _triton_failed = False

@@ -108,6 +108,16 @@ class SelfAttention(nn.Module):
         return kernels.fused_linear(self._attend(positions, qkv, ctx), self.o_proj.weight,
                                     residual=stream)
 
+    def forward_add(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """residual + attn(x), [T, H], with the add in o_proj's GEMV epilogue where
+        `kernels.decode_fusion_ok` (a layer without an input norm of its own: EAGLE's draft
+        layer 0, whose input is the fc output or the normed [embedding, feature])."""
+        return kernels.fused_linear(self._attend(positions, self.qkv(x), ctx),
+                                    self.o_proj.weight, residual=residual)
+
     def _attend(
         self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:  # qkv [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D]
