@@ -389,6 +389,13 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
 
         row["plain_step_ms"] = event_ms(plain_step, iters)
         row["plain_eager_ms"] = event_ms(lambda: eng.runner.forward(batch), max(3, iters // 4))
+        # Paired: a plain step and a whole round alternately, so that drift of the card's
+        # clocks between two separate measurements does not enter their ratio (separately
+        # measured rows of session 3 differed by 0.5 ms in their plain step alone).
+        pairs = [(event_ms(plain_step, 1, warmup=0), event_ms(eng.step, 1, warmup=0))
+                 for _ in range(iters)]
+        row["paired_plain_step_ms"] = statistics.median(p for p, _ in pairs)
+        row["paired_spec_step_ms"] = statistics.median(r for _, r in pairs)
     # The round's pieces, eager (the speculative graphs off while they run).
     graphs = getattr(eng, "spec_graphs", None)
     eng.spec_graphs = None
@@ -404,6 +411,8 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
     if t_plain:
         row["speedup"] = {str(t): t * t_plain / row["spec_step_ms"] for t in (2, 3, 4)}
         row["speedup_loop"] = {str(t): t * t_plain / row["spec_step_loop_ms"] for t in (2, 3, 4)}
+        row["speedup_paired"] = {str(t): t * row["paired_plain_step_ms"]
+                                 / row["paired_spec_step_ms"] for t in (2, 3, 4)}
         if "spec_step_eager_ms" in row:
             row["speedup_eager_round"] = {str(t): t * t_plain / row["spec_step_eager_ms"]
                                           for t in (2, 3, 4)}
@@ -634,7 +643,8 @@ def print_table() -> None:
           "step / graphed drafting with planning / verify replay / draft-extend replay; ext_gc "
           "= draft-extend graph call (planning + copies + replay); round_e = a whole round "
           "with the spec graphs off. speedup = tau * plain / round (computed, tau assumed; "
-          "then the same with round_l).")
+          "then the same with round_l, and with a plain step and a round timed alternately: "
+          "paired).")
     print(f"{'model':<13} {'cfg':<7} {'bs':>3} " + " ".join(f"{s:>8}" for s in short)
           + "   speedup tau=2/3/4")
     for model_name in ("smollm2-135m", "llama-3.1-8b"):
@@ -645,10 +655,12 @@ def print_table() -> None:
             if isinstance(row, dict) and "batch" in row:
                 sp = row.get("speedup") or {}
                 spl = row.get("speedup_loop") or {}
+                spp = row.get("speedup_paired") or {}
                 print(f"{model_name:<13} {key.rsplit('_bs', 1)[0]:<11} {row['batch']:>3} "
                       + " ".join(_f(row.get(c)) for c in cols) + "   "
                       + "/".join(_f(sp.get(t), "{:.2f}") for t in ("2", "3", "4")) + "  loop "
-                      + "/".join(_f(spl.get(t), "{:.2f}") for t in ("2", "3", "4")))
+                      + "/".join(_f(spl.get(t), "{:.2f}") for t in ("2", "3", "4"))
+                      + "  paired " + "/".join(_f(spp.get(t), "{:.2f}") for t in ("2", "3", "4")))
             elif isinstance(row, dict) and ("error" in row or "equal" in row):
                 print(f"{model_name:<13} {key}: "
                       + (f"ERROR {row['error']}" if "error" in row else
