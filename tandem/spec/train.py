@@ -165,6 +165,18 @@ def grow_layers(state: dict[str, torch.Tensor], num_layers: int, source: str
     return out
 
 
+def check_all_in_graph(head: EagleHead, params: list[torch.nn.Parameter]) -> None:
+    """After a backward: every trainable weight must have a gradient (zeros are fine: a grown
+    layer's o_proj starts at zero). None means the forward cut it off the autograd graph, as
+    the Triton kernels (no backward) once did on the GPU to q/k and the norms, unnoticed for
+    five sessions of training."""
+    names = {id(p): n for n, p in head.named_parameters()}
+    missing = [names.get(id(p), "?") for p in params if p.grad is None]
+    if missing:
+        raise RuntimeError(f"train-eagle: no gradient reached {', '.join(missing)}: the "
+                           f"training forward is cut off the autograd graph there")
+
+
 def trainable(head: EagleHead) -> list[torch.nn.Parameter]:
     out = []
     for name, p in head.named_parameters():
@@ -362,6 +374,7 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
                               next_hidden=tb.next_hidden, feature_weight=cfg.feature_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        check_all_in_graph(head, params)
         # Per-tensor clipping: fc's gradient is orders of magnitude larger than the rest (it
         # reads raw residual streams); one global norm would shrink every other update to ~0.
         for p in params:
