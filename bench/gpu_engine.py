@@ -487,4 +487,5 @@ def print_table(bw: float, rates: dict[str, float]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():  # as serving runs: the kernels' dispatch keeps Triton
+        main()

@@ -294,4 +294,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():  # as serving runs: the kernels' dispatch keeps Triton
+        main()

@@ -18,3 +18,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords or _HERE in Path(item.path).parents:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    """GPU tests run as serving does, without autograd: kernels/ops.py keeps the Triton
+    kernels for inference only, so an eager piece a test calls outside the engine's step
+    (e.g. head.topk) takes the same kernels as the CUDA graph it is compared with."""
+    with torch.inference_mode():
+        yield

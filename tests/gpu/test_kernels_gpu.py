@@ -140,7 +140,8 @@ def test_fused_linear_routes_up_to_max_rows():
     nw = (1 + 0.1 * torch.randn(4096, device=DEV, generator=g)).bfloat16()
     x = torch.randn(5, 4096, device=DEV, generator=g).bfloat16()
     want = torch_ops.fused_linear(x.double(), w.double(), nw.double(), 1e-5)
-    with kernels.kernel_policy(triton=True, gemv=True, fused_decode=True, gemv_max_rows=8):
+    with (torch.inference_mode(),  # outside it (autograd recording) ops take the twins
+          kernels.kernel_policy(triton=True, gemv=True, fused_decode=True, gemv_max_rows=8)):
         assert kernels.decode_fusion_ok(x)
         fused = kernels.fused_linear(x, w, norm_weight=nw, eps=1e-5)
         with kernels.kernel_policy(gemv_max_rows=1):
