@@ -25,6 +25,18 @@ import torch
 
 DEV = torch.device("cuda")
 
+# Llama-3.1-8B projection sites: (N, K, the fusion its layer uses).
+SITES_8B = {"qkv": (6144, 4096, "norm"), "o_proj": (4096, 4096, "residual"),
+            "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu_residual"),
+            "lm_head": (128256, 4096, "f32")}
+
+
+def _site_kwargs(fused: str, nw: torch.Tensor, res: torch.Tensor) -> dict:
+    """The `gemv` keyword arguments of a site's fusion (norm weight, residual given)."""
+    return {"norm": {"norm_weight": nw, "eps": 1e-5}, "residual": {"residual": res},
+            "silu_residual": {"silu_mul": True, "residual": res},
+            "f32": {"out_dtype": torch.float32}}[fused]
+
 
 def graph_us(fn, calls: int, iters: int = 20) -> float:
     """Median microseconds per call of `fn` captured `calls` times in one graph."""
@@ -85,19 +97,14 @@ def gemv_sites() -> list[dict]:
     from tandem.engine.kernels import triton_gemv, triton_ops
 
     rows = []
-    sites = {"qkv": (6144, 4096, "norm"), "o_proj": (4096, 4096, "residual"),
-             "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu_residual"),
-             "lm_head": (128256, 4096, "f32")}
-    for name, (n, k, fused) in sites.items():
+    for name, (n, k, fused) in SITES_8B.items():
         ws = [(0.02 * torch.randn(n, k, device=DEV)).bfloat16() for _ in range(2)]
         silu = fused.startswith("silu")
         x = torch.randn(1, 2 * k if silu else k, device=DEV).bfloat16()
         xk = x[:, :k].contiguous()
         nw = (1 + 0.1 * torch.randn(k, device=DEV)).bfloat16()
         res = torch.randn(1, n, device=DEV).bfloat16()
-        kwargs = {"norm": {"norm_weight": nw, "eps": 1e-5}, "residual": {"residual": res},
-                  "silu_residual": {"silu_mul": True, "residual": res},
-                  "f32": {"out_dtype": torch.float32}}[fused]
+        kwargs = _site_kwargs(fused, nw, res)
         for variant, (xin, kw) in (("plain", (xk, {})), (fused, (x, kwargs))):
             per_cfg = {}
             for cfg in triton_gemv.CONFIGS:
@@ -132,10 +139,6 @@ def gemv_sites() -> list[dict]:
     return rows
 
 
-# Llama-3.1-8B projection sites: (N, K, the fusion its layer uses).
-SITES_8B = {"qkv": (6144, 4096, "norm"), "o_proj": (4096, 4096, "residual"),
-            "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu_residual"),
-            "lm_head": (128256, 4096, "f32")}
 SKINNY_ROWS = (1, 2, 4, 5, 8)
 
 
@@ -147,22 +150,6 @@ def _sweep_grid() -> list:
             for bk in (128, 256, 512) for warps in (4, 8) for stages in (3, 5)
             if bn * bk * 2 * stages <= 160 * 1024]  # pipeline buffers in shared memory
     return base + [c._replace(split_silu=True) for c in base]  # (SiLU-mul sites only)
-
-
-def _unfused(x, w, fused: str, nw, res):
-    """The sequence the fused GEMVs replace (triton_gemv.UNFUSED, also for one row)."""
-    import torch.nn.functional as F
-
-    from tandem.engine.kernels import triton_ops
-
-    if fused == "silu_residual":
-        x = triton_ops.silu_and_mul(x)
-    if fused == "norm":
-        x = triton_ops.rms_norm(x, nw, 1e-5)
-    y = F.linear(x, w)
-    if res is not None:
-        y = y + res
-    return y.float() if fused == "f32" else y
 
 
 def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS) -> list[dict]:
@@ -184,39 +171,35 @@ def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS) -> list
             x = torch.randn(m, 2 * k if silu else k, device=DEV).bfloat16()
             xk = x[:, :k].contiguous()
             res = torch.randn(m, n, device=DEV).bfloat16()
-            kwargs = {"norm": {"norm_weight": nw, "eps": 1e-5}, "residual": {"residual": res},
-                      "silu_residual": {"silu_mul": True, "residual": res},
-                      "f32": {"out_dtype": torch.float32}}[fused]
+            kwargs = _site_kwargs(fused, nw, res)
             for variant, xin, kw in (("plain", xk, {}), (fused, x, kwargs)):
                 # split_silu configs differ from their plain twins only with SiLU-mul
                 cands = ([c for c in grid if "silu_mul" in kw or not c.split_silu]
                          if m > 1 else list(triton_gemv.CONFIGS))
-                row = _skinny_row(name, variant, n, k, m, cands, weights, w64, xin, kw,
-                                  (fused if variant != "plain" else "plain", nw, res))
+                row = _skinny_row(name, variant, n, k, m, cands, weights, w64, xin, kw)
                 rows.append(row)
                 print({kk: v for kk, v in row.items() if kk != "top4"}, flush=True)
         del weights, w64
     return rows
 
 
-def _skinny_row(name, variant, n, k, m, candidates, weights, w64, xin, kw, unfused_args):
+def _skinny_row(name, variant, n, k, m, candidates, weights, w64, xin, kw):
     """One (site, variant, M): check every candidate against the float64 twin, then time the
-    unfused sequence and every candidate (graph of 10 calls, alternating the two weights)."""
+    unfused sequence (triton_gemv.unfused) and every candidate (graph of 10 calls, alternating
+    the two weights). kw: the variant's keyword arguments of `gemv`."""
     from tandem.engine.kernels import torch_ops, triton_gemv
 
-    fused, nw, res = unfused_args
+    nw, res = kw.get("norm_weight"), kw.get("residual")
     want = torch_ops.fused_linear(  # [M, N] float64 twin
-        xin.double(), w64, nw.double() if fused == "norm" else None, 1e-5,
-        fused == "silu_residual", res.double() if res is not None and fused in (
-            "residual", "silu_residual") else None)
+        xin.double(), w64, None if nw is None else nw.double(), 1e-5,
+        kw.get("silu_mul", False), None if res is None else res.double())
     bad = {}
     for cfg in candidates:
         got = triton_gemv.gemv(xin, weights[0], config=cfg, **kw)
         err = float((got.double() - want).norm() / want.norm())
         if not err < 6e-3:  # the GPU test's bound
             bad[str(cfg)] = err
-    got = _unfused(xin, weights[0], fused, nw, res if fused in ("residual", "silu_residual")
-                   else None)
+    got = triton_gemv.unfused(xin, weights[0], **kw)
     unfused_err = float((got.double() - want).norm() / want.norm())
 
     def timed(fn) -> float:
@@ -228,8 +211,7 @@ def _skinny_row(name, variant, n, k, m, candidates, weights, w64, xin, kw, unfus
 
         return graph_us(call, calls=10)
 
-    res_in = res if fused in ("residual", "silu_residual") else None
-    unfused_us = timed(lambda w: _unfused(xin, w, fused, nw, res_in))
+    unfused_us = timed(lambda w: triton_gemv.unfused(xin, w, **kw))
     per_cfg = {cfg: timed(lambda w, cfg=cfg: triton_gemv.gemv(xin, w, config=cfg, **kw))
                for cfg in candidates if str(cfg) not in bad}
     best = min(per_cfg, key=per_cfg.__getitem__)

@@ -183,7 +183,7 @@ class _LaterLayer(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:  # [T, H] -> [T, H]
         if _fuse(h, self.attn, self.mlp):  # the target's fused decode path, same function
-            h = self.attn.forward_fused(positions, h.contiguous(), self.input_norm, ctx)
+            h = self.attn.forward_fused(positions, h, self.input_norm, ctx)
             return self.mlp.forward_fused(h, self.post_attn_norm)
         h = h + self.attn(positions, self.input_norm(h), ctx)
         return h + self.mlp(self.post_attn_norm(h))
@@ -192,7 +192,8 @@ class _LaterLayer(nn.Module):
 def _fuse(x: torch.Tensor, attn: SelfAttention, mlp: DenseMLP) -> bool:
     """Whether a draft layer given x [T, H] folds its norms and residual adds into the GEMVs
     (few rows on CUDA, inference: a draft step, a small draft-extend), as the target's
-    decoder layers do (`kernels.decode_fusion_ok`), when the policy's `fused_draft` allows."""
+    decoder layers do (`kernels.decode_fusion_ok`, which also requires x contiguous), when
+    the policy's `fused_draft` allows."""
     return (kernels.current_policy().fused_draft and attn.can_fuse() and mlp.can_fuse()
             and kernels.decode_fusion_ok(x))
 
@@ -284,7 +285,7 @@ class EagleHead(nn.Module):
             attn_in = torch.cat([self.input_norm(emb), self.hidden_norm(features)], dim=-1)
             residual = features
         if _fuse(residual, self.attn, self.mlp):  # adds and norm ride in the GEMVs
-            h = self.attn.forward_add(positions, attn_in, residual.contiguous(), ctx)
+            h = self.attn.forward_add(positions, attn_in, residual, ctx)
             h = self.mlp.forward_fused(h, self.post_attn_norm)
         else:
             h = residual + self.attn(positions, attn_in, ctx)

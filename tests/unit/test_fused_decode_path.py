@@ -24,47 +24,20 @@ TINY = {
 }
 
 
+# (seed, context tokens, new tokens): a batch-1 decode step; speculative verify at batch 1
+# (last accepted token + 4 drafts: the multi-row GEMV on CUDA, every row with its own norm
+# statistics and residual).
+CASES = {"decode": (3, [5, 17, 3, 42, 8], [11]), "verify": (4, [5, 17, 3], [11, 42, 8, 64, 2])}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_fused_decode_path_equals_layered_path(monkeypatch, qk_norm):
+def test_fused_decode_path_equals_layered_path(monkeypatch, qk_norm, case):
+    seed, context, new = CASES[case]
     raw = dict(TINY, architectures=["Qwen3ForCausalLM"], head_dim=16) if qk_norm else TINY
     cfg = ModelConfig.from_hf(raw)
     model = DecoderLM(cfg, ParallelContext(), torch.float32, 128)
-    fill_dummy(model.weight_loaders(), torch.float32, torch.device("cpu"), seed=3)
-    group = KVGroupSpec(name="target", num_layers=cfg.num_layers,
-                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-    pool = KVPool([group], 8, 4, torch.float32, "cpu")
-    runner = ModelRunner(model.eval(), pool, TorchReferenceBackend(torch.device("cpu")))
-
-    def run(num_cached: int, ids: list[int]) -> torch.Tensor:
-        lay = build_metadata([SeqSlice(page_ids=[1, 2, 3], num_cached=num_cached,
-                                       num_new=len(ids))], 4)
-        return runner.forward(ForwardBatch(
-            input_ids=torch.tensor(ids), positions=lay.positions, attn=lay.attn,
-            logits_indices=torch.tensor([len(ids) - 1]))).logits
-
-    run(0, [5, 17, 3, 42, 8])  # prefill (T=5: never fused)
-    layered = run(5, [11])
-    calls = []
-
-    def fuse_rows_of_one(x: torch.Tensor) -> bool:
-        calls.append(x.shape[0])
-        return x.shape[0] == 1
-
-    monkeypatch.setattr(kernels, "decode_fusion_ok", fuse_rows_of_one)
-    fused = run(5, [11])  # rewrites the same slot with the same K/V
-    assert calls == [1] * cfg.num_layers
-    torch.testing.assert_close(fused, layered, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_fused_path_of_five_rows_equals_layered_path(monkeypatch, qk_norm):
-    """Speculative verify at batch 1 (k + 1 = 5 tokens) takes the fused path on CUDA (the
-    multi-row GEMV): every row keeps its own norm statistics and residual. Same model, same
-    cache contents, all five rows' logits compared."""
-    raw = dict(TINY, architectures=["Qwen3ForCausalLM"], head_dim=16) if qk_norm else TINY
-    cfg = ModelConfig.from_hf(raw)
-    model = DecoderLM(cfg, ParallelContext(), torch.float32, 128)
-    fill_dummy(model.weight_loaders(), torch.float32, torch.device("cpu"), seed=4)
+    fill_dummy(model.weight_loaders(), torch.float32, torch.device("cpu"), seed=seed)
     group = KVGroupSpec(name="target", num_layers=cfg.num_layers,
                         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     pool = KVPool([group], 8, 4, torch.float32, "cpu")
@@ -77,19 +50,18 @@ def test_fused_path_of_five_rows_equals_layered_path(monkeypatch, qk_norm):
             input_ids=torch.tensor(ids), positions=lay.positions, attn=lay.attn,
             logits_indices=torch.arange(len(ids)))).logits
 
-    run(0, [5, 17, 3])  # the context (T=3, layered)
-    draft = [11, 42, 8, 64, 2]  # last accepted token + 4 draft tokens
-    layered = run(3, draft)
+    run(0, context)  # the context (layered: nothing patched yet)
+    layered = run(len(context), new)
     calls = []
 
-    def fuse_up_to_eight_rows(x: torch.Tensor) -> bool:
+    def fuse_these_rows(x: torch.Tensor) -> bool:
         calls.append(x.shape[0])
-        return 1 <= x.shape[0] <= 8
+        return x.shape[0] == len(new)
 
-    monkeypatch.setattr(kernels, "decode_fusion_ok", fuse_up_to_eight_rows)
-    fused = run(3, draft)  # rewrites the same 5 slots with the same K/V
-    assert calls == [5] * cfg.num_layers
-    assert fused.shape == (5, cfg.vocab_size)
+    monkeypatch.setattr(kernels, "decode_fusion_ok", fuse_these_rows)
+    fused = run(len(context), new)  # rewrites the same slots with the same K/V
+    assert calls == [len(new)] * cfg.num_layers
+    assert fused.shape == (len(new), cfg.vocab_size)
     torch.testing.assert_close(fused, layered, atol=1e-5, rtol=1e-5)
 
 

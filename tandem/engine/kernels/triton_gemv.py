@@ -42,6 +42,32 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at (rows, cols), streamed once (evict first)."""
+    if EVEN:
+        return tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
+    wmask = (rows[:, None] < n_rows) & kmask[None, :]
+    return tl.load(row_ptr + cols[None, :], mask=wmask, other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    """float32 silu(gate) * up, rounded to the input dtype after each op as
+    `torch_ops.silu_and_mul` does (any shape)."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _add_residual(out, res):
+    """out (float32) + residual, rounded like the twin: product to the model dtype, then a
+    model-dtype add."""
+    return (out.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, ITERS: tl.constexpr,
@@ -71,18 +97,10 @@ def _gemv_rows(
     for i in range(NUM_K):  # NUM_K = cdiv(n_cols, BLOCK_K), a constant per weight shape
         cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = cols < n_cols
-        if EVEN:
-            w = tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
-        else:
-            wmask = (rows[:, None] < n_rows) & kmask[None, :]
-            w = tl.load(row_ptr + cols[None, :], mask=wmask, other=0.0,
-                        eviction_policy="evict_first")
+        w = _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN)
         x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
         if SILU_MUL:  # x_ptr holds [gate | up], n_cols = len(gate)
-            g = x.to(tl.float32)
-            up = tl.load(x_ptr + n_cols + cols, mask=kmask, other=0.0)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-            xf = (act * up.to(tl.float32)).to(x.dtype).to(tl.float32)
+            xf = _silu_mul(x, tl.load(x_ptr + n_cols + cols, mask=kmask, other=0.0))
         else:
             xf = x.to(tl.float32)
         if NORM:
@@ -94,8 +112,7 @@ def _gemv_rows(
         out = out / tl.sqrt(tl.sum(sq, axis=0) / n_cols + eps)
     rmask = rows < n_rows
     if RESIDUAL:
-        res = tl.load(res_ptr + rows, mask=rmask, other=0.0)
-        out = (out.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+        out = _add_residual(out, tl.load(res_ptr + rows, mask=rmask, other=0.0))
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -128,19 +145,12 @@ def _rows_kernel(
     for i in range(NUM_K):  # NUM_K = cdiv(n_cols, BLOCK_K), a constant per weight shape
         cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
         kmask = cols < n_cols
-        if EVEN:
-            w = tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
-        else:
-            wmask = (rows[:, None] < n_rows) & kmask[None, :]
-            w = tl.load(row_ptr + cols[None, :], mask=wmask, other=0.0,
-                        eviction_policy="evict_first")
+        w = _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN)
         xmask = mmask[:, None] & kmask[None, :]  # padding rows load nothing
         x = tl.load(x_row_ptr + cols[None, :], mask=xmask, other=0.0)  # [M_PAD, BLOCK_K]
         if SILU_MUL:  # row m of x holds [gate | up], n_cols = len(gate)
-            g = x.to(tl.float32)
-            up = tl.load(x_row_ptr + n_cols + cols[None, :], mask=xmask, other=0.0)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-            xf = (act * up.to(tl.float32)).to(x.dtype).to(tl.float32)
+            xf = _silu_mul(x, tl.load(x_row_ptr + n_cols + cols[None, :], mask=xmask,
+                                      other=0.0))
         else:
             xf = x.to(tl.float32)
         if NORM:
@@ -156,8 +166,7 @@ def _rows_kernel(
     omask = (rows < n_rows)[:, None] & mmask[None, :]
     offs = ms[None, :].to(tl.int64) * n_rows + rows[:, None]  # [BLOCK_N, M_PAD] into [M, N]
     if RESIDUAL:
-        res = tl.load(res_ptr + offs, mask=omask, other=0.0)
-        out = (out.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+        out = _add_residual(out, tl.load(res_ptr + offs, mask=omask, other=0.0))
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -244,7 +253,7 @@ def gemv(
                          residual=residual, out_dtype=out_dtype or x.dtype)
         return _gemm_rows(x, weight, fusion, config)
     assert not isinstance(config, (RowsConfig, str)), config
-    # One row: today's tuned kernel, unchanged.
+    # One row: the tuned one-row kernel.
     out = torch.empty(1, n_rows, dtype=out_dtype or x.dtype, device=x.device)
 
     def launch(cfg: Config, w: torch.Tensor = weight) -> torch.Tensor:
@@ -282,7 +291,9 @@ def _gemm_rows(
 
     def launch(cfg: RowsChoice, w: torch.Tensor = weight) -> torch.Tensor:
         if cfg == UNFUSED:
-            return _unfused(x, w, fusion)
+            return unfused(x, w, norm_weight=norm_weight, eps=fusion.eps,
+                           silu_mul=fusion.silu_mul, residual=residual,
+                           out_dtype=fusion.out_dtype)
         assert isinstance(cfg, RowsConfig)
         xin, silu = x, fusion.silu_mul
         if silu and cfg.split_silu:
@@ -310,19 +321,28 @@ def _gemm_rows(
     return launch(config)
 
 
-def _unfused(x: torch.Tensor, weight: torch.Tensor, fusion: _Fusion) -> torch.Tensor:
-    """The UNFUSED candidate: `torch_ops.fused_linear`'s sequence with the Triton elementwise
-    kernels (what `ops.rms_norm` / `ops.silu_and_mul` dispatch to on CUDA). x [M, K] or
-    [M, 2K] -> new [M, N]; float32 output is the model-dtype product widened, as
-    `ops.linear` does off the GEMV path."""
-    if fusion.silu_mul:
+def unfused(
+    x: torch.Tensor,  # [M, K] or [M, 2K] (silu_mul)
+    weight: torch.Tensor,  # [N, K]
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,  # [M, N]
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # new [M, N]
+    """What the fused GEMVs replace (the UNFUSED candidate; benchmarks time it too):
+    `torch_ops.fused_linear`'s sequence with the Triton elementwise kernels (what
+    `ops.rms_norm` / `ops.silu_and_mul` dispatch to on CUDA) and cuBLAS. Float32 output is the
+    model-dtype product widened, as `ops.linear` does off the GEMV path."""
+    if silu_mul:
         x = triton_ops.silu_and_mul(x)
-    if fusion.norm_weight is not None:
-        x = triton_ops.rms_norm(x, fusion.norm_weight, fusion.eps)
+    if norm_weight is not None:
+        x = triton_ops.rms_norm(x, norm_weight, eps)
     y = F.linear(x, weight)
-    if fusion.residual is not None:
-        y = y + fusion.residual
-    return y if y.dtype == fusion.out_dtype else y.to(fusion.out_dtype)
+    if residual is not None:
+        y = y + residual
+    return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
 
 def _sm_count(device: torch.device) -> int:
