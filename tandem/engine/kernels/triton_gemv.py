@@ -45,10 +45,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] weight tile at (rows, cols), streamed once (evict first)."""
     if EVEN:
-        return tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
-    wmask = (rows[:, None] < n_rows) & kmask[None, :]
-    return tl.load(row_ptr + cols[None, :], mask=wmask, other=0.0,
-                   eviction_policy="evict_first")
+        w = tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
+    else:
+        wmask = (rows[:, None] < n_rows) & kmask[None, :]
+        w = tl.load(row_ptr + cols[None, :], mask=wmask, other=0.0,
+                    eviction_policy="evict_first")
+    return w
 
 
 @triton.jit
