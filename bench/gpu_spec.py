@@ -66,6 +66,9 @@ from tandem.spec.slices import verify_slices  # noqa: E402
 
 DEV = torch.device("cuda")
 DRAFT_VOCAB = -1  # --draft-vocab
+CONFIGS: frozenset[str] | None = None  # --configs: the draft configurations to run (None: all)
+PROFILE = False  # --profile: where a round's host and GPU time go (cProfile + a CUPTI trace)
+OUT_DIR = Path("results")  # --out
 RESULTS: dict = {"notes": [
     "Random (dummy) weights accept (almost) no drafts: speedups are computed as "
     "tau * t_plain / t_round from the measured costs at assumed tau = 2, 3, 4.",
@@ -416,10 +419,51 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
         if "spec_step_eager_ms" in row:
             row["speedup_eager_round"] = {str(t): t * t_plain / row["spec_step_eager_ms"]
                                           for t in (2, 3, 4)}
+    if PROFILE and DEV.type == "cuda":
+        row["profile"] = profile_round(eng, f"{eng.spec.num_steps}_{eng.spec.topk}_bs{bs}"
+                                       f"_v{eng.head.cfg.draft_vocab_size or 0}")
     for r in req_ids:
         eng.abort(r)
     log(row)
     return row
+
+
+def profile_round(eng: SpecEngine, tag: str, rounds: int = 30) -> dict:
+    """Where a round's time goes: cProfile of `rounds` back-to-back engine rounds (host time
+    by function, into OUT_DIR/profiles.txt) and a CUPTI trace of 4 rounds (OUT_DIR/trace_*.json.gz:
+    the GPU's idle gaps and the host calls that open them)."""
+    import cProfile
+    import gzip
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(rounds):
+        eng.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(45)
+    with open(OUT_DIR / "profiles.txt", "a") as f:
+        f.write(f"\n== {tag}: {rounds} rounds\n" + buf.getvalue())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as tp:
+        for _ in range(4):
+            eng.step()
+        torch.cuda.synchronize()
+    raw = OUT_DIR / f"trace_{tag}.json"
+    tp.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
+    return {"trace": raw.name + ".gz"}
 
 
 def _eager_pieces(eng: SpecEngine, req_ids: list[str], iters: int) -> dict:
@@ -543,6 +587,8 @@ def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: t
                          model, DTYPES[cfg.dtype], DEV, cfg.max_model_len)
         runs.append((f"chain4_dv{dv // 1024}k", CHAIN, sub))
     for name, spec, head in runs:
+        if CONFIGS is not None and name not in CONFIGS:
+            continue
         prompts = _prompts(4, model.cfg.vocab_size, 8, 60, seed=2)
 
         def check(spec=spec, prompts=prompts, model=model, head=head):
@@ -583,10 +629,18 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=-1,
                     help="also time the chain with a head over this many draft tokens "
                          "(-1: 8192 below a 100k vocabulary, else 32768; 0: skip)")
+    ap.add_argument("--configs", default="",
+                    help="comma list of the draft configurations to run, e.g. chain4,chain4_dv32k "
+                         "(default: all: chain4, tree, chain4_dv<N>k)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per timed row: cProfile of 30 rounds (profiles.txt) and a CUPTI trace "
+                         "of 4 (trace_*.json.gz)")
     args = ap.parse_args()
-    global DEV, DRAFT_VOCAB
+    global DEV, DRAFT_VOCAB, CONFIGS, PROFILE, OUT_DIR
     DEV = torch.device(args.device)
     DRAFT_VOCAB = args.draft_vocab
+    CONFIGS = frozenset(c for c in args.configs.split(",") if c) or None
+    PROFILE, OUT_DIR = args.profile, args.out
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     try:
