@@ -18,8 +18,8 @@ Sections (each one's failure is caught, printed and recorded; later ones still r
    - timings (CUDA events, warm-up, median of N): plain decode step (graph replay; and as a
      step with planning and the host sync), one draft forward, the whole drafting, verify
      (k+1 or tree tokens), acceptance, draft-extend, their sum, and a whole engine round
-     (alone, and back to back: `spec_step_loop_ms`); the CUDA-graph versions of the draft
-     step, verify and draft-extend when the engine has them (the extend graph first checked
+     (alone, and back to back: `spec_step_loop_ms`); the CUDA-graph versions of drafting
+     (all k-1 steps in one graph), verify and draft-extend when the engine has them (the extend graph first checked
      against the eager extend: same top-k ids, hidden close);
    - speedup at tau = 2, 3, 4: tau * t_plain / t_round. Random weights accept (almost)
      nothing, so tau is an input here and the speedup is COMPUTED from the measured costs.
@@ -543,8 +543,8 @@ def _graph_timings(eng: SpecEngine, graphs, inp: DraftInput, verify: VerifyInput
         got = graphs.propose(inp).tokens
         want = propose(eng.draft, inp, eng.spec).tokens
         res["propose_graph_equals_eager"] = bool(torch.equal(got, want))
-        graphs.propose(inp)  # the latest draft plan is of this bucket again
-        res["draft_step_graph_ms"] = event_ms(lambda: graphs.replay_draft_step_only(rows), iters)
+        graphs.propose(inp)  # the drafting buffers hold this bucket's inputs again
+        res["propose_replay_ms"] = event_ms(lambda: graphs.replay_propose_only(rows), iters)
     if graphs.can_verify(verify):
         res["verify_graph_call_ms"] = event_ms(lambda: graphs.verify(verify), iters)
         g_logits = graphs.verify(verify).logits.clone()
@@ -686,15 +686,16 @@ def print_table() -> None:
                       f"{v.get('accepted_hist', '')} {v.get('error', '')}")
     cols = ("plain_graph_ms", "plain_step_ms", "draft_step_ms", "propose_ms", "verify_ms",
             "accept_ms", "extend_ms", "round_sum_ms", "spec_step_ms", "spec_step_loop_ms",
-            "draft_step_graph_ms", "propose_graph_ms", "verify_graph_ms", "extend_graph_ms",
+            "propose_replay_ms", "propose_graph_ms", "verify_graph_ms", "extend_graph_ms",
             "extend_graph_call_ms", "spec_step_eager_ms")
     short = ("plain_g", "plain", "d_step", "propose", "verify", "accept", "extend", "sum",
-             "round", "round_l", "d_step_g", "prop_g", "verif_g", "ext_g", "ext_gc", "round_e")
+             "round", "round_l", "prop_r", "prop_g", "verif_g", "ext_g", "ext_gc", "round_e")
     print("\ncolumns (ms): plain_g = plain decode graph replay (GPU); plain = plain step with "
           "planning + host sync; d_step/propose/verify/accept/extend/sum = eager pieces of a "
           "round; round = a whole engine round (spec graphs on when captured); round_l = "
-          "rounds back to back (mean); d_step_g/prop_g/verif_g/ext_g = graph replay of a draft "
-          "step / graphed drafting with planning / verify replay / draft-extend replay; ext_gc "
+          "rounds back to back (mean); prop_r/prop_g/verif_g/ext_g = replay of the drafting "
+          "graph (all k-1 steps) / graphed drafting with its input copies / verify replay / "
+          "draft-extend replay; ext_gc "
           "= draft-extend graph call (planning + copies + replay); round_e = a whole round "
           "with the spec graphs off. speedup = tau * plain / round (computed, tau assumed; "
           "then the same with round_l, and with a plain step and a round timed alternately: "

@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from tandem.engine import (
     ParallelContext,
     SamplingParams,
 )
+from tandem.engine.attention.device_decode import DeviceDecodePlan
 from tandem.engine.models.decoder import DecoderLM
 from tandem.spec import (
     DraftHeadConfig,
@@ -329,6 +332,19 @@ class Recorder:
             return orig_draft_forward(token_ids, features, layout)
 
         monkeypatch.setattr(eng.draft, "forward", draft_forward)
+        orig_draft_planned = eng.draft.forward_planned
+        page_size = eng.cfg.page_size
+
+        def draft_forward_planned(token_ids, features, positions, plan):
+            # Chain draft steps plan nothing on the host (engine/attention/device_decode):
+            # record their device plan as the metadata it stands for.
+            if isinstance(plan, DeviceDecodePlan):
+                meta = device_plan_metadata(plan, page_size)
+                rec.plans.append(meta)
+                record("draft", meta, positions)
+            return orig_draft_planned(token_ids, features, positions, plan)
+
+        monkeypatch.setattr(eng.draft, "forward_planned", draft_forward_planned)
 
         def phased(fn, name):
             def wrapper(*a, **kw):
@@ -373,6 +389,23 @@ class Recorder:
     def of(self, phase: str, round: int | None = None) -> list[Forward]:
         return [f for f in self.forwards
                 if f.phase == phase and (round is None or f.round == round)]
+
+
+def device_plan_metadata(plan: DeviceDecodePlan, page_size: int) -> SimpleNamespace:
+    """A chain draft step's device plan as the host metadata it stands for (new tensors): one
+    query per sequence, the pages its kv_lens keys fill, causal (no custom mask)."""
+    lens, table = plan.kv_lens.tolist(), plan.page_table.tolist()
+    pages = [table[i][: -(-n // page_size)] for i, n in enumerate(lens)]
+    indptr = list(itertools.accumulate((len(p) for p in pages), initial=0))
+    flat = torch.tensor([p for ps in pages for p in ps], dtype=torch.int32)
+    qo = torch.arange(len(lens) + 1, dtype=torch.int32)
+    return SimpleNamespace(
+        kv_page_ids_cpu=flat, kv_page_ids=flat.clone(),
+        kv_page_indptr_cpu=torch.tensor(indptr, dtype=torch.int32),
+        kv_page_indptr=torch.tensor(indptr, dtype=torch.int32),
+        kv_lens_cpu=torch.tensor(lens, dtype=torch.int32), kv_lens=plan.kv_lens.clone(),
+        qo_indptr_cpu=qo, qo_indptr=qo.clone(), slot_ids=plan.slot_ids.clone(),
+        custom_mask=None)
 
 
 def slot(pages: Sequence[int], position: int, page_size: int) -> int:

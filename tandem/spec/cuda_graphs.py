@@ -3,12 +3,14 @@
 A round of a small batch is a few hundred short kernels per forward; replaying them from a
 graph removes the launch cost (NOTES: ~7.7 us a launch eager, ~1 us in a graph).
 
-- **Draft step (chain).** One graph per batch bucket, replayed k-1 times a round. The step
-  index is a device tensor (`_step`, [1] int64) that the graph reads and increments: replay s
-  reads draft token column s of `_tokens` [B, k+1] and writes its top-1 into column s+1, so
-  nothing about the step is baked into the graph. Before every replay the step's metadata is
-  rebuilt from plain ints (`chain_step_slices`) and planned outside the graph into buffers
-  that never move (`backend.graph_decode_planner`), and its positions are copied in.
+- **Drafting (chain).** One graph per batch bucket runs all k-1 draft steps of a round
+  (`propose.chain_steps`, the function eager drafting runs): it reads the round's page table
+  and num_cached (`_draft_table`, `_draft_base`, copied in once a round) and derives every
+  step's positions, slots and key counts on the device, attending through the device-metadata
+  decode kernel (`engine/attention/device_decode`). Step s reads draft token column s of
+  `_tokens` [B, k+1] and writes its top-1 into column s+1. No host work between the steps: no
+  planning, one launch a round (host work per step was ~0.3 ms on an H200, more than the
+  step's GPU time).
 - **Verify.** One graph per batch bucket over B * N tokens (N = the tree size), planned the
   same way through `backend.graph_prefill_planner` (causal for chains, the ancestor mask for
   trees). Its outputs (logits of every row, features) are views of the graph's static
@@ -38,7 +40,6 @@ import torch
 
 from tandem.engine.cuda_graphs import (
     check_latest_plan,
-    pad_decode_slices,
     padded_batch_size,
 )
 from tandem.engine.runner import ForwardOutput, ModelRunner
@@ -46,8 +47,9 @@ from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.h2d import build_layout
 from tandem.spec.phases import DraftInput, VerifyInput
+from tandem.spec.propose import chain_steps
 from tandem.spec.slices import (
-    chain_step_slices,
+    chain_draft_table,
     extend_rows,
     extend_slices,
     pad_fixed_slices,
@@ -97,8 +99,9 @@ def _check_fixed_buffers(plan: Any, captured: Any) -> None:
 class SpecGraphRunner:
     """Owns the speculative CUDA graphs, their memory pool, their attention planners and every
     static buffer they read or write: draft tokens `_tokens` [B_max, k+1] int64 (root, then
-    drafts), draft hidden `_hidden` [B_max, H], the step index `_step` [1] int64, draft
-    positions [B_max] int64, verify token ids and positions [B_max * N] int64.
+    drafts), the seed's draft hidden `_hidden` [B_max, H], the round's draft page table
+    [B_max, P_max] int32 and num_cached [B_max] int64, verify token ids and positions
+    [B_max * N] int64.
 
     Invariants: callers' tensors are only read (copied in); a returned VerifyInput holds new
     tensors; verify outputs are views valid until the next `verify`; nothing is re-captured."""
@@ -107,7 +110,7 @@ class SpecGraphRunner:
                  batch_sizes: Sequence[int], max_kv_len: int,
                  capture_layers: tuple[int, ...]) -> None:
         backend = runner.backend
-        for need in ("graph_decode_planner", "graph_prefill_planner"):
+        for need in ("graph_prefill_planner",):
             if not hasattr(backend, need):
                 raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")
         self.runner, self.draft, self.spec = runner, draft, spec
@@ -121,8 +124,6 @@ class SpecGraphRunner:
         pages = max_bs * -(-max_kv_len // self.page_size)
         device = runner.kv_pool.layer(runner.kv_group, 0).device
         self.device = device
-        self._draft_planner = (backend.graph_decode_planner(max_bs, pages)
-                               if self.chain_drafting else None)
         self._verify_planner = backend.graph_prefill_planner(
             max_bs, self.num_nodes, pages, max_kv_len, custom_mask=self.masked)
         # Draft-extend: R rows per request, causal, over the draft's KV group.
@@ -134,8 +135,11 @@ class SpecGraphRunner:
                                    device=device)  # [B_max, k+1]
         self._hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=head.fc.weight.dtype,
                                    device=device)  # [B_max, H]
-        self._step = torch.ones(1, dtype=torch.int64, device=device)  # [1] the step index
-        self._draft_positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # Chain drafting reads the round's page tables and num_cached (zeros: the scratch
+        # page, position 0 -- valid for padding rows and capture).
+        self._draft_table = torch.zeros(max_bs, -(-max_kv_len // self.page_size),
+                                        dtype=torch.int32, device=device)  # [B_max, P_max]
+        self._draft_base = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
         n = max_bs * self.num_nodes
         self._verify_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [B_max * N]
         self._verify_positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -170,21 +174,17 @@ class SpecGraphRunner:
             self._verify_graphs[bs] = self._capture(bs, self._verify_plan_padding(bs),
                                                     self._verify_body, eager)
             if self.chain_drafting:
-                self._draft_graphs[bs] = self._capture(bs, self._draft_plan_padding(bs),
-                                                       self._draft_body, eager)
+                self._draft_graphs[bs] = self._capture(bs, None, self._draft_body, eager)
             self._extend_graphs[bs] = self._capture(bs, self._extend_plan_padding(bs),
                                                     self._extend_body, eager)
-        self._step.fill_(1)
         if not eager:
             torch.cuda.synchronize(self.device)  # SYNC: start-up only
 
     def _capture(self, bs: int, plan: Any, body, eager: bool) -> _Captured:
-        self._step.fill_(1)
         out = body(bs, plan)
         if eager:
             return _Captured(graph=None, plan=plan, out=None)
         torch.cuda.synchronize(self.device)  # SYNC: once per graph, at start-up
-        self._step.fill_(1)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = body(bs, plan)
@@ -198,10 +198,6 @@ class SpecGraphRunner:
         captured.graph.replay()
         return captured.out
 
-    def _draft_plan_padding(self, bs: int) -> Any:
-        return self._draft_planner.plan(
-            build_layout(pad_decode_slices([], bs), self.page_size, self.device).attn)
-
     def _verify_plan_padding(self, bs: int) -> Any:
         slices = pad_fixed_slices([], bs, self.num_nodes, self.page_size, self.masked)
         return self._verify_planner.plan(build_layout(slices, self.page_size,
@@ -214,17 +210,10 @@ class SpecGraphRunner:
 
     @torch.inference_mode()
     def _draft_body(self, bs: int, plan: Any) -> None:
-        """One chain draft step over the bucket: read column `_step`, write column `_step`+1,
-        advance the step -- all on the device."""
-        tokens = self._tokens[:bs]
-        step = self._step
-        tok = tokens.index_select(1, step).squeeze(1)  # [B] d_step
-        hidden = self.draft.forward_planned(tok, self._hidden[:bs], self._draft_positions[:bs],
-                                            plan)  # [B, H]
-        ids, _ = self.draft.head.topk(hidden, 1)  # [B, 1]
-        tokens.index_copy_(1, step + 1, ids)
-        self._hidden[:bs].copy_(hidden)
-        step.add_(1)
+        """Chain draft steps 1..k-1 over the bucket, from the static buffers alone."""
+        del plan  # nothing planned: the steps read `_draft_table` / `_draft_base`
+        chain_steps(self.draft, self._tokens[:bs], self._hidden[:bs], self._draft_table[:bs],
+                    self._draft_base[:bs])
 
     @torch.inference_mode()
     def _verify_body(self, bs: int, plan: Any) -> ForwardOutput:
@@ -277,27 +266,22 @@ class SpecGraphRunner:
         if not self.can_propose(inp) or rows is None:
             raise ValueError(f"no draft-step graph for a batch of {bs} (captured "
                              f"{self.batch_sizes}, chain drafting {self.chain_drafting})")
-        captured = self._draft_graphs[rows]
+        table, base = chain_draft_table(inp.page_ids, inp.num_cached, self.device, rows=rows)
+        if table.shape[1] > self._draft_table.shape[1]:
+            raise ValueError(f"propose: {table.shape[1]} pages per request exceed the graph's "
+                             f"{self._draft_table.shape[1]} (max_kv_len)")
+        self._draft_table[:rows, : table.shape[1]].copy_(table, non_blocking=True)
+        self._draft_base[:rows].copy_(base, non_blocking=True)
         self._tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
         self._tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
         self._hidden[:bs].copy_(inp.hidden, non_blocking=True)
-        self._step.fill_(1)
-        for step in range(1, k):
-            self._replay_draft_step(inp, step, rows, captured)
+        self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
         n = k + 1
         return VerifyInput(
             page_ids=inp.page_ids, num_cached=inp.num_cached,
             tokens=self._tokens[:bs].clone(),  # a new tensor: the buffer is reused next round
             parents=(tuple(range(-1, n - 1)),) * bs, depths=(tuple(range(n)),) * bs,
         )
-
-    def _replay_draft_step(self, inp: DraftInput, step: int, rows: int,
-                           captured: _Captured) -> None:
-        slices = chain_step_slices(inp.page_ids, inp.num_cached, step)
-        layout = build_layout(pad_decode_slices(slices, rows), self.page_size, self.device)
-        plan = self._draft_planner.plan(layout.attn)  # rewrites the captured buffers
-        self._draft_positions[:rows].copy_(layout.positions, non_blocking=True)
-        self._replay(captured, self._draft_body, rows, plan)
 
     def verify(self, verify: VerifyInput) -> ForwardOutput:
         """The verify forward through its graph -> logits [bs * N, V] float32 and features,
@@ -365,12 +349,9 @@ class SpecGraphRunner:
 
     # ---- benchmarks ---------------------------------------------------------------------------
 
-    def replay_draft_step_only(self, rows: int) -> None:
-        """Replay a draft step without re-planning (pure GPU time): the latest draft plan must
-        be of this bucket (a `propose` of that batch size just ran). Resets the step index
-        first so the replay stays inside the token buffer."""
-        check_latest_plan(self._draft_planner, rows, "replay_draft_step_only")
-        self._step.fill_(1)
+    def replay_propose_only(self, rows: int) -> None:
+        """Replay the drafting graph of this bucket on the inputs already in its buffers (pure
+        GPU time: k-1 draft steps)."""
         self._draft_graphs[rows].graph.replay()
 
     def replay_verify_only(self, rows: int) -> None:

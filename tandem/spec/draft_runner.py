@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tandem.engine.attention.backend import AttentionBackend
+from tandem.engine.attention.device_decode import decode_splits
 from tandem.engine.attention.metadata import BatchLayout
 from tandem.engine.kv_cache import KVGroupSpec, KVPool
 from tandem.engine.layers.attention import ForwardContext
@@ -22,8 +23,12 @@ def draft_kv_group(head: EagleHead) -> KVGroupSpec:
 
 
 class DraftRunner:
-    def __init__(self, head: EagleHead, kv_pool: KVPool, backend: AttentionBackend) -> None:
+    def __init__(self, head: EagleHead, kv_pool: KVPool, backend: AttentionBackend,
+                 max_kv_len: int) -> None:
+        """max_kv_len: the longest draft context (fixes the KV split count of chain draft
+        steps, `device_decode.decode_splits`: eager steps and their graph sum alike)."""
         self.head, self.kv_pool, self.backend = head, kv_pool, backend
+        self.num_splits = decode_splits(max_kv_len)
 
     @torch.inference_mode()
     def forward(

@@ -99,7 +99,8 @@ class SpecEngine(LLMEngine):
                  tokenizer: object | None = None) -> None:
         super().__init__(engine_cfg, model, tokenizer, extra_kv_groups=[draft_kv_group(head)])
         self.spec, self.head = spec, head
-        self.draft = DraftRunner(head, self.kv_pool, self.runner.backend)
+        self.draft = DraftRunner(head, self.kv_pool, self.runner.backend,
+                                 max_kv_len=self.max_model_len + spec.slots_per_round)
         self.seeds: dict[str, DraftSeed] = {}  # owned here: one per decoding request
         self.handoff_only: set[str] = set()  # prefill-only requests still prefilling
         self.handoffs: dict[str, PrefillHandoff] = {}  # prefilled, waiting to be taken

@@ -294,17 +294,19 @@ class EagleHead(nn.Module):
             h = layer(positions, h, ctx)
         return h
 
-    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, H] -> [n, V_draft] float32 log-probabilities over the head's vocabulary."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, V_draft] float32 logits over the head's vocabulary."""
         if self.subset_vocab:
             assert self.draft_rows is not None, "build_draft_rows() after loading d2t"
-            logits = kernels.linear(hidden.to(self.draft_rows.dtype), self.draft_rows,
-                                    out_dtype=torch.float32)
-        elif self.cfg.kind == "eagle":
-            logits = self.target_lm_head(hidden.to(self.target_lm_head.head_weight().dtype))
-        else:
-            logits = self.lm_head(self.norm(hidden)).float()
-        return torch.log_softmax(logits, dim=-1)
+            return kernels.linear(hidden.to(self.draft_rows.dtype), self.draft_rows,
+                                  out_dtype=torch.float32)
+        if self.cfg.kind == "eagle":
+            return self.target_lm_head(hidden.to(self.target_lm_head.head_weight().dtype))
+        return self.lm_head(self.norm(hidden)).float()
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, V_draft] float32 log-probabilities over the head's vocabulary."""
+        return torch.log_softmax(self.logits(hidden), dim=-1)
 
     def target_features(self, hidden: torch.Tensor, aux_hidden: tuple[torch.Tensor, ...]
                         ) -> torch.Tensor:
@@ -322,9 +324,20 @@ class EagleHead(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, H] -> (target ids [n, k] int64, log-probs [n, k] float32), best first."""
+        """[n, H] -> (target ids [n, k] int64, log-probs [n, k] float32), best first. k = 1 (chain
+        drafting) takes a max and a logsumexp over the logits instead of a log-softmax and a
+        radix top-k: 3 kernels instead of ~25 (~60 us a draft step on an H200 at 32k rows);
+        ties go to the lowest id."""
+        if k == 1:
+            logits = self.logits(hidden)  # [n, V]
+            best, ids = logits.max(dim=-1, keepdim=True)  # [n, 1]
+            return self.to_target_ids(ids), best - torch.logsumexp(logits, dim=-1, keepdim=True)
         logp, ids = torch.topk(self.log_probs(hidden), k, dim=-1)
         return self.to_target_ids(ids), logp
+
+    def top1(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n] int64 the target id of each row's most likely draft token."""
+        return self.to_target_ids(self.logits(hidden).argmax(dim=-1))
 
     # ---- weights ----------------------------------------------------------------------------
 

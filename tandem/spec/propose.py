@@ -8,8 +8,10 @@ slots"). Its top-k children (K*K per request) are scored by cumulative draft log
 and the best K become level m+1. Finally the best `tree_size - 1` nodes (an ancestor-closed
 set: a child never scores above its parent) form the tree to verify, parents first.
 
-For a chain (K = 1) the masks are plain causal ones and no tree bookkeeping is needed.
-Metadata is rebuilt from scratch for every draft step.
+For a chain (K = 1) the masks are plain causal ones and no tree bookkeeping is needed: its
+steps read one page table per round and derive each step's positions, slots and key counts on
+the device (`chain_steps`, `engine/attention/device_decode`), so a CUDA graph runs them all.
+Tree steps rebuild their metadata from scratch for every draft step.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.attention.device_decode import device_decode_plan
 from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.phases import DraftInput, VerifyInput
-from tandem.spec.slices import chain_step_slices
+from tandem.spec.slices import chain_draft_table
 
 
 def propose(draft: DraftRunner, inp: DraftInput, spec: SpecConfig) -> VerifyInput:
@@ -32,23 +35,35 @@ def propose(draft: DraftRunner, inp: DraftInput, spec: SpecConfig) -> VerifyInpu
 
 
 def _propose_chain(draft: DraftRunner, inp: DraftInput, num_steps: int) -> VerifyInput:
-    device = inp.hidden.device
-    tokens = [inp.last_tokens, inp.topk_ids[:, 0]]  # root, d_1
-    hidden = inp.hidden  # [bs, H]
-    for step in range(1, num_steps):
-        # Step `step` consumes (hidden, d_step) at draft position num_cached + step - 1 and
-        # attends to num_cached + step keys.
-        layout = build_metadata(chain_step_slices(inp.page_ids, inp.num_cached, step),
-                                draft.kv_pool.page_size, device)
-        hidden = draft.forward(tokens[-1], hidden, layout)
-        ids, _ = draft.head.topk(hidden, 1)
-        tokens.append(ids[:, 0])
+    device, bs = inp.hidden.device, inp.batch_size
+    tokens = torch.empty(bs, num_steps + 1, dtype=torch.int64, device=device)  # [bs, k+1]
+    tokens[:, 0] = inp.last_tokens  # the root
+    tokens[:, 1] = inp.topk_ids[:, 0]  # d_1
+    table, num_cached = chain_draft_table(inp.page_ids, inp.num_cached, device)
+    chain_steps(draft, tokens, inp.hidden, table, num_cached)
     n = num_steps + 1
     return VerifyInput(
-        page_ids=inp.page_ids, num_cached=inp.num_cached, tokens=torch.stack(tokens, dim=1),
-        parents=(tuple(range(-1, n - 1)),) * inp.batch_size,
-        depths=(tuple(range(n)),) * inp.batch_size,
+        page_ids=inp.page_ids, num_cached=inp.num_cached, tokens=tokens,
+        parents=(tuple(range(-1, n - 1)),) * bs, depths=(tuple(range(n)),) * bs,
     )
+
+
+def chain_steps(draft: DraftRunner, tokens: torch.Tensor, hidden: torch.Tensor,
+                page_table: torch.Tensor, num_cached: torch.Tensor) -> torch.Tensor:
+    """Chain draft steps 1 .. k-1 from device tensors alone -- eager drafting runs this, and
+    the drafting CUDA graph captures it whole (no host work between steps). tokens [B, k+1]
+    int64: column 0 the root, column 1 d_1; step s writes d_{s+1} into column s+1 (a buffer of
+    the caller's, never a phase value). hidden [B, H] the seed's draft hidden; page_table
+    [B, P] int32 and num_cached [B] int64 (`slices.chain_draft_table`). Step s consumes
+    (hidden, d_s) at draft position num_cached + s - 1, writes that one slot and attends to
+    num_cached + s keys. Returns the last step's draft hidden [B, H]."""
+    for step in range(1, tokens.shape[1] - 1):
+        positions = num_cached + (step - 1)  # [B] int64
+        plan = device_decode_plan(page_table, positions, draft.kv_pool.page_size,
+                                  draft.num_splits)
+        hidden = draft.forward_planned(tokens[:, step], hidden, positions, plan)
+        tokens[:, step + 1] = draft.head.top1(hidden)
+    return hidden
 
 
 @dataclass(slots=True)

@@ -37,6 +37,25 @@ def chain_step_slices(page_ids: Sequence[Sequence[int]], num_cached: Sequence[in
             for p, nc in zip(page_ids, num_cached)]
 
 
+def chain_draft_table(page_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
+                      device: torch.device | str, rows: int | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What chain drafting reads on the device for a whole round (steps 1..k-1 advance the
+    positions there: `engine/attention/device_decode`): (page table [rows, P] int32, num_cached
+    [rows] int64), P the longest page list. Padding rows (rows > len(page_ids)) sit at
+    position 0 of the scratch page; unused table entries are the scratch page too (never read:
+    a sequence reads only the pages its keys fill). Two copies that never wait for the GPU."""
+    bs = len(page_ids)
+    rows = bs if rows is None else rows
+    if rows < bs:
+        raise ValueError(f"rows: {rows} < {bs} sequences")
+    width = max([len(p) for p in page_ids] + [1])
+    table = [list(p) + [SCRATCH_PAGE] * (width - len(p)) for p in page_ids]
+    table += [[SCRATCH_PAGE] * width] * (rows - bs)
+    base = list(num_cached) + [0] * (rows - bs)
+    return h2d.tensor(table, torch.int32, device), h2d.tensor(base, torch.int64, device)
+
+
 def verify_slices(verify: VerifyInput, masked: bool | None = None,
                   host_mask: bool = True) -> list[SeqSlice]:
     """One slice per request: N nodes at positions num_cached + depth, written at slots

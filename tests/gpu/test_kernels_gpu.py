@@ -8,7 +8,7 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from tandem.engine.kernels import torch_ops  # noqa: E402
+from tandem.engine.kernels import torch_ops
 
 DEV = "cuda"
 
@@ -169,3 +169,34 @@ def test_rotary_store(tri, page_size):
     q2, k2 = tri.rotary(pos, q, k, rope.cos, rope.sin)
     tri.store_kv(ref, k2, v, slots)
     assert torch.equal(q1, q2) and torch.equal(cache, ref)  # same kernel code, same bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("num_splits", [1, 4, 32])
+def test_paged_decode(tri, dtype, heads, num_splits):
+    """The device-metadata decode kernel (chain draft steps) == its float32 twin, and a CUDA
+    graph of it replayed after the lengths changed on the device == a fresh call."""
+    hq, hkv, d = heads
+    ps, pages = 16, 64
+    g = torch.Generator(DEV).manual_seed(num_splits)
+    kv = torch.randn(pages, 2, ps, hkv, d, device=DEV, generator=g).to(dtype)
+    q = torch.randn(3, hq, d, device=DEV, generator=g).to(dtype)
+    table = torch.randperm(pages - 1, device=DEV, generator=g)[:3 * 20].add(1).view(3, 20)
+    table = table.to(torch.int32)
+    lens = torch.tensor([1, 37, 300], device=DEV)
+    got = tri.paged_decode(q, kv, table, lens, d ** -0.5, num_splits)
+    want = torch_ops.paged_decode(q, kv, table, lens, d ** -0.5, num_splits)
+    assert _rel(got, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tri.paged_decode(q, kv, table, lens, d ** -0.5, num_splits)  # compiled before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.paged_decode(q, kv, table, lens, d ** -0.5, num_splits)
+    lens.add_(5)  # the device lengths move; the graph reads them at replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, tri.paged_decode(q, kv, table, lens, d ** -0.5, num_splits))

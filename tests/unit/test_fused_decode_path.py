@@ -105,7 +105,7 @@ def test_fused_draft_head_equals_its_layered_path(tmp_path, monkeypatch, kind, l
     head = dummy_head(cfg, base.model, torch.float32, torch.device("cpu"), 128, seed=5)
     eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_pages=16, page_size=4),
                     base.model, extra_kv_groups=[draft_kv_group(head)])
-    draft = DraftRunner(head, eng.kv_pool, eng.runner.backend)
+    draft = DraftRunner(head, eng.kv_pool, eng.runner.backend, eng.max_model_len)
     pages = eng.allocator.alloc(8)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (12,), generator=g)

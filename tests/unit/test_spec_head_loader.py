@@ -190,7 +190,7 @@ def run_head(head, tokens, feats, split):
     """The head over one sequence through the paged KV cache: tokens [:split] as a prefill
     chunk, the rest as a second chunk attending to the first."""
     pool = KVPool([draft_kv_group(head)], 16, 4, torch.float32, CPU)
-    runner = DraftRunner(head, pool, create_backend("torch", CPU))
+    runner = DraftRunner(head, pool, create_backend("torch", CPU), max_kv_len=64)
     pages = [3, 7, 1, 12, 5, 9]
     outs = []
     for start, end in ((0, split), (split, len(tokens))):

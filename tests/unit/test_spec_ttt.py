@@ -23,7 +23,7 @@ def test_ttt_matches_chained_inference(tmp_path, kind, layers):
                       torch.float32, torch.device("cpu"), 512, seed=3)
     eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_pages=64, page_size=4),
                     model, extra_kv_groups=[draft_kv_group(head)])
-    draft = DraftRunner(head, eng.kv_pool, eng.runner.backend)
+    draft = DraftRunner(head, eng.kv_pool, eng.runner.backend, eng.max_model_len)
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, 256, (14,), generator=g)
     # Target features of the sequence.

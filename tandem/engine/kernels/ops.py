@@ -171,6 +171,22 @@ def store_kv(
     torch_ops.store_kv(kv_cache, k, v, slot_ids)
 
 
+def paged_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor, kv_lens: torch.Tensor,
+    scale: float, num_splits: int,
+) -> torch.Tensor:
+    """q [B, Hq, D] one token per sequence; kv_cache [num_pages, 2, page_size, Hkv, D];
+    page_table [B, P] int32; kv_lens [B] int32/int64 -> [B, Hq, D] q.dtype. The Triton path
+    cuts each sequence's keys into num_splits chunks of ceil(kv_len / num_splits) keys on the
+    device and never reads kv_lens on the host, so a CUDA graph replays it for any lengths.
+    The twin (CPU, autograd, D not a power of two >= 16) reads them: capturing it fails loudly."""
+    tri = _triton_for(q)
+    d = q.shape[-1]
+    if tri is not None and d >= 16 and d & (d - 1) == 0 and kv_cache.stride(-1) == 1:
+        return tri.paged_decode(q, kv_cache, page_table, kv_lens, scale, num_splits)
+    return torch_ops.paged_decode(q, kv_cache, page_table, kv_lens, scale, num_splits)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     tri = _triton_for(gate_up)
     if tri is not None and gate_up.dim() == 2:

@@ -87,3 +87,30 @@ def rotary_store(
     q, k = rotary(positions, q, k, cos, sin)
     store_kv(kv_cache, k, v, slot_ids)
     return q
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, Hq, D] one query token per sequence
+    kv_cache: torch.Tensor,  # [num_pages, 2, page_size, Hkv, D] (0 = K, 1 = V), q.dtype
+    page_table: torch.Tensor,  # [B, P] int32: key t of sequence b is in page [b, t // page_size]
+    kv_lens: torch.Tensor,  # [B] int32/int64: keys 0..kv_lens[b]-1 are attended
+    scale: float,  # softmax scale
+    num_splits: int,  # the Triton kernel's key split count; the result does not depend on it
+) -> torch.Tensor:  # [B, Hq, D] q.dtype
+    """Decode attention over paged K/V with GQA (query head h reads KV head h // (Hq / Hkv)),
+    exact float32 softmax. The reference the Triton kernel is tested against; it reads the
+    lengths on the host (SYNC: one `.tolist()`), so it is not for CUDA graphs. A length of 0
+    gives a zero row, as the kernel does."""
+    assert num_splits >= 1
+    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    rows = []
+    for b, num_keys in enumerate(kv_lens.tolist()):
+        t = torch.arange(num_keys, device=q.device)  # [n] key positions
+        pages = page_table[b, t // page_size].long()  # [n]
+        kv = kv_cache[pages, :, t % page_size].float()  # [n, 2, Hkv, D]
+        k = kv[:, 0].repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = kv[:, 1].repeat_interleave(group, dim=1)  # [n, Hq, D]
+        probs = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)  # [Hq, n]
+        rows.append(torch.einsum("hn,nhd->hd", probs, v))  # [Hq, D] float32
+    return torch.stack(rows).to(q.dtype) if rows else torch.empty_like(q)

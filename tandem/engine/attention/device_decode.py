@@ -1,0 +1,60 @@
+"""Decode attention whose metadata lives on the device: one query per sequence, its page table,
+its position and its key count all device tensors, so one CUDA graph can run several draft
+steps in a row (positions advanced on the device) with no host planning between them.
+
+`DeviceDecodePlan` is what layers receive as `ForwardContext.plan`; every backend's `forward`
+hands it to `attend` (the same two kernels everywhere: `kernels.store_kv`, then
+`kernels.paged_decode`, Triton on CUDA and the float32 torch twin elsewhere). Built by the pure
+`device_decode_plan`; host work per forward: none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine import kernels
+
+MAX_SPLITS = 32  # KV splits of the decode kernel at the longest contexts
+KEYS_PER_SPLIT = 256  # target keys per split at max_kv_len
+
+
+def decode_splits(max_kv_len: int) -> int:
+    """The KV split count for sequences of up to `max_kv_len` keys: a Python int fixed for an
+    engine (graphs capture it; eager forwards use the same, so both sum in the same order)."""
+    if max_kv_len < 1:
+        raise ValueError(f"max_kv_len: must be >= 1, got {max_kv_len}")
+    return max(1, min(MAX_SPLITS, -(-max_kv_len // KEYS_PER_SPLIT)))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class DeviceDecodePlan:
+    """One new token per sequence: it writes its K/V at `slot_ids` and attends to the first
+    `kv_lens` keys of its pages (its own included)."""
+
+    page_table: torch.Tensor  # [B, P] int32 page of each sequence's t-th key block
+    kv_lens: torch.Tensor  # [B] int64 keys attended (position + 1)
+    slot_ids: torch.Tensor  # [B] int64 page * page_size + offset of the new K/V
+    num_splits: int  # KV splits of the decode kernel
+
+
+def device_decode_plan(page_table: torch.Tensor, positions: torch.Tensor, page_size: int,
+                       num_splits: int) -> DeviceDecodePlan:
+    """page_table [B, P] int32, positions [B] int64 (device) -> the plan of a decode step whose
+    token b sits at positions[b]. Pure tensor ops, no host read: safe inside a CUDA graph."""
+    block = (positions // page_size).unsqueeze(1)  # [B, 1]
+    page = page_table.gather(1, block).squeeze(1).long()  # [B]
+    return DeviceDecodePlan(page_table=page_table, kv_lens=positions + 1,
+                            slot_ids=page * page_size + positions % page_size,
+                            num_splits=num_splits)
+
+
+def attend(plan: DeviceDecodePlan, kv_cache: torch.Tensor, q: torch.Tensor,
+           k: torch.Tensor | None, v: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """kv_cache [num_pages, 2, page_size, Hkv, D] (written); q [B, Hq, D]; k, v [B, Hkv, D] or
+    None when the layer already wrote them at `plan.slot_ids` -> [B, Hq, D]."""
+    if k is not None and v is not None:
+        kernels.store_kv(kv_cache, k, v, plan.slot_ids)
+    return kernels.paged_decode(q, kv_cache, plan.page_table, plan.kv_lens, scale,
+                                plan.num_splits)
