@@ -67,14 +67,14 @@ def test_fused_decode_path_equals_layered_path(monkeypatch, qk_norm, case):
 
 def test_fused_path_row_limit_follows_the_policy(monkeypatch):
     """decode_fusion_ok / the GEMV route take 1..gemv_max_rows rows (8: verify of k + 1
-    tokens, small batches; the default 1 is the batch-1-only behaviour). The Triton
+    tokens, small batches: the default; 1 is the batch-1-only behaviour). The Triton
     module lookup is faked so that the row rule itself is checked on the CPU."""
     from tandem.engine.kernels import ops
 
     monkeypatch.setattr(ops, "_triton_for", lambda x: ops)  # "CUDA with Triton"
     monkeypatch.setattr(ops, "_gemv_module", ops)
     rows = {m: torch.zeros(m, 16) for m in (0, 1, 2, 5, 8, 9)}
-    assert kernels.KernelPolicy().gemv_max_rows == 1  # opt-in until run end to end on a GPU
+    assert kernels.KernelPolicy().gemv_max_rows == 8  # on since it ran end to end on a GPU
     # Explicit values: the process policy may come from TANDEM_* variables.
     with kernels.kernel_policy(gemv=True, fused_decode=True, gemv_max_rows=8):
         assert [m for m, x in rows.items() if kernels.decode_fusion_ok(x)] == [1, 2, 5, 8]
@@ -124,8 +124,10 @@ def test_fused_draft_head_equals_its_layered_path(tmp_path, monkeypatch, kind, l
         return x.shape[0] <= 5
 
     monkeypatch.setattr(kernels, "decode_fusion_ok", fuse_small)
-    run(11, 1)
-    assert calls == []  # off by default (fused_draft)
+    assert kernels.KernelPolicy().fused_draft  # on by default
+    with kernels.kernel_policy(fused_draft=False):
+        run(11, 1)
+    assert calls == []  # the policy turns it off
     with kernels.kernel_policy(fused_draft=True):
         fused = [run(0, 6), run(6, 5), run(11, 1)]  # rewrites the same slots, same K/V
     assert sorted(set(calls)) == [1, 5, 6] and len(calls) == 3 * layers

@@ -4,11 +4,11 @@ The policy is process-wide and read-only during a forward (like `torch.backends`
 `KernelPolicy.triton` turns the Triton kernels on for CUDA tensors (`TANDEM_TRITON=0` turns
 them off at start-up), `KernelPolicy.gemv` additionally routes projections of x with at most
 `KernelPolicy.gemv_max_rows` rows (batch-1 decode, speculative verify of k+1 tokens, small
-decode batches) to the Triton GEMV kernels (`TANDEM_GEMV=0`; `TANDEM_GEMV_MAX_ROWS=8` lets
-them take up to 8 rows, the default 1 keeps them to batch 1), and
-`KernelPolicy.fused_decode` lets layers of that many rows fold their norms, activation and
-residual adds into those GEMVs (`TANDEM_FUSED_DECODE=0`; `KernelPolicy.fused_draft`,
-`TANDEM_FUSED_DRAFT=1`, lets the draft head's layers do the same).
+decode batches) to the Triton GEMV kernels (`TANDEM_GEMV=0`; `TANDEM_GEMV_MAX_ROWS`, default
+8; 1 keeps them to batch 1), and `KernelPolicy.fused_decode` lets layers of that many rows
+fold their norms, activation and residual adds into those GEMVs (`TANDEM_FUSED_DECODE=0`;
+`KernelPolicy.fused_draft` lets the draft head's layers do the same, `TANDEM_FUSED_DRAFT=0`
+turns that off).
 `kernel_policy(...)` swaps the policy inside a `with` block (tests and benchmarks compare
 paths in one process). A policy change after a CUDA graph was captured does not affect the
 graph. Triton is imported on first CUDA use only.
@@ -41,13 +41,12 @@ class KernelPolicy:
     gemv: bool = True  # Triton GEMV kernels for [M, K] x [N, K] on CUDA, M <= gemv_max_rows
     # Largest M routed to the GEMV kernels (and to the fused layer path); 1 = batch 1 only.
     # 8 covers speculative verify (k + 1 = 5 tokens at batch 1) and decode batches up to 8.
-    # Default 1 until the multi-row path has run end to end on a GPU (engine, CUDA graphs,
-    # tuning before capture): only its micro-benchmark has (docs/perf.md, session 8).
-    gemv_max_rows: int = 1
+    # The first call of each shape times the multi-row kernel against cuBLAS and keeps the
+    # faster (triton_gemv), so 8 is never slower than 1 by more than noise (docs/perf.md).
+    gemv_max_rows: int = 8
     fused_decode: bool = True  # layers of <= gemv_max_rows rows fold norm/act/residual in
-    # The draft head's layers take that fused path too (spec/head.py). Off until it has run
-    # on a GPU (`pytest tests/gpu -k spec`, bench/gpu_spec.py); TANDEM_FUSED_DRAFT=1.
-    fused_draft: bool = False
+    # The draft head's layers take that fused path too (spec/head.py; TANDEM_FUSED_DRAFT=0).
+    fused_draft: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.gemv_max_rows <= GEMV_ROWS_LIMIT:
@@ -65,9 +64,9 @@ def _env_rows(name: str, default: int) -> int:
 
 _policy = KernelPolicy(triton=os.environ.get("TANDEM_TRITON", "1") != "0",
                        gemv=os.environ.get("TANDEM_GEMV", "1") != "0",
-                       gemv_max_rows=_env_rows("TANDEM_GEMV_MAX_ROWS", 1),
+                       gemv_max_rows=_env_rows("TANDEM_GEMV_MAX_ROWS", 8),
                        fused_decode=os.environ.get("TANDEM_FUSED_DECODE", "1") != "0",
-                       fused_draft=os.environ.get("TANDEM_FUSED_DRAFT", "0") == "1")
+                       fused_draft=os.environ.get("TANDEM_FUSED_DRAFT", "1") != "0")
 _triton_module: ModuleType | None = None
 _gemv_module: ModuleType | None = None
 _triton_failed = False

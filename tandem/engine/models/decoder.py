@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
         """x: this layer's input delta [T, H]; residual: the residual stream before it (None at
         layer 0, or when x already is the stream). Returns (mlp output, residual stream after
         attention), or (stream after the layer, None) from the fused path (T <= gemv_max_rows
-        on CUDA: batch-1 decode; with TANDEM_GEMV_MAX_ROWS, verify and small batches)."""
+        on CUDA: decode batches and speculative verify of up to 8 rows)."""
         if self.dp.size == 1 and self.attn.can_fuse() and kernels.decode_fusion_ok(x):
             return self._forward_fused(positions, x if residual is None else x + residual, ctx)
         if residual is None:
