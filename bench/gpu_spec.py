@@ -232,7 +232,6 @@ def spec_vs_plain(cfg: EngineConfig, model, head, spec: SpecConfig, prompts: lis
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     plain = LLMEngine(cfg, model)
     want = [c.output_ids for c in plain.generate(prompts, params)]
-    del plain
     if scripted:
         refs = {f"r{i}": list(w) for i, w in enumerate(want)}
         eng: SpecEngine = ScriptedSpecEngine(cfg, spec, model, head, refs=refs)
@@ -244,6 +243,13 @@ def spec_vs_plain(cfg: EngineConfig, model, head, spec: SpecConfig, prompts: lis
         eng.step()
     got = [tuple(reqs[i].output_ids) for i in ids]
     res = _compare(got, want)
+    # Where they part: the plain model's two best logits there (a bf16 near-tie is a gap of
+    # a few hundredths of the logit scale, with both outputs among the two).
+    res["divergence_top2"] = [
+        None if d is None else _top2_gap(plain, list(p) + list(w[:d]), (g[d], w[d]))
+        for p, g, w, d in zip(prompts, got, want, res["first_divergence"])
+        if d is None or (d < len(g) and d < len(w))]
+    del plain
     res["tau"] = eng.spec_stats.mean_acceptance_length
     res["spec_graphs"] = getattr(eng, "spec_graphs", None) is not None
     if scripted:
@@ -253,6 +259,22 @@ def spec_vs_plain(cfg: EngineConfig, model, head, spec: SpecConfig, prompts: lis
     del eng
     gc.collect()
     return res
+
+
+def _top2_gap(plain: LLMEngine, ids: list[int], pair: tuple[int, int]) -> dict:
+    """The plain model's top-2 logits after `ids` (one prefill): their gap relative to the
+    top logit's size, and whether both of `pair` (spec's token, plain's token) are the two."""
+    pages = plain.allocator.alloc(-(-len(ids) // plain.cfg.page_size))
+    lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(ids))],
+                         plain.cfg.page_size, DEV)
+    logits = plain.runner.forward(ForwardBatch(
+        input_ids=torch.tensor(ids, device=DEV), positions=lay.positions, attn=lay.attn,
+        logits_indices=torch.tensor([len(ids) - 1], device=DEV))).logits[0]
+    plain.allocator.free(pages)
+    top = logits.topk(2)
+    gap, scale = float(top.values[0] - top.values[1]), float(top.values[0].abs())
+    return {"rel_gap": gap / max(1.0, scale), "both_in_top2": set(pair) <= set(
+        top.indices.tolist())}
 
 
 def check_fp32() -> dict:
@@ -720,7 +742,8 @@ def print_table() -> None:
                 print(f"{model_name:<13} {key}: "
                       + (f"ERROR {row['error']}" if "error" in row else
                          f"{row['equal']}/{row['of']} equal, first divergence "
-                         f"{row['first_divergence']}, accepted {row.get('accepted_hist')}"))
+                         f"{row['first_divergence']}, accepted {row.get('accepted_hist')}, "
+                         f"there top-2 {row.get('divergence_top2')}"))
     print(f"\nwall {RESULTS.get('wall_s', 0):.0f} s; JSON in gpu_spec.json")
 
 

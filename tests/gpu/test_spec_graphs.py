@@ -156,9 +156,10 @@ def _top2_gap(plain: LLMEngine, ids: list[int]) -> tuple[float, float, list[int]
     return float(top.values[0] - top.values[1]), float(top.values[0].abs()), top.indices.tolist()
 
 
-# The opt-in kernel paths (multi-row GEMVs for verify and small batches, the fused draft
-# head): captured into the graphs when the engines are built under the policy.
-POLICIES = {"default": {}, "rows8-fused-draft": {"gemv_max_rows": 8, "fused_draft": True}}
+# The default kernel paths (multi-row GEMVs for verify and small batches, the fused draft
+# head) and the batch-1-only GEMV without the fused head: captured into the graphs when the
+# engines are built under the policy.
+POLICIES = {"default": {}, "rows1-layered-draft": {"gemv_max_rows": 1, "fused_draft": False}}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
