@@ -259,12 +259,12 @@ class SpecGraphRunner:
                 and (self.masked or verify.is_chain))
 
     def propose(self, inp: DraftInput) -> VerifyInput:
-        """Chain drafting through the draft-step graph: the same tokens as
+        """Chain drafting through the drafting graph: the same tokens as
         `propose._propose_chain` on the same inputs."""
         bs, k = inp.batch_size, self.spec.num_steps
         rows = self.bucket(bs)
         if not self.can_propose(inp) or rows is None:
-            raise ValueError(f"no draft-step graph for a batch of {bs} (captured "
+            raise ValueError(f"no drafting graph for a batch of {bs} (captured "
                              f"{self.batch_sizes}, chain drafting {self.chain_drafting})")
         table, base = chain_draft_table(inp.page_ids, inp.num_cached, self.device, rows=rows)
         if table.shape[1] > self._draft_table.shape[1]:
