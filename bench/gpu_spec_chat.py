@@ -123,9 +123,13 @@ def main() -> None:
                 row["all_acceptance"] = stats_delta(spec_eng, before)
             res[name] = row
             res[f"{name}_outputs"] = outs
+            res[f"{name}_outputs_batch1"] = outs1
             print(name, json.dumps(row), flush=True)
         same = sum(a == b for a, b in zip(res["spec_outputs"], res["plain_outputs"]))
         res["identical_answers"] = f"{same}/{len(prompts)}"
+        same1 = sum(a == b for a, b in zip(res["spec_outputs_batch1"],
+                                           res["plain_outputs_batch1"]))
+        res["identical_answers_batch1"] = f"{same1}/{len(prompts)}"
         p, s = res["plain"], res["spec"]
         res["speedup_batch1_decode"] = (p["batch1_decode_ms_per_token"]
                                         / s["batch1_decode_ms_per_token"])
@@ -137,7 +141,8 @@ def main() -> None:
           f"{res['speedup_batch1_decode']:.2f}x")
     print(f"{len(prompts)} at once, tokens/s: plain {p['all_tokens_per_s']:.0f}, speculative "
           f"{s['all_tokens_per_s']:.0f} (tau {s['all_acceptance']['tau']:.2f}) -> "
-          f"{res['speedup_all_tokens_per_s']:.2f}x; identical answers {res['identical_answers']}")
+          f"{res['speedup_all_tokens_per_s']:.2f}x; identical answers {res['identical_answers']} "
+          f"(batch 1: {res['identical_answers_batch1']})")
 
 
 if __name__ == "__main__":
