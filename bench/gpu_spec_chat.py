@@ -78,6 +78,35 @@ def snapshot(eng: SpecEngine) -> tuple[int, int, list[int]]:
     return st.num_rounds, st.num_tokens, list(st.accepted_at)
 
 
+def divergences(plain: LLMEngine, prompts: list[list[int]], got: list[tuple[int, ...]],
+                want: list[tuple[int, ...]]) -> dict:
+    """Where speculative and plain answers part: the plain model's two best logits there (one
+    prefill of prompt + plain's answer so far). A bf16 near-tie is a gap of a small fraction
+    of the logit scale with both tokens among the two."""
+    from tandem.engine import SeqSlice, build_metadata
+    from tandem.engine.runner import ForwardBatch
+
+    gaps, both = [], 0
+    dev = plain.device
+    for p, g, w in zip(prompts, got, want):
+        d = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if d is None:
+            continue
+        ids = list(p) + list(w[:d])
+        pages = plain.allocator.alloc(-(-len(ids) // plain.cfg.page_size))
+        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(ids))],
+                             plain.cfg.page_size, dev)
+        logits = plain.runner.forward(ForwardBatch(
+            input_ids=torch.tensor(ids, device=dev), positions=lay.positions, attn=lay.attn,
+            logits_indices=torch.tensor([len(ids) - 1], device=dev))).logits[0]
+        plain.allocator.free(pages)
+        top = logits.topk(2)
+        gaps.append(float(top.values[0] - top.values[1]) / max(1.0, float(top.values[0].abs())))
+        both += {g[d], w[d]} <= set(top.indices.tolist())
+    return {"count": len(gaps), "both_in_top2": both,
+            "max_rel_gap": max(gaps, default=0.0), "rel_gaps": sorted(gaps)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="imported SmolLM2-135M-Instruct directory")
@@ -87,11 +116,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic")
+    ap.add_argument("--attention-backend", default=None,
+                    help="default: flashinfer with CUDA graphs on cuda; torch (no graphs) "
+                         "for the float32 exactness check")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "cuda"
+    backend = args.attention_backend or ("flashinfer" if gpu else "torch")
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                       attention_backend="flashinfer" if gpu else "torch", cuda_graphs=gpu,
+                       attention_backend=backend, cuda_graphs=gpu and backend == "flashinfer",
                        max_num_seqs=64, max_model_len=1024,
                        kv_cache_bytes=(4 << 30) if gpu else (256 << 20))
     spec = SpecConfig(draft_model=args.draft_model, num_steps=4)
@@ -130,6 +163,8 @@ def main() -> None:
         same1 = sum(a == b for a, b in zip(res["spec_outputs_batch1"],
                                            res["plain_outputs_batch1"]))
         res["identical_answers_batch1"] = f"{same1}/{len(prompts)}"
+        res["divergences"] = divergences(plain, prompts, res["spec_outputs"],
+                                         res["plain_outputs"])
         p, s = res["plain"], res["spec"]
         res["speedup_batch1_decode"] = (p["batch1_decode_ms_per_token"]
                                         / s["batch1_decode_ms_per_token"])
@@ -143,6 +178,9 @@ def main() -> None:
           f"{s['all_tokens_per_s']:.0f} (tau {s['all_acceptance']['tau']:.2f}) -> "
           f"{res['speedup_all_tokens_per_s']:.2f}x; identical answers {res['identical_answers']} "
           f"(batch 1: {res['identical_answers_batch1']})")
+    dv = res["divergences"]
+    print(f"where they part ({dv['count']}): both tokens among plain's top 2 in "
+          f"{dv['both_in_top2']}, top-2 gap <= {dv['max_rel_gap']:.4f} of the logit scale")
 
 
 if __name__ == "__main__":

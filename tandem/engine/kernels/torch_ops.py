@@ -98,19 +98,24 @@ def paged_decode(
     num_splits: int,  # the Triton kernel's key split count; the result does not depend on it
 ) -> torch.Tensor:  # [B, Hq, D] q.dtype
     """Decode attention over paged K/V with GQA (query head h reads KV head h // (Hq / Hkv)),
-    exact float32 softmax. The reference the Triton kernel is tested against; it reads the
-    lengths on the host (SYNC: one `.tolist()`), so it is not for CUDA graphs. A length of 0
-    gives a zero row, as the kernel does."""
+    exact float32 softmax, the batch padded to its longest sequence (one gather, one softmax:
+    CPU serving runs chain draft steps through this). The reference the Triton kernel is tested
+    against; it reads the longest length on the host (SYNC), so it is not for CUDA graphs. A
+    length of 0 gives a zero row, as the kernel does."""
     assert num_splits >= 1
+    bs, num_q_heads, d = q.shape
     page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    rows = []
-    for b, num_keys in enumerate(kv_lens.tolist()):
-        t = torch.arange(num_keys, device=q.device)  # [n] key positions
-        pages = page_table[b, t // page_size].long()  # [n]
-        kv = kv_cache[pages, :, t % page_size].float()  # [n, 2, Hkv, D]
-        k = kv[:, 0].repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = kv[:, 1].repeat_interleave(group, dim=1)  # [n, Hq, D]
-        probs = (torch.einsum("hd,nhd->hn", q[b].float(), k) * scale).softmax(-1)  # [Hq, n]
-        rows.append(torch.einsum("hn,nhd->hd", probs, v))  # [Hq, D] float32
-    return torch.stack(rows).to(q.dtype) if rows else torch.empty_like(q)
+    group = num_q_heads // num_kv_heads
+    longest = int(kv_lens.max()) if bs else 0  # SYNC: the padded width
+    if longest == 0:
+        return torch.zeros_like(q)
+    t = torch.arange(longest, device=q.device)  # [n] key positions
+    pages = page_table[:, t // page_size].long()  # [B, n]
+    kv = kv_cache[pages, :, t % page_size].float()  # [B, n, 2, Hkv, D]
+    valid = t[None, :] < kv_lens[:, None]  # [B, n]
+    qg = q.float().view(bs, num_kv_heads, group, d)  # [B, Hkv, G, D]
+    scores = torch.einsum("bkgd,bnkd->bkgn", qg, kv[:, :, 0]) * scale  # [B, Hkv, G, n]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).nan_to_num(0.0)  # an empty row (all -inf) -> zeros
+    out = torch.einsum("bkgn,bnkd->bkgd", probs, kv[:, :, 1])  # [B, Hkv, G, D] float32
+    return out.reshape(bs, num_q_heads, d).to(q.dtype)
