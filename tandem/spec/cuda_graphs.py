@@ -110,9 +110,8 @@ class SpecGraphRunner:
                  batch_sizes: Sequence[int], max_kv_len: int,
                  capture_layers: tuple[int, ...]) -> None:
         backend = runner.backend
-        for need in ("graph_prefill_planner",):
-            if not hasattr(backend, need):
-                raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")
+        if not hasattr(backend, "graph_prefill_planner"):  # verify and extend plan through it
+            raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")
         self.runner, self.draft, self.spec = runner, draft, spec
         self.capture_layers = capture_layers
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
