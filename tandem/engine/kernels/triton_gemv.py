@@ -18,7 +18,8 @@ x of one row runs `_gemv_kernel` (tuned: ~98% of copy bandwidth). x of 2..8 rows
 `_rows_kernel`, which loads each weight tile once and multiplies it against all rows (one
 read of the weight for M tokens), or, where the first-call tuning finds it faster, the
 unfused sequence (`UNFUSED`: cuBLAS + the Triton elementwise kernels), so routing M <= 8
-here is never slower per projection than what ran before. On an H100 at M = 5 (bench/
+here is never slower per projection than what ran before. Choices are recorded per kind of GPU
+(`tuning_file`): later processes take them untimed, so restarts run the same kernels. On an H100 at M = 5 (bench/
 gpu_micro.py --skinny) the kernel wins qkv+norm (21.6 vs 23.8 us), o_proj+residual (14.4 vs
 17.5), gate_up+norm (83.1 vs 85.2) and the LM head (347 vs 378); UNFUSED wins down with
 SiLU-mul + residual (47.6 vs 58.7: the per-program SiLU prologue over 8 padded rows costs
@@ -27,8 +28,13 @@ more than the launch it saves).
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
@@ -37,7 +43,9 @@ import triton
 import triton.language as tl
 
 from tandem.engine.kernels import triton_ops
+from tandem.engine.model_import import default_cache_root
 
+log = logging.getLogger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -360,23 +368,95 @@ def _tune(key: tuple, launch, weight: torch.Tensor, candidates: tuple, best_of: 
     """Time every candidate once per process (the interpreter takes the first) the way decode
     runs it: back to back inside a CUDA graph, alternating with a second weight so that no
     call finds its weight in L2. (Timing single calls with do_bench picked configs 10% slower
-    in the model.) Records the winner in `best_of[key]`. Syncs the device: warm-up only,
+    in the model.) Records the winner in `best_of[key]`. A choice an earlier process made on
+    this kind of GPU is taken without timing (`tuning_file`). Syncs the device: warm-up only,
     never inside a captured graph."""
     if INTERPRET or weight.device.type != "cuda":
         best = candidates[0]
     else:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"gemv {key}: not tuned before CUDA graph capture")
-        other = torch.empty_like(weight).normal_(0.0, 0.02)  # [N, K], freed after tuning
-        times = {}
-        for cfg in candidates:
-            try:
-                times[cfg] = _graph_time(cfg, launch, (weight, other))
-            except triton.runtime.errors.OutOfResources:  # pipeline stages over a smaller
-                continue  # GPU's shared memory: not a candidate there
-        best = min(times, key=times.__getitem__)
-        del other
+
+        def time_all() -> dict:
+            other = torch.empty_like(weight).normal_(0.0, 0.02)  # [N, K], freed after
+            times = {}
+            for cfg in candidates:
+                try:
+                    times[cfg] = _graph_time(cfg, launch, (weight, other))
+                except triton.runtime.errors.OutOfResources:  # pipeline stages over a
+                    continue  # smaller GPU's shared memory: not a candidate there
+            return times
+
+        best = choose(key, candidates, time_all, tuning_file(weight.device))
     best_of[key] = best
+    return best
+
+
+# ---- tuning results that outlive the process ---------------------------------------------------
+# Timing picks between near-equal candidates differently from one process to the next, and two
+# configurations round bf16 differently: greedy output could change across restarts at
+# near-ties (it did on an H200, docs/perf.md session 9). So the first process on a kind of GPU
+# records its choices, and later ones (restarts, every worker of the machine) take them.
+TUNING_ENV = "TANDEM_GEMV_TUNING_CACHE"  # a JSON file to use instead; "0": time every process
+_tables: dict[Path, dict[str, object]] = {}  # file -> its choices, as read or written
+
+
+def tuning_file(device: torch.device) -> Path | None:
+    """Where this GPU kind's choices live: $TANDEM_GEMV_TUNING_CACHE, else
+    $TANDEM_CACHE/gemv-tuning/<device name>-triton-<version>.json; None when set to 0."""
+    env = os.environ.get(TUNING_ENV)
+    if env == "0":
+        return None
+    if env:
+        return Path(env).expanduser()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", torch.cuda.get_device_name(device))
+    return default_cache_root() / "gemv-tuning" / f"{name}-triton-{triton.__version__}.json"
+
+
+def _encode(choice: Config | RowsChoice) -> object:
+    return choice if isinstance(choice, str) else list(choice)
+
+
+def _read(path: Path) -> dict[str, object]:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def choose(key: tuple, candidates: tuple, time_all: Callable[[], dict],
+           path: Path | None) -> Config | RowsChoice:
+    """The recorded choice for `key` when `path` has one among `candidates`; else the fastest
+    of `time_all()` (candidate -> ms), recorded in `path`. Writers merge into what the file
+    holds, and a key already there keeps its choice (the first process's word stands)."""
+    def recorded(table: dict[str, object]) -> Config | RowsChoice | None:
+        raw = table.get(repr(key))
+        return next((c for c in candidates if _encode(c) == raw), None)
+
+    if path is not None:
+        if path not in _tables:
+            _tables[path] = _read(path)
+        found = recorded(_tables[path])
+        if found is not None:
+            return found
+    times = time_all()
+    best = min(times, key=times.__getitem__)
+    if path is None:
+        return best
+    table = _read(path)  # what other processes recorded meanwhile
+    _tables[path] = table
+    found = recorded(table)
+    if found is not None:  # another process's word stands
+        return found
+    table[repr(key)] = _encode(best)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=0, sort_keys=True))
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one
+    except OSError as exc:
+        log.warning("gemv tuning: cannot record choices in %s (%s)", path, exc)
     return best
 
 
