@@ -22,7 +22,7 @@ import torch
 
 from tandem.engine.sampling import SamplingParams, target_probs
 from tandem.spec import kernels as spec_kernels
-from tandem.spec.h2d import tensor as h2d_tensor
+from tandem.engine.h2d import tensor as h2d_tensor
 from tandem.spec.phases import VerifyInput, VerifyResult
 
 

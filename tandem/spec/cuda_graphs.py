@@ -45,7 +45,7 @@ from tandem.engine.cuda_graphs import (
 from tandem.engine.runner import ForwardOutput, ModelRunner
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
-from tandem.spec.h2d import build_layout
+from tandem.engine.h2d import build_layout
 from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.slices import (

@@ -13,9 +13,9 @@ import torch
 
 from tandem.engine.attention.metadata import SeqSlice
 from tandem.engine.kv_cache import KVPool
-from tandem.spec import h2d
+from tandem.engine import h2d
 from tandem.spec.draft_runner import DraftRunner
-from tandem.spec.h2d import build_layout
+from tandem.engine.h2d import build_layout
 from tandem.spec.phases import DraftExtendInput, DraftInput, VerifyInput, VerifyResult
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.spec.h2d import tensor as h2d_tensor
+from tandem.engine.h2d import tensor as h2d_tensor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -20,9 +20,9 @@ from tandem.engine.attention.metadata import (
     tree_mask,
 )
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
-from tandem.spec import h2d
+from tandem.engine import h2d
 from tandem.spec import kernels as spec_kernels
-from tandem.spec.h2d import build_layout
+from tandem.engine.h2d import build_layout
 from tandem.spec.phases import VerifyInput
 
 

@@ -28,7 +28,7 @@ from tandem.engine.cuda_graphs import (
 from tandem.spec import SpecConfig, SpecEngine, propose
 from tandem.spec.accept import launch_greedy_accept
 from tandem.spec.extend import draft_extend, make_extend_input, next_draft_input
-from tandem.spec.h2d import layout_to_device
+from tandem.engine.h2d import layout_to_device
 from tandem.spec.phases import VerifyInput, VerifyResult
 from tandem.spec.slices import extend_rows, extend_slices, pad_fixed_slices
 
