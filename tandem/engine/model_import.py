@@ -34,8 +34,17 @@ import gguf
 import numpy as np
 import safetensors.torch
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 from tqdm import tqdm
+
+from tandem.engine.cache_root import default_cache_root
 
 logger = logging.getLogger("tandem.engine.model_import")
 
@@ -103,12 +112,6 @@ class LlamaHyperParams:
     max_position_embeddings: int
     rope_theta: float
     rms_norm_eps: float
-
-
-def default_cache_root() -> Path:
-    """`$TANDEM_CACHE` if set, else `~/.cache/tandem`."""
-    env = os.environ.get("TANDEM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tandem"
 
 
 def smollm2_gguf_path() -> Path:

@@ -82,3 +82,17 @@ def test_an_unwritable_file_still_gives_the_fastest(tmp_path):
     calls: list[int] = []
     got = tg.choose(KEY, CANDIDATES, _timer(CANDIDATES[1], calls), blocker / "t.json")
     assert got == CANDIDATES[1] and calls == [1]
+
+
+def test_the_kernels_do_not_need_the_model_importer():
+    """GPU machines may lack the importer's packages (gguf): the GEMV module, which finds the
+    tuning record under the cache root, must not import it (once it did, and the kernels fell
+    back to torch twins with only a warning)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import tandem.engine.kernels.triton_gemv; "
+            "print('tandem.engine.model_import' in sys.modules, 'gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"]

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tandem.engine.cache_root import default_cache_root
 from tandem.engine.kernels import triton_ops
-from tandem.engine.model_import import default_cache_root
 
 log = logging.getLogger(__name__)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
