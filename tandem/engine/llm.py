@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine import h2d
 from tandem.engine.attention.backend import AttentionShape, create_backend
-from tandem.engine.attention.metadata import SeqSlice
+from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.engine.config import EngineConfig, ModelConfig
 from tandem.engine.cuda_graphs import (
     DecodeGraphRunner,
@@ -242,18 +241,19 @@ class LLMEngine:
         """Rows beyond the plan's chunks (CUDA-graph padding) write only the scratch page."""
         slices = [SeqSlice(page_ids=c.page_ids, num_cached=c.num_cached,
                            num_new=len(c.token_ids)) for c in plan.chunks]
-        # Built on the host and copied without a stream sync (h2d): ~8 blocking copies a step
-        # otherwise, each a round trip while the host has nothing else to do.
-        layout = h2d.build_layout(pad_decode_slices(slices, num_rows) if num_rows > len(slices)
-                                  else slices, self.cfg.page_size, self.device)
+        # Plain blocking copies: the stream is idle here (the last step ended on its host
+        # read), and on an H200 they cost less than pinned non-blocking ones (`engine/h2d`,
+        # which pays off where the GPU is busy: speculative rounds) -- docs/perf.md session 9.
+        layout = build_metadata(pad_decode_slices(slices, num_rows) if num_rows > len(slices)
+                                else slices, self.cfg.page_size, self.device)
         input_ids = [t for c in plan.chunks for t in c.token_ids]
         input_ids += [0] * (num_rows - len(plan.chunks))  # padding rows (graph batches only)
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
         logits_rows = [end - 1 for c, end in zip(plan.chunks, ends) if c.samples]
-        rows = h2d.tensor(input_ids + logits_rows, torch.int64, self.device)  # one copy
         return ForwardBatch(
-            input_ids=rows[: len(input_ids)], positions=layout.positions, attn=layout.attn,
-            logits_indices=rows[len(input_ids) :],
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=layout.positions, attn=layout.attn,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
         )
 
     def _append(self, req: Request, token: int) -> RequestOutput:
