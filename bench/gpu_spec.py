@@ -36,6 +36,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,7 @@ from tandem.spec import (  # noqa: E402
     target_features,
 )
 from tandem.spec.accept import launch_greedy_accept  # noqa: E402
+from tandem.spec.evaluate import parting_gap  # noqa: E402
 from tandem.spec.slices import verify_slices  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -246,7 +248,7 @@ def spec_vs_plain(cfg: EngineConfig, model, head, spec: SpecConfig, prompts: lis
     # Where they part: the plain model's two best logits there (a bf16 near-tie is a gap of
     # a few hundredths of the logit scale, with both outputs among the two).
     res["divergence_top2"] = [
-        None if d is None else _top2_gap(plain, list(p) + list(w[:d]), (g[d], w[d]))
+        None if d is None else asdict(parting_gap(plain, list(p) + list(w[:d]), (g[d], w[d])))
         for p, g, w, d in zip(prompts, got, want, res["first_divergence"])
         if d is None or (d < len(g) and d < len(w))]
     del plain
@@ -260,21 +262,6 @@ def spec_vs_plain(cfg: EngineConfig, model, head, spec: SpecConfig, prompts: lis
     gc.collect()
     return res
 
-
-def _top2_gap(plain: LLMEngine, ids: list[int], pair: tuple[int, int]) -> dict:
-    """The plain model's top-2 logits after `ids` (one prefill): their gap relative to the
-    top logit's size, and whether both of `pair` (spec's token, plain's token) are the two."""
-    pages = plain.allocator.alloc(-(-len(ids) // plain.cfg.page_size))
-    lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(ids))],
-                         plain.cfg.page_size, DEV)
-    logits = plain.runner.forward(ForwardBatch(
-        input_ids=torch.tensor(ids, device=DEV), positions=lay.positions, attn=lay.attn,
-        logits_indices=torch.tensor([len(ids) - 1], device=DEV))).logits[0]
-    plain.allocator.free(pages)
-    top = logits.topk(2)
-    gap, scale = float(top.values[0] - top.values[1]), float(top.values[0].abs())
-    return {"rel_gap": gap / max(1.0, scale), "both_in_top2": set(pair) <= set(
-        top.indices.tolist())}
 
 
 def check_fp32() -> dict:

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tandem.engine.tokenizer import ChatMessage  # noqa: E402
 from tandem.spec import SpecConfig, SpecEngine  # noqa: E402
+from tandem.spec.evaluate import parting_gap  # noqa: E402
 from tandem.spec.shipped import SHIPPED_HEADS  # noqa: E402
 
 
@@ -80,31 +81,17 @@ def snapshot(eng: SpecEngine) -> tuple[int, int, list[int]]:
 
 def divergences(plain: LLMEngine, prompts: list[list[int]], got: list[tuple[int, ...]],
                 want: list[tuple[int, ...]]) -> dict:
-    """Where speculative and plain answers part: the plain model's two best logits there (one
-    prefill of prompt + plain's answer so far). A bf16 near-tie is a gap of a small fraction
-    of the logit scale with both tokens among the two."""
-    from tandem.engine import SeqSlice, build_metadata
-    from tandem.engine.runner import ForwardBatch
-
-    gaps, both = [], 0
-    dev = plain.device
+    """Where speculative and plain answers part: the plain model's two best logits there
+    (`spec.evaluate.parting_gap`). A bf16 near-tie is a gap of a small fraction of the logit
+    scale with both tokens among the two."""
+    ties = []
     for p, g, w in zip(prompts, got, want):
         d = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
-        if d is None:
-            continue
-        ids = list(p) + list(w[:d])
-        pages = plain.allocator.alloc(-(-len(ids) // plain.cfg.page_size))
-        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(ids))],
-                             plain.cfg.page_size, dev)
-        logits = plain.runner.forward(ForwardBatch(
-            input_ids=torch.tensor(ids, device=dev), positions=lay.positions, attn=lay.attn,
-            logits_indices=torch.tensor([len(ids) - 1], device=dev))).logits[0]
-        plain.allocator.free(pages)
-        top = logits.topk(2)
-        gaps.append(float(top.values[0] - top.values[1]) / max(1.0, float(top.values[0].abs())))
-        both += {g[d], w[d]} <= set(top.indices.tolist())
-    return {"count": len(gaps), "both_in_top2": both,
-            "max_rel_gap": max(gaps, default=0.0), "rel_gaps": sorted(gaps)}
+        if d is not None:
+            ties.append(parting_gap(plain, list(p) + list(w[:d]), (g[d], w[d])))
+    gaps = sorted(t.rel_gap for t in ties)
+    return {"count": len(ties), "both_in_top2": sum(t.both_in_top2 for t in ties),
+            "max_rel_gap": max(gaps, default=0.0), "rel_gaps": gaps}
 
 
 def main() -> None:

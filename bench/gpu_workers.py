@@ -94,22 +94,8 @@ def requests(n: int, prompt_len: int, max_new: int, seed: int):
 
 def logit_gap(engine, ids: list[int], a: int, b: int) -> float:
     """|logit(a) - logit(b)| of the colocated model's next-token logits after `ids`."""
-    import torch
-
-    from tandem.engine.attention.metadata import SeqSlice, build_metadata
-    from tandem.engine.runner import ForwardBatch
-
-    pages = engine.allocator.alloc(engine.scheduler.pages_needed(len(ids)))
-    try:
-        layout = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(ids))],
-                                engine.cfg.page_size, engine.device)
-        out = engine.runner.forward(ForwardBatch(
-            input_ids=torch.tensor(ids, device=engine.device), positions=layout.positions,
-            attn=layout.attn, logits_indices=torch.tensor([len(ids) - 1], device=engine.device)))
-        row = out.logits[0].float()
-        return float((row[a] - row[b]).abs())
-    finally:
-        engine.allocator.free(pages)
+    row = engine.next_token_logits(ids)
+    return float((row[a] - row[b]).abs())
 
 
 def compare(reference, got, prompts, engine, margin: float, exact: bool) -> dict:

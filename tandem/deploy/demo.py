@@ -128,20 +128,7 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> list[DemoRow]:
 def _logit_gap(engine, context: list[int], plain_tok: int, other_tok: int) -> float:
     """How close the two candidates were where the answers parted: the target's logit of its
     own greedy token minus that of the speculative run's token, at that position."""
-    import torch
-
-    from tandem.engine import ForwardBatch, SeqSlice, build_metadata
-
-    pages = engine.allocator.alloc(engine.scheduler.pages_needed(len(context)))
-    try:
-        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(context))],
-                             engine.cfg.page_size, engine.device)
-        out = engine.runner.forward(ForwardBatch(
-            input_ids=torch.tensor(context), positions=lay.positions,
-            attn=lay.attn, logits_indices=torch.tensor([len(context) - 1])))
-    finally:
-        engine.allocator.free(pages)
-    logits = out.logits[0]
+    logits = engine.next_token_logits(context)
     return float(logits[plain_tok] - logits[other_tok])
 
 

@@ -313,6 +313,23 @@ class LLMEngine:
             bar.close()
         return [_completion(reqs[i]) for i in ids]
 
+    @torch.inference_mode()
+    def next_token_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """[V] float32: the model's logits for the token after `ids`, from one prefill forward
+        on pages borrowed for it (outside the scheduler; freed before returning). For
+        diagnostics -- how close two candidates were where two greedy runs parted."""
+        pages = self.allocator.alloc(self.scheduler.pages_needed(len(ids)))
+        try:
+            lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(ids))],
+                                 self.cfg.page_size, self.device)
+            out = self.runner.forward(ForwardBatch(
+                input_ids=torch.tensor(list(ids), dtype=torch.int64, device=self.device),
+                positions=lay.positions, attn=lay.attn,
+                logits_indices=torch.tensor([len(ids) - 1], device=self.device)))
+        finally:
+            self.allocator.free(pages)
+        return out.logits[0].float()
+
 
 def find_stop(text: str, prev_len: int, stops: Sequence[str]) -> int | None:
     """Index of the earliest stop string in `text` that was not complete in text[:prev_len]."""

@@ -4,6 +4,7 @@ against the target alone."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
@@ -38,3 +39,20 @@ def evaluate_head(engine_cfg: EngineConfig, spec: SpecConfig, max_new_tokens: in
     return HeadEval(tau=st.mean_acceptance_length, tau_stderr=st.tau_stderr(),
                     per_position=tuple(st.per_position()),
                     num_rounds=st.num_rounds, num_prompts=len(prompts), num_identical=same)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartingGap:
+    """How close the target's two best next tokens were where two greedy runs parted."""
+
+    rel_gap: float  # (top-1 - top-2 logit) / max(1, |top-1 logit|)
+    both_in_top2: bool  # the two runs' tokens are the two best
+
+
+def parting_gap(engine: LLMEngine, context: Sequence[int], pair: tuple[int, int]) -> PartingGap:
+    """After `context` the runs chose the tokens of `pair`. In bf16 a verify over N tokens and a
+    1-token decode round differently, so greedy runs may part where the gap is a small fraction
+    of the logit scale (DESIGN §3); anything else is a bug."""
+    top = engine.next_token_logits(context).topk(2)
+    gap = float(top.values[0] - top.values[1]) / max(1.0, float(top.values[0].abs()))
+    return PartingGap(rel_gap=gap, both_in_top2=set(pair) <= set(top.indices.tolist()))

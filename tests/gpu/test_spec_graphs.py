@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
 
 from tandem.engine import EngineConfig, LLMEngine, ParallelContext, SamplingParams
-from tandem.engine.attention import SeqSlice, build_metadata
+from tandem.engine.attention import build_metadata
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.runner import ForwardBatch
 from tandem.spec import (
@@ -27,6 +27,7 @@ from tandem.spec import (
     dummy_head,
     propose,
 )
+from tandem.spec.evaluate import parting_gap
 from tandem.spec.propose import chain_steps
 from tandem.spec.slices import pad_fixed_slices, verify_slices
 
@@ -143,18 +144,6 @@ def test_spec_verify_replay_equals_eager_of_the_same_plan(chain_engine, tree_eng
     _abort(eng, ids)
 
 
-def _top2_gap(plain: LLMEngine, ids: list[int]) -> tuple[float, float, list[int]]:
-    """(top1 - top2 logit, |top1|, top-2 ids) of the plain model after `ids` (one prefill)."""
-    pages = plain.allocator.alloc(-(-len(ids) // plain.cfg.page_size))
-    lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(ids))],
-                         plain.cfg.page_size, DEV)
-    logits = plain.runner.forward(ForwardBatch(
-        input_ids=torch.tensor(ids, device=DEV), positions=lay.positions, attn=lay.attn,
-        logits_indices=torch.tensor([len(ids) - 1], device=DEV))).logits[0]
-    plain.allocator.free(pages)
-    top = logits.topk(2)
-    return float(top.values[0] - top.values[1]), float(top.values[0].abs()), top.indices.tolist()
-
 
 # The default kernel paths (multi-row GEMVs for verify and small batches, the fused draft
 # head) and the batch-1-only GEMV without the fused head: captured into the graphs when the
@@ -181,10 +170,10 @@ def test_spec_with_graphs_is_lossless_up_to_bf16_near_ties(target, which, policy
         d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if d is None:
             continue
-        gap, scale, top2 = _top2_gap(plain, p + list(b[:d]))
+        tie = parting_gap(plain, p + list(b[:d]), (a[d], b[d]))
         # bf16: a verify over N tokens and a 1-token decode round differently; they may part
         # only where the two best candidates are within 2% of the logit scale.
-        assert {a[d], b[d]} <= set(top2) and gap <= 0.02 * max(1.0, scale), (d, gap, scale)
+        assert tie.both_in_top2 and tie.rel_gap <= 0.02, (d, tie)
 
 
 @pytest.mark.parametrize("which", ["chain", "tree"])
