@@ -8,7 +8,11 @@ from typing import Any
 import torch
 
 from tandem.engine.attention.backend import AttentionBackend
-from tandem.engine.attention.device_decode import decode_splits
+from tandem.engine.attention.device_decode import (
+    DEVICE_DECODE,
+    DeviceDecodePlan,
+    decode_splits,
+)
 from tandem.engine.attention.metadata import BatchLayout
 from tandem.engine.kv_cache import KVGroupSpec, KVPool
 from tandem.engine.layers.attention import ForwardContext
@@ -44,7 +48,9 @@ class DraftRunner:
         self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
         plan: Any,
     ) -> torch.Tensor:
-        """The forward after planning (what the draft-step CUDA graphs capture)."""
-        ctx = ForwardContext(backend=self.backend, plan=plan,
+        """The forward after planning (what the drafting CUDA graphs capture). A
+        `DeviceDecodePlan` (chain draft steps) attends through its own backend."""
+        backend = DEVICE_DECODE if isinstance(plan, DeviceDecodePlan) else self.backend
+        ctx = ForwardContext(backend=backend, plan=plan,
                              kv_layer=lambda i: self.kv_pool.layer(DRAFT_GROUP, i))
         return self.head(token_ids, features, positions, ctx)

@@ -2,9 +2,10 @@
 its position and its key count all device tensors, so one CUDA graph can run several draft
 steps in a row (positions advanced on the device) with no host planning between them.
 
-`DeviceDecodePlan` is what layers receive as `ForwardContext.plan`; every backend's `forward`
-hands it to `attend` (the same two kernels everywhere: `kernels.store_kv`, then
-`kernels.paged_decode`, Triton on CUDA and the float32 torch twin elsewhere). Built by the pure
+A forward with a `DeviceDecodePlan` attends through `DEVICE_DECODE`, a backend of its own that
+plans nothing (the same two kernels on any device: `kernels.store_kv`, then
+`kernels.paged_decode`, Triton on CUDA and the float32 torch twin elsewhere); the runner that
+builds such plans passes that backend in its ForwardContext. Built by the pure
 `device_decode_plan`; host work per forward: none.
 """
 
@@ -50,11 +51,20 @@ def device_decode_plan(page_table: torch.Tensor, positions: torch.Tensor, page_s
                             num_splits=num_splits)
 
 
-def attend(plan: DeviceDecodePlan, kv_cache: torch.Tensor, q: torch.Tensor,
-           k: torch.Tensor | None, v: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """kv_cache [num_pages, 2, page_size, Hkv, D] (written); q [B, Hq, D]; k, v [B, Hkv, D] or
-    None when the layer already wrote them at `plan.slot_ids` -> [B, Hq, D]."""
-    if k is not None and v is not None:
-        kernels.store_kv(kv_cache, k, v, plan.slot_ids)
-    return kernels.paged_decode(q, kv_cache, plan.page_table, plan.kv_lens, scale,
-                                plan.num_splits)
+class DeviceDecodeBackend:
+    """The attention backend of `DeviceDecodePlan` forwards (the `AttentionBackend` protocol
+    without planning: the plan is built on the device by `device_decode_plan`)."""
+
+    name = "device-decode"
+
+    def forward(self, plan: DeviceDecodePlan, kv_cache: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor | None, v: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """kv_cache [num_pages, 2, page_size, Hkv, D] (written); q [B, Hq, D]; k, v [B, Hkv, D]
+        or None when the layer already wrote them at `plan.slot_ids` -> [B, Hq, D]."""
+        if k is not None and v is not None:
+            kernels.store_kv(kv_cache, k, v, plan.slot_ids)
+        return kernels.paged_decode(q, kv_cache, plan.page_table, plan.kv_lens, scale,
+                                    plan.num_splits)
+
+
+DEVICE_DECODE = DeviceDecodeBackend()

@@ -21,9 +21,7 @@ from typing import Any
 import torch
 
 from tandem.engine import kernels
-from tandem.engine.attention import device_decode
 from tandem.engine.attention.backend import AttentionShape
-from tandem.engine.attention.device_decode import DeviceDecodePlan
 from tandem.engine.attention.metadata import AttentionMetadata
 
 FLOAT_WORKSPACE_BYTES = 128 << 20  # split-KV partial outputs; FlashInfer's recommended size
@@ -332,10 +330,7 @@ class FlashInferBackend:
         k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
     ) -> torch.Tensor:
         """kv_cache [num_pages, 2, page_size, Hkv, D] (this layer's; written); q [T, Hq, D];
-        k, v [T, Hkv, D], or None when already written at `kv_slots(plan)` -> [T, Hq, D].
-        A `DeviceDecodePlan` (chain draft steps) runs the device-metadata decode kernel."""
-        if isinstance(plan, DeviceDecodePlan):
-            return device_decode.attend(plan, kv_cache, q, k, v, scale)
+        k, v [T, Hkv, D], or None when already written at `kv_slots(plan)` -> [T, Hq, D]."""
         if plan.epoch.value != plan.planned_at:
             raise RuntimeError("FlashInferBackend: a newer plan replaced this one "
                                "(plans are valid for one forward)")

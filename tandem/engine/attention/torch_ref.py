@@ -8,9 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.attention import device_decode
 from tandem.engine.attention.backend import AttentionShape
-from tandem.engine.attention.device_decode import DeviceDecodePlan
 from tandem.engine.attention.metadata import AttentionMetadata, causal_mask
 
 
@@ -85,11 +83,9 @@ class TorchReferenceBackend:
                              decode=decode)
 
     def forward(
-        self, plan: ReferencePlan | DeviceDecodePlan, kv_cache: torch.Tensor, q: torch.Tensor,
-        k: torch.Tensor, v: torch.Tensor, scale: float,
+        self, plan: ReferencePlan, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, scale: float,
     ) -> torch.Tensor:
-        if isinstance(plan, DeviceDecodePlan):  # chain draft steps (engine/attention/device_decode)
-            return device_decode.attend(plan, kv_cache, q, k, v, scale)
         # Write first: a token attends to its own key.
         kv_cache[plan.write_pages, 0, plan.write_offsets] = k
         kv_cache[plan.write_pages, 1, plan.write_offsets] = v
