@@ -392,8 +392,10 @@ class Recorder:
 
 
 def device_plan_metadata(plan: DeviceDecodePlan, page_size: int) -> SimpleNamespace:
-    """A chain draft step's device plan as the host metadata it stands for (new tensors): one
-    query per sequence, the pages its kv_lens keys fill, causal (no custom mask)."""
+    """A chain draft step's device plan as the host metadata it stands for: one query per
+    sequence, the pages its kv_lens keys fill, causal (no custom mask). `kv_lens` and
+    `slot_ids` are the plan's own tensors, so the checks that no metadata buffer is shared
+    between forwards or written after its forward see the real ones; the rest is derived."""
     lens, table = plan.kv_lens.tolist(), plan.page_table.tolist()
     pages = [table[i][: -(-n // page_size)] for i, n in enumerate(lens)]
     indptr = list(itertools.accumulate((len(p) for p in pages), initial=0))
@@ -403,8 +405,8 @@ def device_plan_metadata(plan: DeviceDecodePlan, page_size: int) -> SimpleNamesp
         kv_page_ids_cpu=flat, kv_page_ids=flat.clone(),
         kv_page_indptr_cpu=torch.tensor(indptr, dtype=torch.int32),
         kv_page_indptr=torch.tensor(indptr, dtype=torch.int32),
-        kv_lens_cpu=torch.tensor(lens, dtype=torch.int32), kv_lens=plan.kv_lens.clone(),
-        qo_indptr_cpu=qo, qo_indptr=qo.clone(), slot_ids=plan.slot_ids.clone(),
+        kv_lens_cpu=torch.tensor(lens, dtype=torch.int32), kv_lens=plan.kv_lens,
+        qo_indptr_cpu=qo, qo_indptr=qo.clone(), slot_ids=plan.slot_ids,
         custom_mask=None)
 
 

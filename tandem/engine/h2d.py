@@ -27,6 +27,15 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def copy_into(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """`dst.copy_(host)` (dst on any device, e.g. a CUDA graph's buffer) without waiting for
+    the device's queue."""
+    if dst.device.type != "cuda":
+        dst.copy_(host)
+    else:
+        dst.copy_(host.pin_memory(), non_blocking=True)
+
+
 def tensor(values: object, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)` without a stream sync."""
     return to_device(torch.tensor(values, dtype=dtype), device)

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from tandem.engine.h2d import tensor as h2d_tensor
 from tandem.engine.sampling import SamplingParams, target_probs
 from tandem.spec import kernels as spec_kernels
-from tandem.engine.h2d import tensor as h2d_tensor
 from tandem.spec.phases import VerifyInput, VerifyResult
 
 

@@ -38,14 +38,15 @@ from typing import Any
 
 import torch
 
+from tandem.engine import h2d
 from tandem.engine.cuda_graphs import (
     check_latest_plan,
     padded_batch_size,
 )
+from tandem.engine.h2d import build_layout
 from tandem.engine.runner import ForwardOutput, ModelRunner
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
-from tandem.engine.h2d import build_layout
 from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.slices import (
@@ -265,12 +266,12 @@ class SpecGraphRunner:
         if not self.can_propose(inp) or rows is None:
             raise ValueError(f"no drafting graph for a batch of {bs} (captured "
                              f"{self.batch_sizes}, chain drafting {self.chain_drafting})")
-        table, base = chain_draft_table(inp.page_ids, inp.num_cached, self.device, rows=rows)
+        table, base = chain_draft_table(inp.page_ids, inp.num_cached, rows=rows)  # host
         if table.shape[1] > self._draft_table.shape[1]:
             raise ValueError(f"propose: {table.shape[1]} pages per request exceed the graph's "
                              f"{self._draft_table.shape[1]} (max_kv_len)")
-        self._draft_table[:rows, : table.shape[1]].copy_(table, non_blocking=True)
-        self._draft_base[:rows].copy_(base, non_blocking=True)
+        h2d.copy_into(self._draft_table[:rows, : table.shape[1]], table)
+        h2d.copy_into(self._draft_base[:rows], base)
         self._tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
         self._tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
         self._hidden[:bs].copy_(inp.hidden, non_blocking=True)

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine.attention.metadata import SeqSlice
-from tandem.engine.kv_cache import KVPool
 from tandem.engine import h2d
-from tandem.spec.draft_runner import DraftRunner
+from tandem.engine.attention.metadata import SeqSlice
 from tandem.engine.h2d import build_layout
+from tandem.engine.kv_cache import KVPool
+from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.phases import DraftExtendInput, DraftInput, VerifyInput, VerifyResult
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine import h2d
 from tandem.engine.attention.device_decode import device_decode_plan
 from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.spec.config import SpecConfig
@@ -39,8 +40,9 @@ def _propose_chain(draft: DraftRunner, inp: DraftInput, num_steps: int) -> Verif
     tokens = torch.empty(bs, num_steps + 1, dtype=torch.int64, device=device)  # [bs, k+1]
     tokens[:, 0] = inp.last_tokens  # the root
     tokens[:, 1] = inp.topk_ids[:, 0]  # d_1
-    table, num_cached = chain_draft_table(inp.page_ids, inp.num_cached, device)
-    chain_steps(draft, tokens, inp.hidden, table, num_cached)
+    table, num_cached = chain_draft_table(inp.page_ids, inp.num_cached)
+    chain_steps(draft, tokens, inp.hidden, h2d.to_device(table, device),
+                h2d.to_device(num_cached, device))
     n = num_steps + 1
     return VerifyInput(
         page_ids=inp.page_ids, num_cached=inp.num_cached, tokens=tokens,

@@ -14,15 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.engine import h2d
 from tandem.engine.attention.metadata import (
     BatchLayout,
     SeqSlice,
     tree_mask,
 )
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
-from tandem.engine import h2d
-from tandem.spec import kernels as spec_kernels
 from tandem.engine.h2d import build_layout
+from tandem.spec import kernels as spec_kernels
 from tandem.spec.phases import VerifyInput
 
 
@@ -30,7 +30,8 @@ def chain_step_slices(page_ids: Sequence[Sequence[int]], num_cached: Sequence[in
                       step: int) -> list[SeqSlice]:
     """Chain draft step `step` (1-based): each request consumes (hidden, d_step) at draft
     position num_cached + step - 1, writes that one slot and attends to num_cached + step
-    keys."""
+    keys. The host-side statement of what the drafting graph derives on the device
+    (`propose.chain_steps`); tests hold the two equal."""
     if step < 1:
         raise ValueError(f"step: chain draft steps count from 1, got {step}")
     return [SeqSlice(page_ids=p, num_cached=nc + step - 1, num_new=1)
@@ -38,13 +39,14 @@ def chain_step_slices(page_ids: Sequence[Sequence[int]], num_cached: Sequence[in
 
 
 def chain_draft_table(page_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
-                      device: torch.device | str, rows: int | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What chain drafting reads on the device for a whole round (steps 1..k-1 advance the
-    positions there: `engine/attention/device_decode`): (page table [rows, P] int32, num_cached
-    [rows] int64), P the longest page list. Padding rows (rows > len(page_ids)) sit at
-    position 0 of the scratch page; unused table entries are the scratch page too (never read:
-    a sequence reads only the pages its keys fill). Two copies that never wait for the GPU."""
+                      rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What chain drafting reads for a whole round (steps 1..k-1 derive their positions, slots
+    and key counts from it on the device: `engine/attention/device_decode`, with
+    `chain_step_slices` as the host-side reference): (page table [rows, P] int32, num_cached
+    [rows] int64), host tensors, P the longest page list. Padding rows (rows > len(page_ids))
+    sit at position 0 of the scratch page; unused table entries are the scratch page too (never
+    read: a sequence reads only the pages its keys fill). The caller moves them once, to where
+    it reads them (`h2d`: a new device tensor, or a graph's buffer)."""
     bs = len(page_ids)
     rows = bs if rows is None else rows
     if rows < bs:
@@ -53,7 +55,7 @@ def chain_draft_table(page_ids: Sequence[Sequence[int]], num_cached: Sequence[in
     table = [list(p) + [SCRATCH_PAGE] * (width - len(p)) for p in page_ids]
     table += [[SCRATCH_PAGE] * width] * (rows - bs)
     base = list(num_cached) + [0] * (rows - bs)
-    return h2d.tensor(table, torch.int32, device), h2d.tensor(base, torch.int64, device)
+    return torch.tensor(table, dtype=torch.int32), torch.tensor(base, dtype=torch.int64)
 
 
 def verify_slices(verify: VerifyInput, masked: bool | None = None,

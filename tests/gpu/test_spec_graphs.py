@@ -105,11 +105,12 @@ def test_spec_drafting_replay_equals_eager_of_the_same_padded_batch(chain_engine
     tokens = graphs._tokens[:rows].clone()
     table, base = graphs._draft_table[:rows].clone(), graphs._draft_base[:rows].clone()
     hidden = chain_steps(eng.draft, tokens, graphs._hidden[:rows].clone(), table, base)
+    assert hidden.shape == graphs._hidden[:rows].shape
+    graphs._tokens[:rows, 2:].fill_(-1)  # the replay must write the drafts itself
     graphs.replay_propose_only(rows)
     torch.cuda.synchronize()
     assert torch.equal(graphs._tokens[:rows], tokens)
     assert torch.equal(got, tokens[:bs])
-    assert hidden.shape == graphs._hidden[:rows].shape
     _abort(eng, ids)
 
 

@@ -19,11 +19,13 @@ from spec_helpers import (
 )
 
 from tandem.engine import SeqSlice, build_metadata
+from tandem.engine.attention.device_decode import device_decode_plan
 from tandem.engine.attention.metadata import causal_mask, tree_mask
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
 from tandem.spec import DraftInput, SpecConfig, SpecEngine, VerifyInput, propose
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
 from tandem.spec.slices import (
+    chain_draft_table,
     chain_step_slices,
     pad_fixed_slices,
     verify_layout,
@@ -47,6 +49,31 @@ def test_chain_step_slices_follow_the_step():
         assert lay.attn.is_decode
     with pytest.raises(ValueError, match="step"):
         chain_step_slices(pages, (6, 2), 0)
+
+
+@pytest.mark.parametrize("rows", [2, 4])  # 4: two padding rows of a graph bucket
+def test_device_chain_plans_equal_the_host_step_slices(rows):
+    """What the drafting graph derives on the device for step s (device_decode_plan of the
+    round's table at num_cached + s - 1) is what the host builder gives for that step: the
+    same positions, slots and key counts, and the pages those keys fill; padding rows stay on
+    the scratch page."""
+    pages, num_cached = [(5, 6, 7), (9, 10)], (6, 2)
+    table, base = chain_draft_table(pages, num_cached, rows=rows)
+    assert table.dtype == torch.int32 and base.dtype == torch.int64
+    for step in (1, 2, 3):
+        positions = base + (step - 1)
+        plan = device_decode_plan(table, positions, PS, num_splits=2)
+        lay = build_metadata(chain_step_slices(pages, num_cached, step), PS)
+        assert positions[:2].tolist() == lay.positions.tolist()
+        assert plan.slot_ids[:2].tolist() == lay.attn.slot_ids.tolist()
+        assert plan.kv_lens[:2].tolist() == lay.attn.kv_lens.tolist()
+        for i in range(2):  # the table's first pages are the sequence's pages
+            n = -(-int(plan.kv_lens[i]) // PS)
+            assert table[i, :n].tolist() == list(lay.attn.kv_page_ids[
+                lay.attn.kv_page_indptr[i] : lay.attn.kv_page_indptr[i + 1]].tolist())
+        assert all(s // PS == SCRATCH_PAGE for s in plan.slot_ids[2:].tolist())
+    with pytest.raises(ValueError, match="rows"):
+        chain_draft_table(pages, num_cached, rows=1)
 
 
 def _verify(parents, num_cached=(5, 9)) -> VerifyInput:
