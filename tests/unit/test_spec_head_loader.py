@@ -402,6 +402,22 @@ def test_subset_head_scores_only_its_rows(tmp_path, target):
     assert torch.equal(got[:, 0], best)
 
 
+@pytest.mark.parametrize("subset", [False, True], ids=["full-vocab", "subset-vocab"])
+def test_top1_paths_agree_with_the_log_softmax_top_k(tmp_path, target, subset):
+    """Chain drafting takes its top-1 by max / argmax over the logits (`topk(h, 1)`, `top1`)
+    instead of a log-softmax and a radix top-k: the same target ids, and the log-probability
+    the full log-softmax gives that id."""
+    ids = sorted(torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:40].tolist())
+    head = load(_subset_head_dir(tmp_path, ids) if subset else _full_dir(tmp_path), target)
+    hidden = torch.randn(6, H, generator=torch.Generator().manual_seed(6))
+    logp = head.log_probs(hidden)  # [6, V_draft]
+    want_logp, want = torch.topk(logp, 1, dim=-1)
+    got, got_logp = head.topk(hidden, 1)
+    assert torch.equal(got, head.to_target_ids(want))
+    assert torch.equal(head.top1(hidden), got[:, 0])
+    assert torch.allclose(got_logp, want_logp, atol=1e-5)
+
+
 def _full_dir(tmp_path):
     cfg, sd = eagle_checkpoint()
     d = tmp_path / "full_only"
