@@ -37,19 +37,18 @@ from dataclasses import dataclass, field
 
 from tandem.deploy.ranks import SOLO, RankSync
 from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
-from tandem.engine import trace
+from tandem.engine import FinishReason, RequestOutput, trace
 from tandem.engine.llm import validate_prompt
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import DecodeReceiver, Received, ReceiveFailed, Release, TransferState
+from tandem.messages import OutOfCapacity  # raised by `reserve`; the router matches it by type
 from tandem.spec.engine import SpecStats
 from tandem.spec.handoff import decode_seed
 
 log = logging.getLogger(__name__)
 
 
-class OutOfCapacity(RuntimeError):
-    """Not enough free pages or aux slots to reserve for this request now."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +61,19 @@ class DecodeOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str = ""
+    # With finish_reason "error": "request" when this request's own work failed on the worker
+    # (its sampling, stop checks or detokenizer raised; the worker ended it, freed its pages
+    # and serves the others on), "" for a KV transfer / seed failure.
+    error_kind: str = ""
+
+    @staticmethod
+    def of(o: RequestOutput) -> DecodeOutput:
+        """An engine output of request `o.req_id` (the room, as a string)."""
+        failed = o.finish_reason is FinishReason.ERROR
+        return DecodeOutput(
+            room=int(o.req_id), token_ids=o.new_token_ids, text_delta=o.text_delta,
+            finished=o.finished, finish_reason=o.finish_reason.value if o.finish_reason else None,
+            error=o.error, error_kind="request" if failed else "")
 
 
 @dataclass(slots=True)
@@ -266,11 +278,7 @@ class DecodeWorker:
             # control channel: no device sync.
             has_work = any(self._dp_sync.all_gather(has_work))
         if has_work:
-            for o in self.engine.step():
-                self._outputs.append(DecodeOutput(
-                    room=int(o.req_id), token_ids=o.new_token_ids, text_delta=o.text_delta,
-                    finished=o.finished,
-                    finish_reason=o.finish_reason.value if o.finish_reason else None))
+            self._outputs += [DecodeOutput.of(o) for o in self.engine.step()]
         out, self._outputs = self._outputs, []
         if self._dp_sync.size > 1:  # rank 0 streams every rank's outputs
             reports = self._dp_sync.all_gather(
@@ -382,10 +390,7 @@ class DecodeWorker:
                                               error=f"seed: {exc}"))
             return False
         trace.mark(room, "decode.admitted")
-        self._outputs.append(DecodeOutput(
-            room=room, token_ids=first.new_token_ids, text_delta=first.text_delta,
-            finished=first.finished,
-            finish_reason=first.finish_reason.value if first.finish_reason else None))
+        self._outputs.append(DecodeOutput.of(first))  # a failed first token: error "request"
         return True
 
     def num_free_pages(self) -> int:

@@ -12,7 +12,7 @@ from tandem.engine.attention import (
     create_backend,
     tree_mask,
 )
-from tandem.engine.config import ConfigError, EngineConfig, ModelConfig
+from tandem.engine.config import ConfigError, EngineConfig, ModelConfig, SamplingFault
 from tandem.engine.kv_cache import (
     KVGroupSpec,
     KVPool,
@@ -28,14 +28,22 @@ from tandem.engine.parallel import ParallelContext, ParallelGroup
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import Completion, FinishReason, RequestOutput
 from tandem.engine.runner import ForwardBatch, ForwardOutput, ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, target_probs
+from tandem.engine.sampling import (
+    GREEDY_TEMPERATURE,
+    InjectedFault,
+    SampleOutput,
+    Sampler,
+    SamplingParams,
+    target_probs,
+)
 
 __all__ = [
-    "AttentionMetadata", "BatchLayout", "Completion", "ConfigError", "DecoderLM",
-    "EngineConfig", "FinishReason", "ForwardBatch", "ForwardOutput", "KVGroupSpec", "KVPool",
-    "KVRegionInfo", "LLMEngine", "ModelConfig", "ModelRunner", "OutOfPages", "PageAllocator",
-    "PageError", "ParallelContext", "ParallelGroup", "PrefixCache", "RequestOutput", "Sampler",
-    "SamplingParams", "SeqSlice", "WeightLoadError", "build_metadata", "build_model",
-    "causal_mask", "create_backend", "resolve_model", "target_probs", "tree_mask",
-    "validate_prompt",
+    "GREEDY_TEMPERATURE", "AttentionMetadata", "BatchLayout", "Completion", "ConfigError",
+    "DecoderLM", "EngineConfig", "FinishReason", "ForwardBatch", "ForwardOutput",
+    "InjectedFault", "KVGroupSpec", "KVPool", "KVRegionInfo", "LLMEngine", "ModelConfig",
+    "ModelRunner", "OutOfPages", "PageAllocator", "PageError", "ParallelContext",
+    "ParallelGroup", "PrefixCache", "RequestOutput", "SampleOutput", "Sampler",
+    "SamplingFault", "SamplingParams", "SeqSlice", "WeightLoadError", "build_metadata",
+    "build_model", "causal_mask", "create_backend", "resolve_model", "target_probs",
+    "tree_mask", "validate_prompt",
 ]

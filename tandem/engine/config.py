@@ -229,6 +229,20 @@ def _parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingFault:
+    """Test only (`EngineConfig.sampling_fault`): drawing a token for a row of one of `req_ids`
+    raises `sampling.InjectedFault` -- in the sampler and in speculative acceptance alike,
+    greedy rows included -- to prove that one failing row fails only its request. Set in code,
+    never from YAML; a worker's requests are named by their room (`str(room)`)."""
+
+    req_ids: frozenset[str]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.req_ids, frozenset):
+            raise ConfigError(f"sampling_fault.req_ids: must be a frozenset, got {self.req_ids!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EngineConfig:
     """How one engine instance runs a model. Validated at construction (CLI/YAML edge)."""
 
@@ -247,6 +261,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay pure-decode steps from CUDA graphs (CUDA + FlashInfer only)
     # Reuse the KV pages of prompt prefixes computed before (prefix_cache.py); off by default.
     enable_prefix_caching: bool = False
+    sampling_fault: SamplingFault | None = None  # test only: make chosen rows fail sampling
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -265,5 +280,7 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching: must be true or false, "
                               f"got {self.enable_prefix_caching!r}")
+        if self.sampling_fault is not None and not isinstance(self.sampling_fault, SamplingFault):
+            raise ConfigError("sampling_fault: a test-only hook, set in code (a SamplingFault)")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len: must be positive, got {self.max_model_len}")

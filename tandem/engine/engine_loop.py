@@ -37,6 +37,7 @@ class LoopErrorKind(str, Enum):
     REJECTED = "rejected"  # the engine refused the request (message names the field)
     DEADLINE = "deadline"  # the request's deadline passed; it was aborted
     ENGINE_FAILED = "engine_failed"  # a step raised; the engine serves nothing more
+    REQUEST_FAILED = "request_failed"  # this request's own row failed; the engine serves on
     STOPPED = "stopped"  # the loop was stopped
 
 
@@ -367,13 +368,21 @@ def _stopped_output(req_id: str, name: str) -> LoopOutput:
 
 
 def _merge_per_request(outputs: Sequence[RequestOutput]) -> list[LoopOutput]:
-    """One LoopOutput per request per step (a speculative round yields several tokens)."""
+    """One LoopOutput per request per step (a speculative round yields several tokens). A
+    request the engine failed (FinishReason.ERROR) ends with a REQUEST_FAILED error instead of
+    a finish reason; the engine already returned its pages."""
     merged: dict[str, list[RequestOutput]] = {}
     for o in outputs:
         merged.setdefault(o.req_id, []).append(o)
-    return [
-        LoopOutput(req_id=req_id, token_ids=tuple(t for o in outs for t in o.new_token_ids),
-                   text_delta="".join(o.text_delta for o in outs),
-                   finish_reason=outs[-1].finish_reason if outs[-1].finished else None)
-        for req_id, outs in merged.items()
-    ]
+    return [_merged(req_id, outs) for req_id, outs in merged.items()]
+
+
+def _merged(req_id: str, outs: Sequence[RequestOutput]) -> LoopOutput:
+    last = outs[-1]
+    failed = last.finish_reason is FinishReason.ERROR
+    return LoopOutput(
+        req_id=req_id, token_ids=tuple(t for o in outs for t in o.new_token_ids),
+        text_delta="".join(o.text_delta for o in outs),
+        finish_reason=last.finish_reason if last.finished and not failed else None,
+        error=LoopError(kind=LoopErrorKind.REQUEST_FAILED, message=last.error) if failed
+        else None)

@@ -31,7 +31,7 @@ from tandem.engine.parallel import ParallelContext
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import Completion, FinishReason, Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams
+from tandem.engine.sampling import Sampler, SamplingParams, row_error
 from tandem.engine.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class LLMEngine:
                              if engine_cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
                                    engine_cfg.max_num_batched_tokens, self.prefix_cache)
-        self.sampler = Sampler()
+        self.sampler = Sampler(engine_cfg.sampling_fault)
         self._detok: dict[str, object] = {}
         self._ids = itertools.count()
         self.eos_ids = frozenset(self.model_cfg.eos_token_ids) | frozenset(
@@ -225,11 +225,12 @@ class LLMEngine:
             logits = self.runner.forward(batch).logits
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [self.scheduler.requests[c.req_id] for c in sampling]
-        tokens = self.sampler.sample(logits, [r.params for r in reqs],
-                                     [r.generator for r in reqs])
+        sampled = self.sampler.sample(logits, [r.params for r in reqs],
+                                      [r.generator for r in reqs], [r.req_id for r in reqs])
         self.scheduler.commit(plan)
-        token_list = tokens.tolist()  # SYNC: the one host sync per step (stop checks need ids)
-        return [self._append(r, t) for r, t in zip(reqs, token_list)]
+        token_list = sampled.tokens.tolist()  # SYNC: the one host sync per step (stop checks)
+        return [self._append_row(r, t, err)
+                for r, t, err in zip(reqs, token_list, sampled.errors)]
 
     def _graph_batch_size(self, plan: StepPlan) -> int | None:
         """The padded size of a CUDA graph that can run this step, or None (eager)."""
@@ -255,6 +256,29 @@ class LLMEngine:
             positions=layout.positions, attn=layout.attn,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
         )
+
+    def _append_row(self, req: Request, token: int, error: str = "") -> RequestOutput:
+        """A row's work after the forward, isolated: a row whose sampling failed (`error`), or
+        whose stop checks or detokenizer raise, fails its own request and no other -- only a
+        failure of the whole forward may stop a worker."""
+        if error:
+            return self._fail_request(req, error)
+        try:
+            return self._append(req, token)
+        except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
+            log.warning("request '%s' failed after sampling", req.req_id, exc_info=exc)
+            return self._fail_request(req, row_error("detokenizer/stop checks", exc))
+
+    def _fail_request(self, req: Request, error: str) -> RequestOutput:
+        """End `req` with FinishReason.ERROR: its pages return (the scheduler frees them) and
+        its terminal output carries `error`. Whatever its row did to `req` before it raised
+        (a token appended, text fed) goes nowhere: the output has no tokens."""
+        req.error = error
+        if self.scheduler.requests.get(req.req_id) is req:  # not already finished by _append
+            self.scheduler.finish(req, FinishReason.ERROR)
+        self._detok.pop(req.req_id, None)
+        return RequestOutput(req_id=req.req_id, new_token_ids=(), text_delta="", finished=True,
+                             finish_reason=FinishReason.ERROR, error=error)
 
     def _append(self, req: Request, token: int) -> RequestOutput:
         if req.first_token_time is None:
@@ -348,4 +372,5 @@ def _completion(req: Request) -> Completion:
         text=req.text, finish_reason=req.finish_reason,
         ttft_s=(req.first_token_time or now) - req.arrival_time,
         latency_s=now - req.arrival_time, num_cached_tokens=req.num_cached_tokens,
+        error=req.error,
     )

@@ -19,6 +19,9 @@ class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_new_tokens or the context limit
     ABORT = "abort"
+    # This request's own per-row work after the forward raised (its sampling, stop checks or
+    # detokenizer): it alone ends, with `error` saying why; the rest of its batch goes on.
+    ERROR = "error"
 
 
 @dataclass(slots=True, eq=False)
@@ -34,6 +37,7 @@ class Request:
     text: str = ""  # detokenized output so far (stop strings are found here)
     num_emitted_chars: int = 0  # prefix of `text` already streamed out
     finish_reason: FinishReason | None = None
+    error: str = ""  # why it failed (finish_reason ERROR)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     num_preemptions: int = 0
@@ -66,6 +70,7 @@ class RequestOutput:
     text_delta: str
     finished: bool
     finish_reason: FinishReason | None
+    error: str = ""  # finish_reason ERROR: why this request failed ("stage: Type: message")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,3 +85,4 @@ class Completion:
     ttft_s: float  # arrival -> first token
     latency_s: float  # arrival -> finish
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str = ""  # finish_reason ERROR: why this request failed

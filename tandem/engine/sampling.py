@@ -4,20 +4,54 @@
 maps them to INVALID_ARGUMENT). `target_probs` is the one definition of "the distribution we
 sample from" after temperature/top-k/top-p/min-p; the speculative verifier uses the same
 function, which is what makes rejection sampling lossless.
+
+No request can make sampling raise for its batch: `target_probs` always returns a valid
+distribution (see its docstring), and `Sampler.sample` reports a row whose draw still fails as
+that row's error -- the engine then fails that request alone and serves the rest of the batch.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.config import SamplingFault
+
+log = logging.getLogger(__name__)
+
+# Below this temperature a request is greedy (the argmax, no randomness consumed), in the
+# engine, in speculative acceptance and for a prefill worker's first token alike. vLLM uses the
+# same 1e-5. At T >= 1e-5 the shifted logits (logits - max) / T stay finite in float32 for any
+# logit gap under ~3e33, and a gap of even 1e-3 already gives the runner-up a weight of
+# exp(-100): the distribution is one-hot on the argmax to float32 precision anyway. Below it,
+# 1 / T overflows or -- for T < ~1e-45, which float32 rounds to 0 -- divides by zero, and
+# logits / T became inf - inf = NaN in the softmax (torch.multinomial then raised, and with it
+# the whole step).
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
+    """Per-request sampling settings. Edges, as `target_probs` applies them in float32:
+
+    - temperature < GREEDY_TEMPERATURE (1e-5), 0 included, is greedy (`greedy`); any finite
+      temperature above it samples (one so large that float32 rounds it to inf gives the
+      uniform distribution over the finite logits).
+    - top_p in (0, 1]: the smallest prefix of tokens by probability whose mass reaches top_p;
+      the most likely token always survives, so a top_p that float32 rounds to 0 (1e-300) is
+      top-1.
+    - min_p in [0, 1]: drops tokens below min_p * max probability; min_p = 1 keeps exactly the
+      tokens tied for the maximum, a min_p that rounds to 0 drops nothing.
+    - a row whose probabilities still come out non-finite or all zero (e.g. NaN or +inf
+      logits) falls back to its argmax.
+    """
+
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # < GREEDY_TEMPERATURE (0 included) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -29,8 +63,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: must be > 0, got {self.max_new_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):  # rejects NaN
+            raise ValueError(f"temperature: must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0 (0 disables), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -42,31 +76,71 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[V] or [n, V] float logits -> probabilities after temperature, top-k, top-p, min-p.
-    Greedy params give a one-hot on the argmax."""
+    """[V] or [n, V] float logits -> [V] or [n, V] float32 probabilities after temperature,
+    top-k, top-p, min-p. Greedy params give a one-hot on the argmax. Every row returned is a
+    valid distribution (finite, non-negative, sums to 1): see `SamplingParams` for the edges."""
     logits = logits.float()
+    top = logits.argmax(-1)  # [...] int64
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+        return torch.nn.functional.one_hot(top, logits.shape[-1]).float()
+    # Shift the row maximum to 0 before dividing: (logits - max) / T is <= 0, so it can only
+    # underflow to -inf (weight 0), never overflow to +inf (inf - inf = NaN in the softmax).
+    # A -inf logit over a T that float32 rounds to inf is -inf / inf = NaN: it means weight 0.
+    scaled = (logits - logits.amax(-1, keepdim=True)) / params.temperature
+    scaled = torch.nan_to_num(scaled, nan=float("-inf"))
+    if params.top_k > 0 and params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always the top token).
+        # Keep the smallest prefix whose mass reaches top_p. The top token is kept explicitly:
+        # float32 rounds a top_p of 1e-300 to 0, and `0 >= 0` would drop every token.
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False  # a buffer of ours (the comparison's result)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
-        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)  # the max itself survives
         probs = probs.masked_fill(probs < floor, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return _normalized_or_argmax(probs, top)
+
+
+def _normalized_or_argmax(probs: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """probs / row sum; a row whose sum is not a positive finite number (NaN or +inf logits)
+    becomes the one-hot of its argmax `top` instead. No host sync."""
+    total = probs.sum(dim=-1, keepdim=True)  # [..., 1]
+    ok = torch.isfinite(total) & (total > 0)
+    one_hot = torch.nn.functional.one_hot(top, probs.shape[-1]).float()
+    return torch.where(ok, probs / total, one_hot)
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by a `SamplingFault` (tests only)."""
+
+
+def check_fault(fault: SamplingFault | None, req_id: str) -> None:
+    """Raise `InjectedFault` when the test-only `fault` selects this request's row."""
+    if fault is not None and req_id in fault.req_ids:
+        raise InjectedFault(f"sampling_fault: injected failure for request '{req_id}'")
+
+
+def row_error(stage: str, exc: BaseException) -> str:
+    """The message a request fails with when its row raised in `stage`."""
+    return f"{stage}: {type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class SampleOutput:
+    """One token per row, or that row's failure."""
+
+    tokens: torch.Tensor  # [n] int64; a failed row holds its argmax (a placeholder, never used)
+    errors: tuple[str, ...]  # [n] "" for a sampled row, else why its request fails
 
 
 class Sampler:
@@ -74,26 +148,54 @@ class Sampler:
     with its own generator (a seeded request) draws from `target_probs` with it, alone, so it
     yields the same tokens whatever else shares its batch; rows without one draw from torch's
     RNG together, one batched draw per distinct (temperature, top_k, top_p, min_p) -- a row at
-    a time cost ~10 kernel launches per sampled row, which dominated large sampled batches."""
+    a time cost ~10 kernel launches per sampled row, which dominated large sampled batches.
+
+    A row that raises fails alone (`SampleOutput.errors`): a batched draw that raises is redone
+    row by row, so the culprit is found and the rest of its group still gets tokens. `fault` is
+    the test-only hook that makes chosen requests' rows raise (EngineConfig.sampling_fault)."""
+
+    def __init__(self, fault: SamplingFault | None = None) -> None:
+        self.fault = fault
 
     def sample(
         self,
         logits: torch.Tensor,  # [n, V] float32
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> torch.Tensor:  # [n] int64
-        tokens = logits.argmax(dim=-1)
+        req_ids: Sequence[str] = (),  # [n] (the fault hook's key); () = no fault checks
+    ) -> SampleOutput:
+        tokens = logits.argmax(dim=-1)  # [n] int64, ours: sampled rows are written into it
+        errors = [""] * len(params)
         shared: dict[tuple[float, int, float, float], list[int]] = {}  # settings -> rows
         for i, p in enumerate(params):
-            if p.greedy:
-                continue
-            if generators[i] is None:
-                shared.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
-                continue
-            probs = target_probs(logits[i], p)
-            tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+            try:
+                if req_ids:
+                    check_fault(self.fault, req_ids[i])
+                if p.greedy:
+                    continue
+                if generators[i] is None:
+                    shared.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+                    continue
+                probs = target_probs(logits[i], p)
+                tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+            except Exception as exc:  # noqa: BLE001 -- this row's request fails, alone
+                errors[i] = self._failed(i, req_ids, exc)
         for rows in shared.values():
-            idx = torch.tensor(rows, device=logits.device)
-            probs = target_probs(logits[idx], params[rows[0]])  # [len(rows), V]
-            tokens[idx] = torch.multinomial(probs, 1).squeeze(-1)
-        return tokens
+            try:
+                idx = torch.tensor(rows, device=logits.device)
+                probs = target_probs(logits[idx], params[rows[0]])  # [len(rows), V]
+                tokens[idx] = torch.multinomial(probs, 1).squeeze(-1)
+            except Exception:  # noqa: BLE001 -- find the culprit: draw the group row by row
+                for i in rows:
+                    try:
+                        probs = target_probs(logits[i], params[i])
+                        tokens[i] = torch.multinomial(probs, 1)[0]
+                    except Exception as exc:  # noqa: BLE001
+                        errors[i] = self._failed(i, req_ids, exc)
+        return SampleOutput(tokens=tokens, errors=tuple(errors))
+
+    @staticmethod
+    def _failed(row: int, req_ids: Sequence[str], exc: Exception) -> str:
+        name = req_ids[row] if req_ids else f"row {row}"
+        log.warning("sampling failed for request '%s'", name, exc_info=exc)
+        return row_error("sampling", exc)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from tandem.deploy.ranks import SOLO, RankSync
 from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
-from tandem.engine import trace
+from tandem.engine import FinishReason, trace
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
@@ -50,7 +50,10 @@ class PrefillResult:
     finished: bool = False  # the first token ended the request; nothing was transferred
     finish_reason: str | None = None
     error: str = ""
-    error_kind: str = ""  # TransferError kind, "aborted", or "invalid"
+    # TransferError kind, "aborted", "invalid", or "request": this request's own work failed
+    # in the prefill forward's step (its sampling or stop checks raised); the worker ended it,
+    # freed its pages, transferred nothing and serves the others on.
+    error_kind: str = ""
 
 
 @dataclass(slots=True)
@@ -215,7 +218,9 @@ class PrefillWorker:
         local, self._deferred = self._deferred, []
         handoffs: list[PrefillHandoff] = []
         if self.engine.has_unfinished():
-            self.engine.step()
+            for o in self.engine.step():
+                if o.finish_reason is FinishReason.ERROR:  # never handed off
+                    self._request_failed(int(o.req_id), o.error)
             handoffs = self.engine.take_handoffs()
             self._announce_first(handoffs)  # before posting the KV writes (CPU work)
             self.pusher.pump()  # before the hand-offs sync on their seeds (see pusher.pump)
@@ -260,6 +265,16 @@ class PrefillWorker:
         self._agree_on_outcomes(local)
         out, self._results = self._results, []
         return out
+
+    def _request_failed(self, room: int, error: str) -> None:
+        """The engine ended `room` itself: its own row failed. Its pages are back already and
+        it is not handed off; a transfer started early is left to the router's abort of
+        decode, as for a request its first token finished (layerwise.py `drop`)."""
+        self._awaiting.discard(room)
+        self._dest.pop(room, None)
+        self.pusher.drop(room, abort=False)
+        self._results.append(PrefillResult(room=room, ok=False, error=error,
+                                           error_kind="request"))
 
     def _announce_first(self, handoffs: Sequence[PrefillHandoff]) -> None:
         """`on_first` for each prompt completed in this step that goes on to decode (not

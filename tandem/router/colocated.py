@@ -26,6 +26,7 @@ from tandem.router.dispatch import (
     DispatchError,
     DispatcherStats,
     ModelInfo,
+    RequestFailed,
     RequestRejected,
     RoutedRequest,
     SpecAcceptance,
@@ -122,7 +123,7 @@ class ColocatedDispatcher:
         try:
             async for out in stream:
                 if out.error is not None:
-                    raise _dispatch_error(worker.name, out.error)
+                    raise _dispatch_error(worker.name, request.request_id, out.error)
                 if num_outputs > 0 and out.token_ids:
                     rounds.append(len(out.token_ids))
                 elif num_outputs == 0:
@@ -172,9 +173,11 @@ def acceptance_from_rounds(rounds: Sequence[int], num_steps: int) -> SpecAccepta
         num_rounds=n)
 
 
-def _dispatch_error(worker: str, error: LoopError) -> DispatchError:
+def _dispatch_error(worker: str, request_id: str, error: LoopError) -> DispatchError:
     if error.kind is LoopErrorKind.DEADLINE:
         return DeadlineExceeded(error.message)
+    if error.kind is LoopErrorKind.REQUEST_FAILED:  # this request only: the worker serves on
+        return RequestFailed(request_id, error.message)
     if error.kind is LoopErrorKind.REJECTED:
         # The engine's only capacity refusal: prompt + max_new_tokens needs more pages than
         # the pool has (the router checks this first; this is the backstop).

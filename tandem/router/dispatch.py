@@ -14,7 +14,11 @@ Contract of `Dispatcher.submit(request)`:
 2. Chunks come in generation order; the last one has `finish_reason` set, then it ends.
 3. Failures raise a `DispatchError` subclass: `WorkerUnavailable` (a worker died or is
    unreachable -- raised fast, never a hang), `DeadlineExceeded` (the request passed
-   `request.deadline`; it was stopped on every worker), `CapacityExceeded`, `RequestRejected`.
+   `request.deadline`; it was stopped on every worker), `CapacityExceeded`, `RequestRejected`,
+   `RequestFailed` (this request's own work failed on a worker -- e.g. its sampling raised --
+   and the worker serves on: a colocated engine's FinishReason.ERROR, a decode worker's
+   `DecodeOutput` with error_kind "request", a prefill worker's `PrefillResult` with
+   error_kind "request").
 4. Closing the generator before its last chunk (`aclose()`, or the consumer task cancelled)
    aborts the request on every worker; its pages return to the pools once no transfer can
    still write into them.
@@ -145,6 +149,16 @@ class CapacityExceeded(DispatchError):
 
 class DeadlineExceeded(DispatchError):
     pass
+
+
+class RequestFailed(DispatchError):
+    """This request's own work failed on a worker (its sampling, stop checks or detokenizer
+    raised); the worker ended it, returned its pages and serves the others on. The message
+    names the request and the cause."""
+
+    def __init__(self, request_id: str, cause: str) -> None:
+        super().__init__(f"request '{request_id}' failed on the worker: {cause}")
+        self.request_id, self.cause = request_id, cause
 
 
 @runtime_checkable

@@ -9,6 +9,7 @@ from tandem.router.dispatch import (
     CapacityExceeded,
     DeadlineExceeded,
     DispatchError,
+    RequestFailed,
     RequestRejected,
     WorkerUnavailable,
 )
@@ -49,4 +50,6 @@ def from_dispatch_error(exc: DispatchError) -> RouterError:
         return RouterError(Code.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, RequestRejected):
         return RouterError(Code.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, RequestFailed):  # this request only; the worker stays healthy
+        return RouterError(Code.INTERNAL, str(exc))
     return RouterError(Code.INTERNAL, f"dispatch: {exc}")

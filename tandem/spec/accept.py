@@ -10,18 +10,21 @@ p = target_probs(logits[c], params) -- the same function the plain sampler uses.
   p(t) = 0 and renormalize; if every child is rejected (or there is none), draw the bonus token
   from the remaining p. By induction P(emit t) = p(t): the first child is emitted with
   probability p(t1), any other t with (1 - p(t1)) * p(t) / (1 - p(t1)) = p(t).
+
+A row whose walk raises fails its own request only (`VerifyResult.errors`), as in the sampler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from tandem.engine.h2d import tensor as h2d_tensor
-from tandem.engine.sampling import SamplingParams, target_probs
+from tandem.engine.config import SamplingFault
+from tandem.engine.sampling import SamplingParams, check_fault, row_error, target_probs
 from tandem.spec import kernels as spec_kernels
 from tandem.spec.phases import VerifyInput, VerifyResult
 
@@ -39,25 +42,49 @@ def accept(
     logits: torch.Tensor,  # [bs * N, V] float32, request-major, node order of `verify`
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    req_ids: Sequence[str] = (),  # [bs] the test-only fault hook's key; () = no fault checks
+    fault: SamplingFault | None = None,
 ) -> VerifyResult:
     n = verify.num_nodes
     if all(p.greedy for p in params):
-        return launch_greedy_accept(verify, logits).result()
+        return with_row_faults(launch_greedy_accept(verify, logits).result(), req_ids, fault)
     argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
     # SYNC: the one host read of the round: draft tokens and target argmax together.
     both = torch.stack([verify.tokens, argmax]).tolist()
     tokens_h, argmax_h = both[0], both[1]
-    paths, new_tokens = [], []
+    paths, new_tokens, errors = [], [], [""] * verify.batch_size
     for r in range(verify.batch_size):
         kids = children_of(verify.parents[r])
-        if params[r].greedy:
-            path, bonus = _walk_greedy(tokens_h[r], argmax_h[r], kids)
-        else:
-            path, bonus = _walk_sampled(tokens_h[r], logits[r * n : (r + 1) * n], kids,
-                                        params[r], generators[r])
+        try:
+            if req_ids:
+                check_fault(fault, req_ids[r])
+            if params[r].greedy:
+                path, bonus = _walk_greedy(tokens_h[r], argmax_h[r], kids)
+            else:
+                path, bonus = _walk_sampled(tokens_h[r], logits[r * n : (r + 1) * n], kids,
+                                            params[r], generators[r])
+        except Exception as exc:  # noqa: BLE001 -- this row's request fails, alone
+            path, bonus = [], argmax_h[r][0]  # a placeholder for the round's batched work
+            errors[r] = row_error("acceptance", exc)
         paths.append(tuple(path))
         new_tokens.append(tuple(tokens_h[r][c] for c in path) + (bonus,))
-    return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
+    return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens),
+                        errors=tuple(errors) if any(errors) else ())
+
+
+def with_row_faults(result: VerifyResult, req_ids: Sequence[str],
+                    fault: SamplingFault | None) -> VerifyResult:
+    """A batch accepted on the device (greedy) has no host walk per row: the test-only fault
+    hook marks the rows it selects failed here (their path stays, as a placeholder)."""
+    if fault is None or not req_ids:
+        return result
+    errors = [""] * len(req_ids)
+    for r, rid in enumerate(req_ids):
+        try:
+            check_fault(fault, rid)
+        except Exception as exc:  # noqa: BLE001
+            errors[r] = row_error("acceptance", exc)
+    return replace(result, errors=tuple(errors)) if any(errors) else result
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -138,6 +165,11 @@ def _walk_sampled(
                 break
             p = p.clone()
             p[t] = 0.0
-            p = p / p.sum()
+            total = p.sum()
+            if not total > 0:
+                # u < 1 always accepts p(t) = 1, so the rest of p has mass; float32 can still
+                # round a p(t) just below 1 up to leave none: then t is the answer (not NaN).
+                return path, t
+            p = p / total
         if not moved:
             return path, int(torch.multinomial(p, 1, generator=gen)[0])

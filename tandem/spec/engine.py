@@ -25,9 +25,10 @@ from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.request import Request, RequestOutput
+from tandem.engine.sampling import row_error
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk, StepPlan
-from tandem.spec.accept import accept, launch_greedy_accept
+from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
@@ -151,6 +152,13 @@ class SpecEngine(LLMEngine):
         self.handoff_only.discard(req_id)
         return super().abort(req_id)
 
+    def _fail_request(self, req: Request, error: str) -> RequestOutput:
+        """As LLMEngine's; a prefill-only request that fails is never handed off: a prefill
+        worker learns of it from this step's ERROR output."""
+        self.seeds.pop(req.req_id, None)
+        self.handoff_only.discard(req.req_id)
+        return super()._fail_request(req, error)
+
     # ---- the loop ---------------------------------------------------------------------------
 
     @torch.inference_mode()  # as LLMEngine.step
@@ -195,10 +203,13 @@ class SpecEngine(LLMEngine):
         out = self.runner.forward(batch)
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [self.scheduler.requests[c.req_id] for c in sampling]
-        tokens = self.sampler.sample(out.logits, [r.params for r in reqs],
-                                     [r.generator for r in reqs])
+        drawn = self.sampler.sample(out.logits, [r.params for r in reqs],
+                                    [r.generator for r in reqs], [r.req_id for r in reqs])
         self.scheduler.commit(plan)
-        sampled = dict(zip((c.req_id for c in sampling), tokens.tolist()))  # SYNC: one per step
+        # A row whose sampling failed keeps its placeholder token through the batched draft
+        # prefill below (it writes only that request's own pages) and fails after it.
+        sampled = dict(zip((c.req_id for c in sampling), drawn.tokens.tolist()))  # SYNC: one
+        errors = dict(zip((c.req_id for c in sampling), drawn.errors))
         if self.prefill_synced_hook is not None and completing:
             self.prefill_synced_hook(completing)
         # Draft prefill over the same chunks: pairs (f_t, x_{t+1}).
@@ -219,16 +230,32 @@ class SpecEngine(LLMEngine):
             if not c.samples:
                 continue
             req = self.scheduler.requests[c.req_id]
-            ids, logp = self.head.topk(hidden[end - 1 : end], self.spec.topk)
-            result = self._append(req, sampled[c.req_id])
+            result = self._first_token_row(req, sampled[c.req_id], errors[c.req_id],
+                                           hidden[end - 1 : end])
             outputs.append(result)
-            seed = DraftSeed(num_cached=req.num_computed, last_token=sampled[c.req_id],
-                             topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[end - 1])
-            if c.req_id in self.handoff_only:
-                self._hand_off(req, seed, result)
-            elif not result.finished:
-                self.seeds[c.req_id] = seed
         return outputs
+
+    def _first_token_row(self, req: Request, token: int, error: str,
+                         hidden: torch.Tensor,  # [1, H] draft hidden of the prompt's last token
+                         ) -> RequestOutput:
+        """A prompt completed in this step: its first token through the stop checks, then its
+        draft seed (decoding here) or its hand-off (prefill-only). Isolated per request, as
+        `LLMEngine._append_row`: a failure here fails this request alone."""
+        if error:
+            return self._fail_request(req, error)
+        try:
+            ids, logp = self.head.topk(hidden, self.spec.topk)
+            result = self._append(req, token)
+        except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
+            log.warning("request '%s' failed after sampling", req.req_id, exc_info=exc)
+            return self._fail_request(req, row_error("detokenizer/stop checks", exc))
+        seed = DraftSeed(num_cached=req.num_computed, last_token=token,
+                         topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[0])
+        if req.req_id in self.handoff_only:
+            self._hand_off(req, seed, result)
+        elif not result.finished:
+            self.seeds[req.req_id] = seed
+        return result
 
     # ---- disaggregation: prefill-only requests out, prefilled requests in ---------------------
 
@@ -298,7 +325,7 @@ class SpecEngine(LLMEngine):
             from tandem.engine.tokenizer import IncrementalDetokenizer
 
             self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
-        out = self._append(req, first_token)
+        out = self._append_row(req, first_token)  # a failure ends this request (pages freed)
         if not out.finished:
             self.seeds[req_id] = seed
         return out
@@ -328,9 +355,10 @@ class SpecEngine(LLMEngine):
         params = [r.params for r in reqs]
         graphs = self.spec_graphs
         if graphs is not None and all(p.greedy for p in params) and graphs.can_extend(verify):
-            result, nxt = self._accept_and_extend_on_device(verify, out, graphs)
+            result, nxt = self._accept_and_extend_on_device(verify, out, graphs, req_ids)
         else:
-            result = accept(verify, out.logits, params, [r.generator for r in reqs])
+            result = accept(verify, out.logits, params, [r.generator for r in reqs], req_ids,
+                            self.cfg.sampling_fault)
             compact_accepted_path(self.kv_pool, "target", verify, result)
             nxt = draft_extend(self.draft, make_extend_input(verify, result,
                                                              target_features(out, self.head)),
@@ -338,7 +366,8 @@ class SpecEngine(LLMEngine):
         return self._commit(reqs, result, nxt)
 
     def _accept_and_extend_on_device(self, verify: VerifyInput, out: ForwardOutput,
-                                     graphs: SpecGraphRunner) -> tuple[VerifyResult, DraftInput]:
+                                     graphs: SpecGraphRunner, req_ids: list[str]
+                                     ) -> tuple[VerifyResult, DraftInput]:
         """Greedy acceptance and the draft-extend graph, queued back to back before the
         round's one host read: the host then waits only for acceptance, and commits while the
         GPU runs the extend (the same tokens and draft inputs as the eager path)."""
@@ -346,6 +375,7 @@ class SpecEngine(LLMEngine):
         ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
                             target_features(out, self.head))
         result = pending.result()  # the round's one host read (SYNC inside)
+        result = with_row_faults(result, req_ids, self.cfg.sampling_fault)
         compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV only
         nxt = next_draft_input(verify, result, ext.hidden, ext.topk_ids, ext.topk_logp,
                                ext.last_tokens)
@@ -369,27 +399,38 @@ class SpecEngine(LLMEngine):
 
     def _commit(self, reqs, result: VerifyResult, nxt: DraftInput) -> list[RequestOutput]:
         """Append each request's accepted tokens + bonus (through the usual stop checks, one by
-        one) and report them as ONE output per request: a round is one streaming chunk."""
+        one) and report them as ONE output per request: a round is one streaming chunk. A row
+        that failed acceptance, or whose stop checks raise, fails its own request only."""
         outputs = []
         next_seeds = nxt.seeds()
-        for req, toks, seed in zip(reqs, result.new_tokens, next_seeds):
-            # tau measures the draft: it counts what verification accepted, even when a stop
-            # condition then ends the request inside the accepted run.
-            self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
-            # The target KV now holds the root and the accepted drafts.
-            req.num_computed = seed.num_cached
-            parts = []
-            for tok in toks:
-                parts.append(self._append(req, tok))
-                if parts[-1].finished:
-                    break
-            last = parts[-1]
-            outputs.append(RequestOutput(
-                req_id=req.req_id, new_token_ids=tuple(t for o in parts for t in o.new_token_ids),
-                text_delta="".join(o.text_delta for o in parts), finished=last.finished,
-                finish_reason=last.finish_reason))
-            if last.finished:
-                self.seeds.pop(req.req_id, None)
-            else:
-                self.seeds[req.req_id] = seed
+        for r, (req, toks, seed) in enumerate(zip(reqs, result.new_tokens, next_seeds)):
+            if result.error_of(r):
+                outputs.append(self._fail_request(req, result.error_of(r)))
+                continue
+            try:
+                outputs.append(self._commit_row(req, toks, seed))
+            except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
+                log.warning("request '%s' failed after acceptance", req.req_id, exc_info=exc)
+                outputs.append(self._fail_request(req, row_error("detokenizer/stop checks", exc)))
         return outputs
+
+    def _commit_row(self, req: Request, toks: tuple[int, ...], seed: DraftSeed) -> RequestOutput:
+        # tau measures the draft: it counts what verification accepted, even when a stop
+        # condition then ends the request inside the accepted run.
+        self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
+        # The target KV now holds the root and the accepted drafts.
+        req.num_computed = seed.num_cached
+        parts = []
+        for tok in toks:
+            parts.append(self._append(req, tok))
+            if parts[-1].finished:
+                break
+        last = parts[-1]
+        if last.finished:
+            self.seeds.pop(req.req_id, None)
+        else:
+            self.seeds[req.req_id] = seed
+        return RequestOutput(
+            req_id=req.req_id, new_token_ids=tuple(t for o in parts for t in o.new_token_ids),
+            text_delta="".join(o.text_delta for o in parts), finished=last.finished,
+            finish_reason=last.finish_reason)

@@ -110,6 +110,12 @@ class VerifyResult:
 
     path_nodes: tuple[tuple[int, ...], ...]  # accepted draft nodes in order (root excluded)
     new_tokens: tuple[tuple[int, ...], ...]  # accepted draft tokens + the bonus token
+    # [bs] "" for a row accepted normally; else why its request fails (that row's path and
+    # tokens are placeholders the round's batched work may use, never committed). () = none.
+    errors: tuple[str, ...] = ()
+
+    def error_of(self, row: int) -> str:
+        return self.errors[row] if self.errors else ""
 
     @property
     def num_accepted(self) -> tuple[int, ...]:

@@ -148,7 +148,7 @@ def test_unseeded_rows_sample_together_each_from_its_own_distribution():
     n = 6000
     sampler = Sampler()
     for _ in range(n):
-        tok = sampler.sample(rows, params, [None] * 4)
+        tok = sampler.sample(rows, params, [None] * 4).tokens
         assert tok[3] == 0  # greedy
         counts[torch.arange(3), tok[:3]] += 1
     expect = torch.stack([target_probs(logits[i], params[i]) for i in range(3)]) * n
@@ -159,8 +159,8 @@ def test_unseeded_rows_sample_together_each_from_its_own_distribution():
 
     def seeded_alone_and_mixed():
         g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-        alone = [sampler.sample(logits[1:2], [warm], [g1])[0].item() for _ in range(50)]
-        mixed = [sampler.sample(logits, [warm, warm, warm], [None, g2, None])[1].item()
+        alone = [sampler.sample(logits[1:2], [warm], [g1]).tokens[0].item() for _ in range(50)]
+        mixed = [sampler.sample(logits, [warm, warm, warm], [None, g2, None]).tokens[1].item()
                  for _ in range(50)]
         return alone, mixed
 
