@@ -91,7 +91,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # underflow to -inf (weight 0), never overflow to +inf (inf - inf = NaN in the softmax).
     # A -inf logit over a T that float32 rounds to inf is -inf / inf = NaN: it means weight 0.
     scaled = (logits - logits.amax(-1, keepdim=True)) / params.temperature
-    scaled = torch.nan_to_num(scaled, nan=float("-inf"))
+    scaled = scaled.masked_fill(scaled.isnan(), float("-inf"))  # (+inf logits: argmax below)
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
