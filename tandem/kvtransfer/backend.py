@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import enum
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from tandem.kvtransfer.bind import default_host
 from tandem.kvtransfer.contract import ErrorKind, TransferError
 from tandem.kvtransfer.layout import CopyBatch
 
@@ -41,7 +42,9 @@ class PeerEvent:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackendOptions:
-    host: str = "127.0.0.1"  # address peers reach this endpoint at
+    # Address peers reach this endpoint at, and the only one its listeners accept (bind.py):
+    # $TANDEM_KV_HOST, else the Ray node IP inside an actor, else 127.0.0.1.
+    host: str = field(default_factory=default_host)
     protocol: str = "tcp"  # Mooncake: "tcp" | "rdma"
     device_name: str = ""  # Mooncake: RDMA NIC filter ("" = auto)
     nixl_backends: tuple[str, ...] = ("UCX",)

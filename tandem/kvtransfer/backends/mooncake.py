@@ -17,6 +17,8 @@ How the library is used, and why:
   frozen peer - whose call blocks for MC_TRANSFER_TIMEOUT - delays only its own queue). A
   "notify" attached to a data write is queued there once every entry of that write completed, so
   it reaches the peer after the bytes.
+- Mooncake binds its handshake and data listeners to the wildcard address whatever host it is
+  given; they are filtered to the advertised host right after `initialize` (bind.py).
 - Failures are ints (nothing raises). A failed write is classified with `send_probe`: an
   unreachable peer is PEER_DEAD, anything else BACKEND.
 - Limits: async writes to a frozen peer stay pending forever (no per-task timeout on this path)
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
+from tandem.kvtransfer import bind
 from tandem.kvtransfer.backend import BackendOptions, PeerEvent, WritePoll, WriteStatus
 from tandem.kvtransfer.contract import ErrorKind, TransferError
 from tandem.kvtransfer.layout import MAX_BATCH_ENTRIES, CopyBatch, parse_device
@@ -82,12 +85,25 @@ class MooncakeBackend:
 
     def __init__(self, options: BackendOptions):
         self.engine = TransferEngine()
+        before = bind.tcp_listeners()
         rc = self.engine.initialize(options.host, "P2PHANDSHAKE", options.protocol,
                                     options.device_name)
         if rc != 0:
             raise TransferError(ErrorKind.BACKEND, f"mooncake initialize({options.host!r}, "
                                 f"P2PHANDSHAKE, {options.protocol!r}) rc={rc}")
         self.local_id = f"{options.host}:{self.engine.get_rpc_port()}"
+        # Mooncake listens on the wildcard address whatever `host` says (bind.py): its handshake
+        # and data listeners are filtered to `host` now, before this endpoint's address is
+        # published (not closed: the moment between listen() and here, docs/reliability.md).
+        self.confined: list[bind.Listener] = []
+        if not bind.listen_any():
+            try:
+                self.confined = bind.confine_new_listeners(before, options.host,
+                                                           self.engine.get_rpc_port())
+            except (OSError, RuntimeError, ValueError) as e:
+                raise TransferError(ErrorKind.BACKEND, f"mooncake listeners could not be held "
+                                    f"to {options.host} ({e}); {bind.LISTEN_ANY_ENV}=1 runs "
+                                    "them open") from e
         self._mailbox = ctypes.create_string_buffer(_MAILBOX_BYTES)  # 1-byte carrier of messages
         self.mailbox_ptr = ctypes.addressof(self._mailbox)
         self.register(self.mailbox_ptr, _MAILBOX_BYTES, "cpu")

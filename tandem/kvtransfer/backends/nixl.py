@@ -21,6 +21,9 @@ How the library is used, and why:
 - A dead peer raises `nixlRemoteDisconnectError` (PEER_DEAD); other NIXL exceptions are BACKEND.
   Exceptions are matched by class name because the wheel's module is `nixl_cu12` or `nixl_cu13`.
 - `disconnect` = `remove_remote_agent`, which tears the UCX connection down (a real fence).
+- Listeners: UCX's tcp transport listens on each network device it uses, so the agent is
+  created with UCX_NET_DEVICES = the advertised host's interface (bind.py); NIXL's metadata
+  listener thread stays off.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
-from tandem.kvtransfer import coalesce
+from tandem.kvtransfer import bind, coalesce
 from tandem.kvtransfer.backend import BackendOptions, PeerEvent, WritePoll, WriteStatus
 from tandem.kvtransfer.contract import ErrorKind, TransferError
 from tandem.kvtransfer.layout import CopyBatch, parse_device
@@ -93,7 +96,9 @@ class NixlBackend:
         config = nixl_agent_config(enable_prog_thread=bool(options.nixl_progress_thread),
                                    backends=list(options.nixl_backends))
         try:
-            self.agent = nixl_agent(self.local_id, config)
+            # UCX's tcp transport listens on every device it uses: only `host`'s (bind.py).
+            with bind.ucx_devices_for(options.host):
+                self.agent = nixl_agent(self.local_id, config)
         except Exception as e:  # e.g. bad UCX_TLS: the UCX plugin fails to come up
             raise _error(e, "agent creation") from e
         self._regs: list[object] = []  # nixlRegDList per registration, for deregister at close
