@@ -49,8 +49,6 @@ from tandem.spec.handoff import decode_seed
 log = logging.getLogger(__name__)
 
 
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeOutput:
     """New tokens of one request (or its failure)."""

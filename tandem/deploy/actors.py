@@ -1,6 +1,14 @@
 """The Ray actor edges of the two worker kinds. They convert and delegate: each owns one
 worker (plain Python, see prefill_node/ and decode_node/) driven by a `WorkerLoop` thread, and
-turns its outputs into awaitable results and per-request streams on the actor's event loop.
+turns its outputs into events on its routers' channels (deploy/channels.py): a request costs
+the router a short submission call (`PrefillActor.submit`, `DecodeActor.reserve`), never an
+actor call slot for its whole life, so control calls (health, abort, route) are never queued
+behind requests.
+
+Supervision: a worker whose loop crashed (a whole forward failed; one request's failure only
+fails that request) exits its process when it runs as a Ray actor, so that Ray restarts it
+(`max_restarts` in the launcher); the restarted actor has a new `incarnation` and new transfer
+endpoints, which the router picks up from its health answers.
 
 A worker of `tp` ranks (or a decode worker of `dp` DP-attention ranks) is that many actors.
 Rank 0 (the leader, the decode group's front) is the one the router calls; it hands every call
@@ -22,11 +30,13 @@ import dataclasses
 import logging
 import os
 import sys
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tandem.decode_node.worker import DecodeOutput, DecodeWorker, OutOfCapacity
+from tandem.deploy.channels import EventChannels, FirstToken
 from tandem.deploy.group_loop import GroupLoop
 from tandem.deploy.loop import WorkerLoop
 from tandem.deploy.ranks import (PerRank, RankInfo, encode_dp_destination, encode_per_rank,
@@ -80,6 +90,16 @@ class WorkerHealth:
     num_rounds: int = 0
     num_free_slots: int = 0  # decode: seed slots free / in all (this rank, or summed over DP)
     num_slots: int = 0
+    incarnation: str = ""  # new each time the actor (re)starts: a restart means new endpoints
+
+
+def _in_ray_actor() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 -- no Ray, or no actor context
+        return False
 
 
 def _node_id() -> str:
@@ -102,15 +122,28 @@ class _ActorBase:
         tune_process()
         self.cfg = cfg
         self.ranks = RankInfo(rank=rank, tp=tp, ep=ep, dp=dp)
+        self.incarnation = uuid.uuid4().hex
+        self.channels = EventChannels()  # the routers' event streams (used on the event loop)
         self._aio = None  # the actor's event loop, captured on the first async call
         self.worker = None
         self.loop: WorkerLoop | GroupLoop | None = None
         if self.ranks.world_size == 1:  # a single rank starts at once; others wait for join()
             self.worker = self._make_worker(None, None)
-            self.loop = WorkerLoop(self.worker, self._on_outputs, name=f"{cfg.name}-loop")
+            self.loop = WorkerLoop(self.worker, self._on_outputs, name=f"{cfg.name}-loop",
+                                   on_error=self._on_loop_error)
 
     def _make_worker(self, parallel, sync):
         raise NotImplementedError
+
+    def _on_loop_error(self, exc: BaseException) -> None:
+        """The loop thread stopped on a failed step. Inside a Ray actor the process exits, so
+        Ray restarts the worker (its requests end with UNAVAILABLE at the router, whose event
+        stream breaks); in-process the worker stays down and reports unhealthy."""
+        if _in_ray_actor():
+            log.critical("worker %s: step failed (%r); exiting so that Ray restarts it",
+                         self.cfg.name, exc)
+            logging.shutdown()
+            os._exit(70)
 
     def _on_outputs(self, outs: list) -> None:
         raise NotImplementedError
@@ -146,6 +179,14 @@ class _ActorBase:
         self._loop()
         return encode_per_rank(await self._call("endpoint"))
 
+    async def events(self, channel: str) -> AsyncIterator[list]:
+        """The event stream of router channel `channel`: batches of this worker's events for
+        the rooms submitted with that channel name (an empty batch now and then while idle).
+        A streaming-generator method: the router reads it with `num_returns="streaming"`."""
+        self._loop()
+        async for batch in self.channels.stream(channel):
+            yield batch
+
     async def shutdown(self) -> None:
         if self.loop is not None:
             if isinstance(self.loop, GroupLoop) and self.ranks.rank != 0:
@@ -175,19 +216,18 @@ class _ActorBase:
             name=self.cfg.name, role=self.role, healthy=self.loop.error is None, error=err,
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             num_free_pages=eng.allocator.num_free, num_pages=eng.allocator.num_usable,
-            node=_node_id(), **(extra or {}))
+            node=_node_id(), incarnation=self.incarnation, **(extra or {}))
 
 
 @dataclass(slots=True, eq=False)
 class _Room:
-    """One room's calls on a PrefillActor, made by whichever of `prefill`, `route`, `abort` and
-    `first_token` runs first: Ray does not run an async actor's calls in submission order
-    ("asynchronous or threaded actors do not guarantee the task execution order"), so a `route`
-    may overtake its `prefill` and must wait for it here rather than be dropped."""
+    """One room's calls on a PrefillActor, made by whichever of `submit`, `route` and `abort`
+    runs first: Ray does not run an async actor's calls in submission order ("asynchronous or
+    threaded actors do not guarantee the task execution order"), so a `route` may overtake its
+    `submit` and must wait for it here rather than be dropped."""
 
     route: asyncio.Future  # (destination, decode endpoint) from `route`; None: aborted
-    first: asyncio.Future  # (first token, its text) once the forward is over; None: none comes
-    result: asyncio.Future | None = None  # the prefill's outcome, from its `prefill` on
+    result: asyncio.Future | None = None  # the prefill's outcome, from its `submit` on
     aborted: bool = False
 
 
@@ -195,17 +235,18 @@ class PrefillActor(_ActorBase):
     role = "prefill"
     # How long a prefill waits for decode's destination (`route`) -- the router sends it as soon
     # as decode's reserve answers, normally milliseconds later -- and how long a room made by a
-    # call that overtook its `prefill` waits for that `prefill`.
+    # call that overtook its `submit` waits for that `submit`.
     route_wait_s = 60.0
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
         self._rooms: dict[int, _Room] = {}
-        # Rooms whose `prefill` returned (bounded): a late call for one makes no new room.
+        # Rooms whose prefill ended (bounded): a late call for one makes no new room.
         self._ended: OrderedDict[int, None] = OrderedDict()
         # decode endpoints (per prefill rank) every rank has connected to (with DP they depend
         # on the DP rank that took the request)
         self._connected: set[tuple[tuple[bytes, ...], ...]] = set()
+        self._tasks: set[asyncio.Task] = set()  # running rooms (kept referenced)
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> PrefillWorker:
@@ -215,11 +256,11 @@ class PrefillActor(_ActorBase):
 
     def _room(self, room: int) -> _Room | None:
         """`room`'s record, made now if this call is its first (None: its prefill has ended).
-        A record no `prefill` claims within `route_wait_s` is dropped."""
+        A record no `submit` claims within `route_wait_s` is dropped."""
         r = self._rooms.get(room)
         if r is None and room not in self._ended:
             loop = self._loop()
-            r = self._rooms[room] = _Room(route=loop.create_future(), first=loop.create_future())
+            r = self._rooms[room] = _Room(route=loop.create_future())
             loop.call_later(self.route_wait_s, self._drop_unclaimed, room, r)
         return r
 
@@ -228,9 +269,7 @@ class PrefillActor(_ActorBase):
             self._end(room)
 
     def _end(self, room: int) -> None:
-        r = self._rooms.pop(room, None)
-        if r is not None and not r.first.done():  # a first token that never came will not come
-            r.first.set_result(None)
+        self._rooms.pop(room, None)
         self._ended[room] = None
         while len(self._ended) > ENDED_ROOMS:
             self._ended.popitem(last=False)
@@ -239,10 +278,9 @@ class PrefillActor(_ActorBase):
         self._deliver(self._first_ready, room, token, text)
 
     def _first_ready(self, room: int, token: int, text: str) -> None:
-        r = self._rooms.get(room)
-        if r is not None and not r.first.done():
+        if room in self._rooms:
             trace.mark(room, "prefill.first")
-            r.first.set_result((token, text))
+            self.channels.emit(room, FirstToken(room=room, token=token, text=text))
 
     def _on_outputs(self, results: list[PrefillResult]) -> None:
         for r in results:
@@ -253,14 +291,34 @@ class PrefillActor(_ActorBase):
         if r is not None and r.result is not None and not r.result.done():
             r.result.set_result(res)
 
+    async def submit(self, channel: str, room: int, prompt_ids: list[int],
+                     params: SamplingParams) -> None:
+        """Start prefilling `room`; returns at once. Its first token (`FirstToken`) and its
+        outcome (`PrefillResult`, once its transfer is terminal) come on `channel`'s events.
+        Decode's destination follows by `route` (concurrent dispatch: the router sends this
+        call first and decode's reserve next; the prompt's forward starts now and the
+        reserve's answer reaches `route` while it runs)."""
+        self._loop()
+        self.channels.bind(room, channel)
+        task = asyncio.ensure_future(self._run(room, prompt_ids, params))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, room: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            res = await self.prefill(room, prompt_ids, params)
+        except Exception as exc:  # noqa: BLE001 -- the room fails, the worker serves on
+            log.exception("prefill of room %d failed", room)
+            res = PrefillResult(room=room, ok=False, error=f"prefill worker: {exc!r}"[:300],
+                                error_kind="worker")
+        self.channels.emit(room, res, last=True)
+
     async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams,
                       destination: bytes | None = None, decode_endpoint: bytes | None = None
                       ) -> PrefillResult:
         """Prefill and push one request; returns when its transfer reached a terminal state
         (or the first token already finished it). `destination` (with `decode_endpoint`):
-        decode's reserve answer; None: it follows by `route` (concurrent dispatch: the router
-        sends this call first and decode's reserve next, and the prompt's forward starts now;
-        the router's reserve answer reaches `route` while the forward runs)."""
+        decode's reserve answer; None: it follows by `route`."""
         trace.mark(room, "prefill.call")
         self._ended.pop(room, None)
         r = self._room(room)
@@ -316,16 +374,8 @@ class PrefillActor(_ActorBase):
                                  error_kind="handshake" if "handshake" in str(exc) else "invalid")
         return await r.result
 
-    async def first_token(self, room: int) -> tuple[int, str] | None:
-        """(first token, its text) of a room being prefilled here, as soon as its forward is
-        over and before its KV moves; None when there will be none (the room ended first, or
-        the first token finished the request -- `prefill` returns it then). It may run before
-        its room's `prefill` (Ray's order): it waits for it then."""
-        r = self._room(room)
-        return None if r is None else await asyncio.shield(r.first)
-
     async def route(self, room: int, destination: bytes, decode_endpoint: bytes) -> None:
-        """Decode's reserve answer for a room whose `prefill` came without one (kept for it if
+        """Decode's reserve answer for a room whose `submit` came without one (kept for it if
         it runs first; ignored once the prefill ended)."""
         r = self._room(room)
         if r is not None and not r.route.done():
@@ -348,17 +398,11 @@ class PrefillActor(_ActorBase):
 ENDED_ROOMS = 4096
 
 
-# An aborted room's output queue that no stream() opened within this long is dropped.
-STREAM_UNREAD_S = 60.0
-
-
 class DecodeActor(_ActorBase):
     role = "decode"
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
-        self._streams: dict[int, asyncio.Queue] = {}
-        self._opened: set[int] = set()  # rooms whose stream() runs
         # Rooms aborted here lately: a reserve that arrives after its abort (the router
         # dispatches both without waiting) is refused instead of holding pages to its deadline
         self._aborted: OrderedDict[int, None] = OrderedDict()
@@ -368,22 +412,22 @@ class DecodeActor(_ActorBase):
         return DecodeWorker(self.cfg, parallel, sync) if sync else DecodeWorker(self.cfg)
 
     def _on_outputs(self, outs: list[DecodeOutput]) -> None:
+        self._deliver(self._push, outs)
+
+    def _push(self, outs: list[DecodeOutput]) -> None:
         for o in outs:
-            self._deliver(self._push, o)
+            self.channels.emit(o.room, o, last=o.finished)
 
-    def _push(self, o: DecodeOutput) -> None:
-        q = self._streams.get(o.room)
-        if q is not None:
-            q.put_nowait(o)
-
-    async def reserve(self, room: int, prompt_ids: list[int], params: SamplingParams) -> bytes:
+    async def reserve(self, channel: str, room: int, prompt_ids: list[int],
+                      params: SamplingParams) -> bytes:
         """Every rank's encoded Destination, as one blob (with DP: the taking rank's, tagged
-        with its DP rank). Raises ValueError (bad request) or OutOfCapacity."""
+        with its DP rank); the room's outputs (`DecodeOutput`) come on `channel`'s events.
+        Raises ValueError (bad request) or OutOfCapacity."""
         trace.mark(room, "decode.reserve")
         self._loop()
         if room in self._aborted:
             raise ValueError(f"room: {room} was aborted before its reserve arrived")
-        self._streams[room] = asyncio.Queue()
+        self.channels.bind(room, channel)
         try:
             per_rank = await self._call("reserve", room, prompt_ids, params)
             if self.ranks.dp == 1:
@@ -391,46 +435,19 @@ class DecodeActor(_ActorBase):
             (owner,) = [r for r, d in enumerate(per_rank) if d is not None]
             return encode_dp_destination(owner // self.ranks.tp,
                                          per_rank[owner : owner + self.ranks.tp])
-        except (ValueError, OutOfCapacity):
-            self._streams.pop(room, None)
+        except BaseException:
+            self.channels.unbind(room)
             raise
-
-    async def stream(self, room: int) -> AsyncIterator[DecodeOutput]:
-        """The request's outputs, in order, ending with a finished one. A streaming-generator
-        method: the router reads it with `num_returns="streaming"`."""
-        q = self._streams.get(room)
-        if q is None:
-            raise ValueError(f"room: {room} was not reserved on this worker")
-        self._opened.add(room)
-        try:
-            first = True
-            while True:
-                o = await q.get()
-                if first:
-                    trace.mark(room, "decode.yield")
-                    first = False
-                yield o
-                if o.finished:
-                    return
-        finally:
-            self._streams.pop(room, None)
-            self._opened.discard(room)
 
     async def abort(self, room: int) -> None:
         self._aborted[room] = None
         while len(self._aborted) > 4096:
             self._aborted.popitem(last=False)
         await self._call("abort", room)
-        q = self._streams.get(room)
-        if q is not None:  # a reserved request that never started still ends its stream
-            q.put_nowait(DecodeOutput(room=room, token_ids=(), text_delta="", finished=True,
-                                      finish_reason="abort"))
-            if room not in self._opened:  # its stream may never be read: drop it if unread
-                self._loop().call_later(STREAM_UNREAD_S, self._drop_unread, room)
-
-    def _drop_unread(self, room: int) -> None:
-        if room not in self._opened:
-            self._streams.pop(room, None)
+        # A reserved request that never started still ends its stream (a started one's abort
+        # output follows from the loop and finds the room unbound: dropped).
+        self.channels.emit(room, DecodeOutput(room=room, token_ids=(), text_delta="",
+                                              finished=True, finish_reason="abort"), last=True)
 
     async def limits(self) -> tuple[int, int, int]:
         """(vocab_size, max_model_len, max_request_tokens) the router validates against."""

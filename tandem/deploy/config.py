@@ -34,6 +34,10 @@ class GroupConfig:
     torch_threads: int = 1
     # Prefill only: push layer l's KV while layer l+1 computes (prefill_node/layerwise.py).
     layerwise_push: bool = False
+    # How often Ray restarts a worker that died (-1: always, 0: never). Single-rank workers
+    # only: the ranks of a TP/DP worker share a process group that a restarted rank cannot
+    # rejoin, so a multi-rank worker is never restarted (it stays down, reported unhealthy).
+    max_restarts: int = -1
     # Test knobs (not read from YAML): break this group's transfers on purpose.
     faults: FailureInjection | None = None
 
@@ -53,6 +57,10 @@ class GroupConfig:
             raise ConfigError(f"ep: must be 1 or equal to tp ({self.tp}), got {self.ep}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ConfigError("num_cpus/num_gpus: must be >= 0")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or (
+                self.max_restarts < -1):
+            raise ConfigError(f"max_restarts: must be an integer >= -1 (-1: always), got "
+                              f"{self.max_restarts!r}")
         if not isinstance(self.layerwise_push, bool):
             raise ConfigError(f"layerwise_push: must be true or false, got "
                               f"{self.layerwise_push!r}")

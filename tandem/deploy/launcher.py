@@ -76,6 +76,15 @@ def actor_runtime_env() -> dict | None:
     return {"env_vars": trace.env_vars()} if trace.enabled() else None
 
 
+# Call slots of a worker actor. Every call is short -- request calls (`submit`, `reserve`) queue
+# work for the worker loop and return; control calls (health, abort, route) answer from the
+# actor's state -- except one `events` stream per router (deploy/channels.py). So the slots bound
+# how many calls are in flight at once, never how many requests run, and a control call never
+# waits for a slot behind requests. (No Ray concurrency groups: Ray runs each group of an async
+# actor on an event loop of its own, and the actor's state lives on one loop.)
+CALL_SLOTS = 1024
+
+
 def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConfig,
            pgs: list[object]) -> list[object]:
     """The worker's actors, rank order (not yet joined)."""
@@ -95,7 +104,8 @@ def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConf
         remote = ray.remote(cls).options(
             name=f"tandem-{name}" if rank == 0 else f"tandem-{name}-rank{rank}",
             num_cpus=group.num_cpus, num_gpus=group.num_gpus,
-            resources=group.resources or None, max_concurrency=64, max_restarts=0,
+            resources=group.resources or None, max_concurrency=CALL_SLOTS,
+            max_restarts=group.max_restarts if group.world_size == 1 else 0,
             runtime_env=actor_runtime_env(),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=rank),

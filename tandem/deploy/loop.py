@@ -30,10 +30,12 @@ class SteppedWorker(Protocol):
 
 class WorkerLoop:
     def __init__(self, worker: SteppedWorker, on_outputs: Callable[[list[Any]], None],
-                 idle_sleep_s: float = 0.002, name: str = "worker-loop") -> None:
+                 idle_sleep_s: float = 0.002, name: str = "worker-loop",
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         # idle_sleep_s: while not busy, the loop still steps this often (an idle step polls
         # the transfer endpoint, which answers handshakes); a call wakes it at once.
         self.worker, self._on_outputs, self._idle = worker, on_outputs, idle_sleep_s
+        self._on_error = on_error  # called on the loop thread after a step raised
         self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...], Future]] = deque()
         self._guard = threading.Lock()  # guards _calls and _stopping (never held for a step)
         self._wake = threading.Event()
@@ -95,6 +97,8 @@ class WorkerLoop:
             self.error = exc
         finally:
             self._fail_queued()
+        if self.error is not None and self._on_error is not None:
+            self._on_error(self.error)
 
     def _fail_queued(self) -> None:
         with self._guard:

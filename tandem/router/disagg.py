@@ -1,52 +1,76 @@
 """`DisaggregatedDispatcher`: prefill and decode on separate Ray actors, KV over Mooncake/NIXL.
 
-Per request (the orchestration of DESIGN §2 lives here, in one place):
-  1. the prefill worker gets the request and starts its forward; at the same time the decode
-     worker reserves pages + a seed slot and answers with the KV destination, which goes on to
-     the prefill worker (`route`) while the forward runs;
-  2. decode's output stream is opened; the prefill worker pushes target KV, draft KV and the
-     seed; its `prefill` call returns when the transfer is terminal;
-  3. the first token comes from the prefill worker (`first_token`) as soon as the forward is
-     over, while the KV moves; every later token streams from the decode worker (its first
-     output repeats the first token, which is dropped here); a prefill/transfer failure, a
-     dead actor or the deadline ends the request with the right error, and both workers are
-     told to abort.
+Per request (the orchestration of the request path lives here, in one place):
+  1. admission: the request takes a running slot (router/admission.py), or waits for one, or
+     is refused at once with RESOURCE_EXHAUSTED when the queue is full too;
+  2. the prefill worker gets the request (`submit`, a short call) and starts its forward; at the
+     same time the decode worker reserves pages + a seed slot (`reserve`) and answers with the KV
+     destination, which goes on to the prefill worker (`route`) while the forward runs; a
+     decode worker out of pages sends the request back to wait for capacity (step 1's queue);
+  3. everything the workers say about the request comes on their event channels
+     (router/worker_channel.py, one stream per worker for all requests): the prefill worker's
+     first token as soon as its forward is over (streamed to the client at once), its outcome
+     once the KV transfer is terminal, then the decode worker's outputs (its first output
+     repeats the first token, which is dropped here);
+  4. the request ends with the right error, naming the side at fault: a failed or timed-out
+     transfer or a failed row fails this request only (`TransferFailed`, `RequestFailed`; no
+     worker is blamed for it); a worker whose event stream breaks (it died) fails its requests
+     at once (`WorkerUnavailable`); the deadline gives `DeadlineExceeded`. Both workers are told
+     to abort whatever is left of the request.
 
-Worker health comes from a background poll of every actor (`health()`), so `workers()` is a
-cheap snapshot; a dead actor shows up unhealthy within one poll period.
+Worker health comes from a background poll of every actor (`health()`, every
+HEALTH_PERIOD_S), so `workers()` is a cheap snapshot: a dead actor shows up unhealthy at the
+next poll, a frozen one (no answer within HEALTH_TIMEOUT_S, SLOW_POLLS_DOWN polls in a row)
+within about 2 s. A worker Ray restarted answers with a new incarnation: a decode worker's new
+transfer endpoint is fetched before it is reported healthy again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 
 from tandem.engine import trace
 from tandem.engine.request import FinishReason
+from tandem.messages import FirstToken, OutOfCapacity
+from tandem.router.admission import Admission, AdmissionConfig
 from tandem.router.colocated import acceptance_from_rounds
 from tandem.router.dispatch import (
     CapacityExceeded,
     DeadlineExceeded,
     DispatcherStats,
     ModelInfo,
+    RequestFailed,
     RequestRejected,
     RoutedRequest,
     SpecAcceptance,
     TokenChunk,
+    TransferFailed,
     WorkerInfo,
     WorkerRole,
     WorkerUnavailable,
 )
+from tandem.router.worker_channel import ChannelLost, WorkerChannel
 
 log = logging.getLogger(__name__)
 
-# Health polls: an answer later than HEALTH_TIMEOUT_S is a missed poll; a worker is marked
-# down after SLOW_POLLS_DOWN missed polls in a row (a busy worker may answer late once), at once
-# when the call fails (the actor died or raised).
-HEALTH_TIMEOUT_S = 5.0
-SLOW_POLLS_DOWN = 3
+# Health polls: every HEALTH_PERIOD_S; an answer later than HEALTH_TIMEOUT_S is a missed poll; a
+# worker is marked down after SLOW_POLLS_DOWN missed polls in a row (a busy worker may answer
+# late once), at once when the call fails (the actor died or raised). A frozen worker is thus
+# down within HEALTH_PERIOD_S + SLOW_POLLS_DOWN * (HEALTH_TIMEOUT_S + HEALTH_PERIOD_S) ~ 2.25 s.
+HEALTH_PERIOD_S = 0.25
+HEALTH_TIMEOUT_S = 0.75
+SLOW_POLLS_DOWN = 2
+# Short calls (submit, reserve's answer aside, route, abort, endpoint) answer within this.
+CALL_TIMEOUT_S = 10.0
+# Health answers' round trips kept per worker (what `health_latencies` reports).
+HEALTH_SAMPLES = 4096
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -54,7 +78,8 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 class DisaggregatedDispatcher:
     def __init__(self, prefill: dict[str, object], decode: dict[str, object],
                  decode_endpoints: dict[str, bytes], model: ModelInfo,
-                 num_steps: int, health_period_s: float = 0.5) -> None:
+                 num_steps: int, health_period_s: float = HEALTH_PERIOD_S,
+                 admission: AdmissionConfig | None = None) -> None:
         self._prefill, self._decode = dict(prefill), dict(decode)
         self._endpoints = dict(decode_endpoints)
         self._model, self._num_steps = model, num_steps
@@ -69,6 +94,17 @@ class DisaggregatedDispatcher:
         self._period = health_period_s
         self._poller: asyncio.Task | None = None
         self._missed: dict[str, int] = {}  # worker -> health polls missed in a row
+        self._incarnation: dict[str, str] = {}  # worker -> the incarnation last seen
+        self._health_ms: dict[str, deque[float]] = {
+            n: deque(maxlen=HEALTH_SAMPLES) for n in [*self._prefill, *self._decode]}
+        # This router's channel name on every worker (one event stream per worker)
+        self._channel_id = f"router-{uuid.uuid4().hex[:12]}"
+        self._channels: dict[str, WorkerChannel] = {
+            n: WorkerChannel(n, h, self._channel_id)
+            for n, h in [*self._prefill.items(), *self._decode.items()]}
+        self._admission: Admission | None = None
+        self._admission_loop: asyncio.AbstractEventLoop | None = None
+        self._admission_cfg = admission or AdmissionConfig()
 
     # ---- snapshots --------------------------------------------------------------------------
 
@@ -83,6 +119,10 @@ class DisaggregatedDispatcher:
                 pass
         return list(self._health.values())
 
+    def health_latencies(self) -> dict[str, list[float]]:
+        """Per worker, the round trips (ms) of its recent health answers, oldest first."""
+        return {n: list(d) for n, d in self._health_ms.items()}
+
     async def _poll_health(self) -> None:
         while True:
             await asyncio.gather(*(self._check(n, h) for n, h in
@@ -91,6 +131,7 @@ class DisaggregatedDispatcher:
 
     async def _check(self, name: str, handle) -> None:
         role = WorkerRole.PREFILL if name in self._prefill else WorkerRole.DECODE
+        t0 = time.perf_counter()
         try:
             h = await asyncio.wait_for(_await_ref(handle.health.remote()),
                                        timeout=HEALTH_TIMEOUT_S)
@@ -98,16 +139,21 @@ class DisaggregatedDispatcher:
             missed = self._missed[name] = self._missed.get(name, 0) + 1
             if missed < SLOW_POLLS_DOWN and self._health[name].healthy:
                 return  # keep the last report: one late answer is not a dead worker
-            self._health[name] = WorkerInfo(
-                name=name, role=role, model=self._model.name, healthy=False,
-                error=f"unreachable: no health answer within {HEALTH_TIMEOUT_S:g} s, "
-                      f"{missed} polls in a row")
+            self._down(name, role, f"unreachable: no health answer within "
+                                   f"{HEALTH_TIMEOUT_S:g} s, {missed} polls in a row")
             return
         except Exception as exc:
-            self._health[name] = WorkerInfo(name=name, role=role, model=self._model.name,
-                                            healthy=False, error=f"unreachable: {exc!r}"[:300])
+            self._down(name, role, f"unreachable: {exc!r}"[:300])
             return
+        self._health_ms.setdefault(name, deque(maxlen=HEALTH_SAMPLES)).append(
+            (time.perf_counter() - t0) * 1e3)
         self._missed.pop(name, None)
+        incarnation = getattr(h, "incarnation", "")
+        if incarnation != self._incarnation.get(name, incarnation):
+            log.warning("worker %s restarted (incarnation %s)", name, incarnation[:8])
+            if role is WorkerRole.DECODE and not await self._refresh_endpoint(name, handle):
+                return
+        self._incarnation[name] = incarnation
         self._health[name] = WorkerInfo(
             name=name, role=role, model=self._model.name, healthy=h.healthy, error=h.error,
             address=h.node, num_running=h.num_running, num_waiting=h.num_waiting,
@@ -117,6 +163,22 @@ class DisaggregatedDispatcher:
             self._spec[name] = SpecAcceptance(mean_acceptance_length=h.mean_acceptance_length,
                                               per_position=h.per_position,
                                               num_rounds=h.num_rounds)
+
+    def _down(self, name: str, role: WorkerRole, error: str) -> None:
+        self._health[name] = WorkerInfo(name=name, role=role, model=self._model.name,
+                                        healthy=False, error=error)
+
+    async def _refresh_endpoint(self, name: str, handle) -> bool:
+        """A restarted decode worker listens on new transfer endpoints: fetch them before it
+        gets requests again (False: not yet; the next poll tries again)."""
+        try:
+            self._endpoints[name] = await asyncio.wait_for(_await_ref(handle.endpoint.remote()),
+                                                           timeout=CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- still starting
+            self._down(name, WorkerRole.DECODE, f"restarted; its endpoint is not ready: {exc!r}"
+                       [:300])
+            return False
+        return True
 
     def stats(self) -> DispatcherStats:
         snaps = list(self._spec.values())
@@ -135,148 +197,188 @@ class DisaggregatedDispatcher:
 
     async def submit(self, request: RoutedRequest) -> AsyncGenerator[TokenChunk, None]:
         pname, dname = request.placement.prefill_worker, request.placement.decode_worker
-        prefill, decode = self._prefill.get(pname), self._decode.get(dname)
-        if prefill is None:
+        if pname not in self._prefill:
             raise RequestRejected(f"prefill_worker: no prefill worker named '{pname}'")
-        if decode is None:
+        if dname not in self._decode:
             raise RequestRejected(f"decode_worker: no decode worker named '{dname}'")
-        rid, room = request.request_id, request.room
-        trace.mark(room, "router.submit")
-        prompt = list(request.prompt_ids)
-        self._in_flight[rid] = (pname, dname, room)
-        prefill_task: asyncio.Task | None = None
-        first_task: asyncio.Task | None = None
-        early: tuple[int, str] | None = None  # the first token, streamed from prefill
-        finished = False
-        release_decode = False  # decode reserved pages nothing will be sent into
+        rid = request.request_id
+        trace.mark(request.room, "router.submit")
+        loop = asyncio.get_running_loop()
+        if self._admission is None or self._admission_loop is not loop:  # the loop it serves
+            self._admission, self._admission_loop = Admission(self._admission_cfg), loop
+        self._in_flight[rid] = (pname, dname, request.room)
         try:
-            # Concurrent dispatch: the prefill goes first (the prompt's forward starts at once),
-            # decode's reserve next, and the reserve's answer follows to prefill by `route`
-            # while the forward runs: the reserve's round trip overlaps the forward instead of
-            # preceding it. (Passing the reserve's ObjectRef inside the prefill call instead
-            # cost the router ~1.4 ms per request in Ray's nested-reference bookkeeping.)
-            prefill_task = asyncio.ensure_future(_await_ref(prefill.prefill.remote(
-                room, prompt, request.params)))
-            trace.mark(room, "router.prefill_sent")
-            reserved = decode.reserve.remote(room, prompt, request.params)
-            trace.mark(room, "router.reserve_sent")
-            first_task = asyncio.ensure_future(_await_ref(prefill.first_token.remote(room)))
-            dest = await self._call(dname, reserved, request)  # its refusal is the request's error
-            trace.mark(room, "router.reserved")
-            prefill.route.remote(room, dest, self._endpoints[dname])  # outcome: prefill_task
-            gen = decode.stream.options(num_returns="streaming").remote(room)
-            rounds: list[int] = []
-            outputs = 0
-            stream = gen.__aiter__()
-            next_chunk = asyncio.ensure_future(stream.__anext__())
-            while True:
-                waits = {next_chunk} | {t for t in (prefill_task, first_task) if t is not None}
-                done, _ = await asyncio.wait(waits, timeout=_remaining(request),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    next_chunk.cancel()
-                    raise DeadlineExceeded(f"request '{rid}' passed its deadline")
-                if first_task is not None and first_task in done:
-                    early = _first_or_none(first_task) if outputs == 0 else None
-                    first_task = None
-                    if early is not None:
-                        trace.mark(room, "router.first")
-                        yield TokenChunk(request_id=rid, token_ids=(early[0],),
-                                         text_delta=early[1])
-                if prefill_task is not None and prefill_task in done:
-                    # Once decode has produced output the KV has landed: a late prefill-side
-                    # outcome (e.g. an abort racing the sender's DONE) no longer matters.
-                    if rid in self._aborted:  # abort() raced the prefill: end as aborted
-                        finished = True
-                        yield TokenChunk(request_id=rid, token_ids=(), text_delta="",
-                                         finish_reason=FinishReason.ABORT)
-                        return
-                    res = self._prefill_result(pname, prefill_task) if outputs == 0 else None
-                    prefill_task = None
-                    if res is not None:  # the first token ended the request on prefill
-                        next_chunk.cancel()
-                        finished = release_decode = True
-                        yield TokenChunk(request_id=rid, token_ids=(res.first_token,),
-                                         text_delta=res.first_text,
-                                         finish_reason=_FINISH.get(res.finish_reason or "stop"))
-                        return
-                if next_chunk in done:
-                    try:
-                        o = await _await_ref(next_chunk.result())
-                    except StopAsyncIteration:
-                        raise WorkerUnavailable(dname, f"decode worker '{dname}' closed the "
-                                                       "stream early") from None
-                    except Exception as exc:
-                        raise WorkerUnavailable(dname, f"decode worker '{dname}' failed: "
-                                                       f"{exc!r}"[:300]) from exc
-                    if o.finish_reason == "error":
-                        raise WorkerUnavailable(dname, f"KV transfer failed: {o.error}")
-                    spec = None
-                    tokens, text = tuple(o.token_ids), o.text_delta
-                    if outputs > 0 and o.token_ids:
-                        rounds.append(len(o.token_ids))
-                    elif early is not None:  # decode's first output repeats the first token
-                        tokens, text = _drop_first(tokens, text, early, rid)
-                    else:  # decode's output came first: prefill's first token is moot
-                        trace.mark(room, "router.first")
-                        if first_task is not None:
-                            first_task.cancel()
-                            first_task = None
-                    outputs += 1
-                    reason = _FINISH.get(o.finish_reason) if o.finished else None
-                    if reason is not None:
-                        spec = acceptance_from_rounds(rounds, self._num_steps)
-                        finished = True
-                    if tokens or text or reason is not None:
-                        yield TokenChunk(request_id=rid, token_ids=tokens, text_delta=text,
-                                         finish_reason=reason, spec=spec)
-                    if reason is not None:
-                        return
-                    next_chunk = asyncio.ensure_future(stream.__anext__())
+            async with self._admission.slot(rid, request.deadline):
+                async for chunk in self._run(request, pname, dname):
+                    yield chunk
         finally:
             self._in_flight.pop(rid, None)
             self._aborted.discard(rid)
-            for task in (prefill_task, first_task):
-                if task is not None:
-                    task.cancel()
+
+    async def _run(self, request: RoutedRequest, pname: str, dname: str
+                   ) -> AsyncGenerator[TokenChunk, None]:
+        """One request on its two workers, from submission to its last chunk."""
+        rid, room = request.request_id, request.room
+        prefill, decode = self._prefill[pname], self._decode[dname]
+        pch, dch = self._channels[pname], self._channels[dname]
+        events: asyncio.Queue = asyncio.Queue()  # (worker name, event), both workers
+        finished = False
+        release_decode = False  # decode reserved pages nothing will be sent into
+        try:
+            while True:
+                if rid in self._aborted:  # aborted while it waited for a slot or for pages
+                    finished = True
+                    yield _aborted_chunk(rid)
+                    return
+                pch.open(room, events)
+                dch.open(room, events)
+                # Concurrent dispatch: the prefill goes first (the prompt's forward starts at
+                # once), decode's reserve next, and the reserve's answer follows to prefill by
+                # `route` while the forward runs.
+                submitted = prefill.submit.remote(self._channel_id, room, list(request.prompt_ids),
+                                                  request.params)
+                reserved = decode.reserve.remote(self._channel_id, room,
+                                                 list(request.prompt_ids), request.params)
+                trace.mark(room, "router.reserve_sent")
+                try:
+                    dest = await self._call(dname, reserved, request)
+                except CapacityExceeded:
+                    # Decode is out of pages for now: take the prefill back, wait until some
+                    # request ends, and try again under a new room (the old one's late calls
+                    # and events must not meet the new attempt).
+                    pch.close(room)
+                    dch.close(room)
+                    await self._abort_one(pname, prefill, room)
+                    await self._admission.wait_for_capacity(rid, request.deadline)
+                    room = _fresh_room()
+                    self._in_flight[rid] = (pname, dname, room)
+                    continue
+                break
+            trace.mark(room, "router.reserved")
+            prefill.route.remote(room, dest, self._endpoints[dname])  # outcome: its events
+            await self._call(pname, submitted, request)  # answered long ago, normally
+            progress = _Progress()
+            async for chunk in self._follow(request, room, pname, dname, events, progress):
+                if chunk.finish_reason is not None:
+                    finished = True
+                    release_decode = progress.ended_on_prefill
+                yield chunk
+        finally:
+            pch.close(room)
+            dch.close(room)
             if not finished or release_decode:  # cancelled, deadline, error, or decode's
                 # pages wait for a transfer that will not come: stop it everywhere
                 await self._abort_both(pname, dname, room)
 
-    def _prefill_result(self, pname: str, task: asyncio.Task):
-        """None while the request goes on on decode; the result when prefill finished it;
-        raises when prefill or the transfer failed."""
-        try:
-            res = task.result()
-        except Exception as exc:
-            raise WorkerUnavailable(pname, f"prefill worker '{pname}' failed: {exc!r}"[:300]
-                                    ) from exc
-        if not res.ok:
-            raise WorkerUnavailable(pname, f"prefill/transfer failed on '{pname}': {res.error}")
-        return res if res.finished else None
+    async def _follow(self, request: RoutedRequest, room: int, pname: str, dname: str,
+                      events: asyncio.Queue, progress: _Progress
+                      ) -> AsyncGenerator[TokenChunk, None]:
+        """The request's chunks from its workers' events, until its last one."""
+        rid = request.request_id
+        early: tuple[int, str] | None = None  # the first token, streamed from prefill
+        prefill_over = False  # the prefill's outcome came (its transfer is terminal)
+        rounds: list[int] = []
+        outputs = 0  # decode outputs seen
+        while True:
+            try:
+                worker, ev = await asyncio.wait_for(events.get(), _remaining(request))
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"request '{rid}' passed its deadline") from None
+            if isinstance(ev, ChannelLost):
+                if worker == pname and (prefill_over or outputs > 0):
+                    continue  # the KV is on decode already: the prefill worker is not needed
+                side = "prefill" if worker == pname else "decode"
+                raise WorkerUnavailable(worker, f"{side} worker '{worker}' became unavailable "
+                                                f"while serving this request: {ev.error}")
+            if worker == pname and isinstance(ev, FirstToken):
+                if outputs == 0 and early is None:
+                    early = (ev.token, ev.text)
+                    trace.mark(room, "router.first")
+                    yield TokenChunk(request_id=rid, token_ids=(ev.token,), text_delta=ev.text)
+                continue
+            if worker == pname:  # the prefill's outcome (a PrefillResult)
+                prefill_over = True
+                if rid in self._aborted:  # abort() raced the prefill: end as aborted
+                    yield _aborted_chunk(rid)
+                    return
+                if outputs > 0:  # decode has produced: the KV landed, a late outcome is moot
+                    continue
+                if not ev.ok:
+                    raise self._prefill_failure(pname, dname, ev)
+                if ev.finished:  # the first token ended the request on prefill
+                    progress.ended_on_prefill = True
+                    yield TokenChunk(request_id=rid, token_ids=(ev.first_token,),
+                                     text_delta=ev.first_text,
+                                     finish_reason=_FINISH.get(ev.finish_reason or "stop"))
+                    return
+                continue
+            # a decode output
+            if ev.finish_reason == "error":
+                raise self._decode_failure(pname, dname, ev)
+            tokens, text = tuple(ev.token_ids), ev.text_delta
+            if outputs > 0 and ev.token_ids:
+                rounds.append(len(ev.token_ids))
+            elif early is not None:  # decode's first output repeats the first token
+                tokens, text = _drop_first(tokens, text, early, rid)
+            else:  # decode's output came first: prefill's first token is moot
+                trace.mark(room, "router.first")
+                early = (-1, "")  # a FirstToken arriving later is not streamed
+            outputs += 1
+            reason = _FINISH.get(ev.finish_reason) if ev.finished else None
+            spec = acceptance_from_rounds(rounds, self._num_steps) if reason is not None else None
+            if tokens or text or reason is not None:
+                yield TokenChunk(request_id=rid, token_ids=tokens, text_delta=text,
+                                 finish_reason=reason, spec=spec)
+            if reason is not None:
+                return
+
+    @staticmethod
+    def _prefill_failure(pname: str, dname: str, res) -> Exception:
+        """The error of a request whose prefill side failed (a PrefillResult with ok False)."""
+        kind = getattr(res, "error_kind", "")
+        if kind == "aborted":
+            return TransferFailed(pname, f"prefill worker '{pname}' aborted the request: "
+                                         f"{res.error}")
+        if kind in ("request", "worker"):
+            return RequestFailed(f"prefill worker '{pname}' failed this request: "
+                                          f"{res.error}")
+        return TransferFailed(pname, f"KV transfer from prefill worker '{pname}' to decode "
+                                     f"worker '{dname}' failed on the prefill side "
+                                     f"({kind or 'error'}): {res.error}")
+
+    @staticmethod
+    def _decode_failure(pname: str, dname: str, out) -> Exception:
+        if getattr(out, "error_kind", "") == "request":
+            return RequestFailed(f"decode worker '{dname}' failed this request: "
+                                          f"{out.error}")
+        return TransferFailed(dname, f"KV transfer from prefill worker '{pname}' to decode "
+                                     f"worker '{dname}' failed on the decode side: {out.error}")
 
     async def _call(self, worker: str, ref, request: RoutedRequest):
+        """A short call's answer, with its errors as dispatch errors (typed: ValueError means
+        the request is bad, OutOfCapacity that decode is out of pages for now)."""
+        left = _remaining(request)
         try:
-            return await asyncio.wait_for(_await_ref(ref), timeout=_remaining(request))
+            return await asyncio.wait_for(_await_ref(ref), timeout=left)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(f"request '{request.request_id}' passed its deadline") from None
         except Exception as exc:
             cause = getattr(exc, "cause", None) or exc
-            text = str(cause)
-            if type(cause).__name__ == "OutOfCapacity":
-                raise CapacityExceeded(f"decode worker '{worker}' is full: {text}") from exc
+            if isinstance(cause, OutOfCapacity):
+                raise CapacityExceeded(f"decode worker '{worker}' is full: {cause}") from exc
             if isinstance(cause, ValueError):
-                raise RequestRejected(text) from exc
+                raise RequestRejected(str(cause)) from exc
             raise WorkerUnavailable(worker, f"worker '{worker}' failed: {exc!r}"[:300]) from exc
 
+    async def _abort_one(self, name: str, handle, room: int) -> None:
+        try:
+            await asyncio.wait_for(_await_ref(handle.abort.remote(room)), timeout=CALL_TIMEOUT_S)
+        except Exception as exc:  # a dead worker has nothing left to abort
+            log.warning("abort of room %d on %s failed: %r", room, name, exc)
+
     async def _abort_both(self, pname: str, dname: str, room: int) -> None:
-        for name, handle in ((pname, self._prefill.get(pname)), (dname, self._decode.get(dname))):
-            if handle is None:
-                continue
-            try:
-                await asyncio.wait_for(_await_ref(handle.abort.remote(room)), timeout=5.0)
-            except Exception as exc:  # a dead worker has nothing left to abort
-                log.warning("abort of room %d on %s failed: %r", room, name, exc)
+        await asyncio.gather(self._abort_one(pname, self._prefill[pname], room),
+                             self._abort_one(dname, self._decode[dname], room))
 
     async def abort(self, request_id: str) -> bool:
         entry = self._in_flight.get(request_id)
@@ -289,20 +391,28 @@ class DisaggregatedDispatcher:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        await asyncio.gather(*(ch.close_all() for ch in self._channels.values()))
 
 
 async def _await_ref(ref):
     return await ref
 
 
-def _first_or_none(task: asyncio.Task) -> tuple[int, str] | None:
-    """The prefill worker's (first token, text), or None: there is none (the request ended or
-    its first token finished it), or the call failed -- the `prefill` call reports why."""
-    try:
-        first = task.result()
-    except Exception:  # noqa: BLE001 -- the prefill call's outcome carries the error
-        return None
-    return None if first is None else (int(first[0]), str(first[1]))
+def _aborted_chunk(rid: str) -> TokenChunk:
+    return TokenChunk(request_id=rid, token_ids=(), text_delta="", finish_reason=FinishReason.ABORT)
+
+
+def _fresh_room() -> int:
+    return secrets.randbits(64) or 1
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What a request's event follower tells its runner."""
+
+    ended_on_prefill: bool = False  # its first token finished it: decode's pages are unused
+
+
 
 
 def _drop_first(tokens: tuple[int, ...], text: str, early: tuple[int, str], rid: str

@@ -139,6 +139,15 @@ class WorkerUnavailable(DispatchError):
         self.worker = worker
 
 
+class TransferFailed(DispatchError):
+    """This request's KV transfer failed or timed out (the message names the side that failed).
+    It fails this request only: the workers are judged by their own health, not by it."""
+
+    def __init__(self, side: str, message: str) -> None:
+        super().__init__(message)
+        self.side = side  # the worker whose side failed
+
+
 class RequestRejected(DispatchError):
     """The worker refused the request's content; the message names the field."""
 

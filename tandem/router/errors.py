@@ -11,6 +11,7 @@ from tandem.router.dispatch import (
     DispatchError,
     RequestFailed,
     RequestRejected,
+    TransferFailed,
     WorkerUnavailable,
 )
 
@@ -42,7 +43,7 @@ def invalid(message: str) -> RouterError:
 
 
 def from_dispatch_error(exc: DispatchError) -> RouterError:
-    if isinstance(exc, WorkerUnavailable):
+    if isinstance(exc, (WorkerUnavailable, TransferFailed)):
         return RouterError(Code.UNAVAILABLE, str(exc))
     if isinstance(exc, DeadlineExceeded):
         return RouterError(Code.DEADLINE_EXCEEDED, str(exc))

@@ -266,11 +266,12 @@ def run_actor_scenario(actor, scenario, leak: str) -> None:
         asyncio.run(actor.shutdown())
 
 
-def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams(dirs):
+def test_decode_actor_refuses_a_reserve_after_its_abort_and_ends_an_unstarted_room(dirs):
     """The router sends reserve and prefill together and aborts both on cancel, so decode may
     see a room's abort before its reserve: that reserve is refused (its pages would otherwise
-    wait for the transfer deadline). An aborted room whose stream was never opened has its
-    output queue dropped (DecodeActor outside Ray: the same object the actor runs)."""
+    wait for the transfer deadline). A reserved room aborted before it started ends with an
+    abort output on its router's channel and is unbound (DecodeActor outside Ray: the same
+    object the actor runs)."""
     from tandem.deploy.actors import DecodeActor
 
     model_dir, head_dir = dirs
@@ -279,27 +280,34 @@ def test_decode_actor_refuses_a_reserve_after_its_abort_and_drops_unread_streams
     prompt, sp = [4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True)
 
     async def scenario():
+        events = actor.events("r1").__aiter__()
         await actor.abort(5)  # the abort overtook the reserve
         with pytest.raises(ValueError, match="aborted before its reserve"):
-            await actor.reserve(5, prompt, sp)
-        await actor.reserve(6, prompt, sp)
-        await actor.abort(6)  # reserved, aborted, its stream never opened
-        assert 6 in actor._streams
-        actor._drop_unread(6)  # what the timer does after STREAM_UNREAD_S
-        assert 6 not in actor._streams and 5 not in actor._streams
+            await actor.reserve("r1", 5, prompt, sp)
+        assert not actor.channels.bound(5)
+        await actor.reserve("r1", 6, prompt, sp)
+        assert actor.channels.bound(6)
+        await actor.abort(6)  # reserved, aborted, never started
+        batch = await asyncio.wait_for(events.__anext__(), timeout=5)
+        while not batch:  # keep-alives
+            batch = await asyncio.wait_for(events.__anext__(), timeout=5)
+        assert [(o.room, o.finish_reason) for o in batch] == [(6, "abort")]
+        assert not actor.channels.bound(6) and actor.channels.num_rooms() == 0
+        await events.aclose()
 
     run_actor_scenario(actor, scenario, "an aborted reserve kept its pages")
 
 
 def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted(dirs):
-    """Concurrent dispatch: the router sends `prefill` first and decode's destination later by
-    `route`. If no route comes (the router died), the prefill ends with an error after
+    """Concurrent dispatch: the router submits the prefill first and decode's destination
+    later by `route`. If no route comes (the router died), the prefill ends with an error after
     `route_wait_s` and gives its pages back; an abort while it waits ends it at once. Ray runs
-    an async actor's calls out of order, so a `route`, `abort` or `first_token` may run before
-    its room's `prefill`: the route is kept for it (a bad one fails it at once, not after the
-    wait), the abort ends it at once, first_token waits for it and gets its first token
+    an async actor's calls out of order, so a `route` or `abort` may run before its room's
+    `submit`: the route is kept for it (a bad one fails it at once, not after the wait), the
+    abort ends it at once. Outcomes and first tokens come on the router's channel
     (PrefillActor outside Ray)."""
     from tandem.deploy.actors import PrefillActor
+    from tandem.messages import FirstToken
 
     model_dir, head_dir = dirs
     actor = PrefillActor(worker_config("prefill-0", model_dir, head_dir, "fake",
@@ -308,28 +316,42 @@ def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted
     prompt, sp = [4, 5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)
 
     async def scenario():
-        res = await asyncio.wait_for(actor.prefill(1, prompt, sp), timeout=30)
+        stream = actor.events("r1").__aiter__()
+        seen: list = []
+
+        async def outcome(room: int):
+            """The room's PrefillResult from the channel (events of other rooms kept)."""
+            while True:
+                for ev in [e for e in seen if e.room == room and not isinstance(e, FirstToken)]:
+                    return ev
+                seen.extend(await asyncio.wait_for(stream.__anext__(), timeout=30))
+
+        await actor.submit("r1", 1, prompt, sp)  # returns at once
+        res = await outcome(1)
         assert not res.ok and "no destination from the router" in res.error
-        waiting = asyncio.ensure_future(actor.prefill(2, prompt, sp))
+        await actor.submit("r1", 2, prompt, sp)
         await asyncio.sleep(0.05)
         await actor.abort(2)
-        res = await asyncio.wait_for(waiting, timeout=30)
+        res = await outcome(2)
         assert not res.ok and "aborted" in res.error
-        await actor.route(3, b"not a destination", b"")  # ran before its prefill: kept
+        await actor.route(3, b"not a destination", b"")  # ran before its submit: kept
         assert actor._rooms[3].route.done() and actor._rooms[3].result is None
         t0 = time.monotonic()
-        res = await asyncio.wait_for(actor.prefill(3, prompt, sp), timeout=30)
+        await actor.submit("r1", 3, prompt, sp)
+        res = await outcome(3)
         assert not res.ok and "no destination from the router" not in res.error  # it used it
         assert time.monotonic() - t0 < actor.route_wait_s and 3 not in actor._rooms
-        await actor.abort(4)  # ran before its prefill
-        res = await asyncio.wait_for(actor.prefill(4, prompt, sp), timeout=30)
+        await actor.abort(4)  # ran before its submit
+        await actor.submit("r1", 4, prompt, sp)
+        res = await outcome(4)
         assert not res.ok and res.error_kind == "aborted"
-        first = asyncio.ensure_future(actor.first_token(5))  # ran before its prefill
-        await asyncio.sleep(0.01)
-        res = await asyncio.wait_for(actor.prefill(5, prompt, sp), timeout=30)  # no route
-        token, _ = await asyncio.wait_for(first, timeout=5)  # the forward ran: it exists
-        assert not res.ok and isinstance(token, int) and 5 not in actor._rooms
+        await actor.submit("r1", 5, prompt, sp)  # no route: the forward runs, then it waits
+        res = await outcome(5)
+        firsts = [e for e in seen if isinstance(e, FirstToken) and e.room == 5]
+        assert not res.ok and len(firsts) == 1 and isinstance(firsts[0].token, int)
+        assert seen.index(firsts[0]) < seen.index(res)  # the first token came first
         await actor.route(1, b"late", b"")  # a route after its prefill ended: not kept
-        assert 1 not in actor._rooms
+        assert 1 not in actor._rooms and actor.channels.num_rooms() == 0
+        await stream.aclose()
 
     run_actor_scenario(actor, scenario, "a prefill without a route kept its pages")
