@@ -152,7 +152,10 @@ class Sampler:
 
     A row that raises fails alone (`SampleOutput.errors`): a batched draw that raises is redone
     row by row, so the culprit is found and the rest of its group still gets tokens. `fault` is
-    the test-only hook that makes chosen requests' rows raise (EngineConfig.sampling_fault)."""
+    the test-only hook that makes chosen requests' rows raise (EngineConfig.sampling_fault).
+    On CUDA an invalid distribution is a device-side assert in torch.multinomial, not an
+    exception (the CUDA context is lost): there, `target_probs` never returning one is what
+    keeps a worker alive; the catch covers what raises on the host."""
 
     def __init__(self, fault: SamplingFault | None = None) -> None:
         self.fault = fault
