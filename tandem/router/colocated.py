@@ -177,7 +177,7 @@ def _dispatch_error(worker: str, request_id: str, error: LoopError) -> DispatchE
     if error.kind is LoopErrorKind.DEADLINE:
         return DeadlineExceeded(error.message)
     if error.kind is LoopErrorKind.REQUEST_FAILED:  # this request only: the worker serves on
-        return RequestFailed(request_id, error.message)
+        return RequestFailed(error.message, request_id=request_id)
     if error.kind is LoopErrorKind.REJECTED:
         # The engine's only capacity refusal: prompt + max_new_tokens needs more pages than
         # the pool has (the router checks this first; this is the backstop).

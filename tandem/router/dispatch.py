@@ -162,11 +162,12 @@ class DeadlineExceeded(DispatchError):
 
 class RequestFailed(DispatchError):
     """This request's own work failed on a worker (its sampling, stop checks or detokenizer
-    raised); the worker ended it, returned its pages and serves the others on. The message
-    names the request and the cause."""
+    raised); the worker ended it, returned its pages and serves the others on. `cause` is the
+    worker's error; with `request_id` the message names the request too (pass it)."""
 
-    def __init__(self, request_id: str, cause: str) -> None:
-        super().__init__(f"request '{request_id}' failed on the worker: {cause}")
+    def __init__(self, cause: str, request_id: str = "") -> None:
+        super().__init__(f"request '{request_id}' failed on the worker: {cause}" if request_id
+                         else cause)
         self.request_id, self.cause = request_id, cause
 
 

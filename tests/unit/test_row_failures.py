@@ -343,3 +343,13 @@ def test_colocated_failed_row_is_internal_for_its_request_only(model, head, kind
 def test_engine_config_rejects_a_fault_hook_from_yaml():
     with pytest.raises(ValueError, match="^sampling_fault:"):
         engine_cfg(sampling_fault={"req_ids": ["x"]})
+
+
+def test_request_failed_is_internal_and_names_the_request():
+    """The disaggregated dispatcher builds RequestFailed from a worker's error_kind "request"
+    result; either form maps to INTERNAL (never UNAVAILABLE: the worker is healthy)."""
+    named = from_dispatch_error(RequestFailed("sampling: InjectedFault: x", request_id="r7"))
+    assert named.code is Code.INTERNAL
+    assert named.message == "request 'r7' failed on the worker: sampling: InjectedFault: x"
+    plain = from_dispatch_error(RequestFailed("decode worker 'd' failed this request: boom"))
+    assert plain.code is Code.INTERNAL and plain.message.endswith("boom")
