@@ -115,9 +115,11 @@ def _normalized_or_argmax(probs: torch.Tensor, top: torch.Tensor) -> torch.Tenso
     """probs / row sum; a row whose sum is not a positive finite number (NaN or +inf logits)
     becomes the one-hot of its argmax `top` instead. No host sync."""
     total = probs.sum(dim=-1, keepdim=True)  # [..., 1]
-    ok = torch.isfinite(total) & (total > 0)
-    one_hot = torch.nn.functional.one_hot(top, probs.shape[-1]).float()
-    return torch.where(ok, probs / total, one_hot)
+    ok = torch.isfinite(total) & (total > 0)  # [..., 1] bool
+    out = torch.where(ok, probs / total, 0.0)  # [..., V] float32, ours: a bad row is all 0
+    top = top.unsqueeze(-1)  # [..., 1]
+    # No one-hot [..., V] temporary: only each row's argmax entry is rewritten (1 if bad).
+    return out.scatter_(-1, top, torch.where(ok, out.gather(-1, top), 1.0))
 
 
 class InjectedFault(RuntimeError):
