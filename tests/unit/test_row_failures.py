@@ -214,10 +214,10 @@ def test_generate_reports_a_failed_request_in_its_completion(model, head):
 
 
 def _verify(tokens: list[list[int]]) -> VerifyInput:
-    n = len(tokens[0])
-    return VerifyInput(page_ids=((),) * len(tokens), num_cached=(0,) * len(tokens),
-                       tokens=torch.tensor(tokens), parents=(tuple(range(-1, n - 1)),) * len(tokens),
-                       depths=(tuple(range(n)),) * len(tokens))
+    """Chains (root + drafts) of equal length, one per request."""
+    bs, n = len(tokens), len(tokens[0])
+    return VerifyInput(page_ids=((),) * bs, num_cached=(0,) * bs, tokens=torch.tensor(tokens),
+                       parents=(tuple(range(-1, n - 1)),) * bs, depths=(tuple(range(n)),) * bs)
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["all-greedy", "mixed"])
