@@ -333,6 +333,13 @@ def cmd_gen_proto(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ray_token(args: argparse.Namespace) -> int:
+    from tandem.deploy.ray_auth import ensure_token_file, token_file
+
+    print(ensure_token_file(token_file()))
+    return 0
+
+
 def cmd_eval_eagle(args: argparse.Namespace) -> int:
     from tandem.spec import SpecConfig
     from tandem.spec.evaluate import evaluate_head
@@ -698,6 +705,14 @@ def _add_router_parsers(sub) -> None:
     p.add_argument("--check", action="store_true",
                    help="Only compare with the checked-in files (exit 1 and print a diff if stale)")
     p.set_defaults(func=cmd_gen_proto)
+
+    p = sub.add_parser("ray-token", help="Print the path of this machine's Ray token file.",
+                       description="Print the file holding the token every Ray instance tandem "
+                                   "starts or joins authenticates with (ray_auth_token in "
+                                   "$TANDEM_CACHE or ~/.cache/tandem), creating a random one "
+                                   "(mode 0600) if there is none. `ray up` copies it to every "
+                                   "node (deploy/*.yaml).")
+    p.set_defaults(func=cmd_ray_token)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

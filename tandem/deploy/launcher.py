@@ -45,21 +45,21 @@ class Deployment:
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to `address` (or RAY_ADDRESS), else start a local Ray instance; with Ray token
-    authentication unless RAY_AUTH_MODE=disabled (ray_auth.py). The workers of a local
-    instance advertise - and their KV transfer listeners accept - 127.0.0.1 only (a joined
-    cluster's: their node's IP; kvtransfer/bind.py)."""
+    """Connect to `address` (or RAY_ADDRESS, or the cluster `ray start` runs on this machine),
+    else start a local Ray instance; with Ray token authentication unless RAY_AUTH_MODE=disabled
+    (ray_auth.py). The workers of a local instance advertise - and their KV transfer listeners
+    accept - 127.0.0.1 only (a joined cluster's: their node's IP; kvtransfer/bind.py)."""
     import ray
 
-    from tandem.deploy.ray_auth import configure_ray_auth
+    from tandem.deploy.ray_auth import cluster_to_join, configure_ray_auth
     from tandem.kvtransfer.bind import KV_HOST_ENV
 
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
-    configure_ray_auth(joining=bool(address))
+    joining = cluster_to_join(address) is not None
+    configure_ray_auth(joining=joining)
     env = {"env_vars": dict(QUIET_ENV)}
-    if address:
+    if joining:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         env["env_vars"][KV_HOST_ENV] = os.environ.get(KV_HOST_ENV) or "127.0.0.1"

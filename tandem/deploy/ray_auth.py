@@ -38,8 +38,9 @@ TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 TOKEN_FILE_NAME = "ray_auth_token"
 
 
-class RayAuthError(RuntimeError):
-    """Token authentication is on but no usable token was found (the message says where)."""
+class RayAuthError(ValueError):
+    """Token authentication is on but no usable token was found (the message says where); a
+    ValueError, as any other bad setting the CLI reports in one line."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,6 +130,17 @@ def apply_ray_auth(auth: RayAuth) -> None:
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+def cluster_to_join(address: str | None) -> str | None:
+    """The running cluster `ray.init(address=address)` would connect to, or None if it would
+    start a new local instance: `address`, else $RAY_ADDRESS, else the cluster `ray start`
+    left on this machine (Ray looks for one even without an address)."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:  # moved in some Ray version: Ray's documented rules, minus the lookup
+        return address or os.environ.get("RAY_ADDRESS") or None
+    return canonicalize_bootstrap_address(address)
 
 
 def configure_ray_auth(*, joining: bool) -> RayAuth:

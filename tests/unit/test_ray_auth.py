@@ -99,3 +99,20 @@ def test_joining_without_any_token_says_where_to_put_it(dirs):
     msg = str(err.value)
     assert str(token_file(dirs[0])) in msg and "RAY_AUTH_MODE=disabled" in msg
     assert not token_file(dirs[0]).exists()  # a joining client never invents a token
+
+
+def test_the_cli_prints_the_token_file_it_made(tmp_path, monkeypatch, capsys):
+    from tandem.cli import main
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    assert main(["ray-token"]) == 0
+    path = tmp_path / "ray_auth_token"
+    assert capsys.readouterr().out.strip() == str(path) and mode_of(path) == 0o600
+
+
+def test_an_address_or_ray_address_means_joining(monkeypatch):
+    from tandem.deploy.ray_auth import cluster_to_join
+
+    monkeypatch.setenv("RAY_ADDRESS", "192.0.2.9:6379")
+    assert cluster_to_join(None) == "192.0.2.9:6379"
+    assert cluster_to_join("192.0.2.8:6379") == "192.0.2.8:6379"
