@@ -116,3 +116,19 @@ def test_an_address_or_ray_address_means_joining(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "192.0.2.9:6379")
     assert cluster_to_join(None) == "192.0.2.9:6379"
     assert cluster_to_join("192.0.2.8:6379") == "192.0.2.8:6379"
+
+
+@pytest.mark.parametrize("name", ["cluster-gpu.yaml", "cluster-local.yaml"])
+def test_every_node_of_a_ray_up_cluster_starts_with_the_token(name):
+    """deploy/*.yaml: the token file goes to every node as Ray's default token file, and every
+    `ray start` runs in token mode (a node started without it would accept anyone)."""
+    from pathlib import Path
+
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).parents[2] / "deploy" / name).read_text())
+    assert doc["file_mounts"]["~/.ray/auth_token"].endswith("ray_auth_token")
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in doc[key] if "ray start" in c]
+    assert len(starts) == 2
+    assert all("RAY_AUTH_MODE=token ray start" in c for c in starts), starts
