@@ -245,7 +245,12 @@ class KVSender(Protocol):
     def send(self, dest: Destination, src_page_ids: Sequence[int], aux_payload: bytes) -> None:
         """start + push every layer of every group + finish (push-after-compute)."""
 
-    def abort(self, room: int) -> None: ...
+    def abort(self, room: int) -> None:
+        """End the room's legs; decode gets their final word once nothing of theirs can land."""
+
+    def decline(self, dests: Sequence[Destination], reason: str = "aborted by prefill") -> None:
+        """The room of `dests` ends before it was sent: decode releases its claim at once
+        (no leg begun) or on the aborted legs' final word."""
 
     def state(self, room: int) -> TransferState: ...
 

@@ -15,6 +15,13 @@ With different TP sizes (reslice.py) a room has one writer per prefill rank hold
 rank's KV heads: each is granted on its BEGIN, each FINAL(done) is checked against the bytes of
 its own head slice, only the primary writer's completion carries the aux slot, and the room is
 `Received` when every expected writer completed. Any writer's failure fails the room.
+
+Aborts (decode's own, or the prefill's) end a room promptly without ever releasing early: a
+decode abort tells every granted writer (ABORT), which answers with its final word once nothing
+of it can land; a FINAL(done) that rides on the aux write counts as that final word only once
+its page writes' DATA all arrived, even after an abort (the pages may still be written until
+then); and a prefill that will never begin a room it has a destination for says so (FINAL with
+this endpoint's session, no BEGIN), which releases the claim at once (nobody was granted).
 """
 
 from __future__ import annotations
@@ -57,13 +64,15 @@ class DecodeReceiver(EndpointBase):
                  options: BackendOptions | None = None,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(backend, layout, compat, config=config, options=options, clock=clock)
-        self.table = ReceiveTable(release, clock=clock)
+        self._release = release
+        self.table = ReceiveTable(self._on_release, clock=clock)
         self._writers: dict[str, _Writer] = {}
         self._events: list[ReceiveEvent] = []
         # room -> prefill ranks whose FINAL(done) arrived, and the verified seed (primary's)
         self._parts: dict[int, tuple[set[int], bytes | None]] = {}
         # (room, writer) -> (DATA notifications, their bytes) so far; a FINAL(done) that came
-        # before all of its DATA waits in _finals
+        # before all of its DATA waits in _finals. Kept until the room's release: after an
+        # abort they still tell when a FINAL(done)'s page writes have all landed.
         self._data: dict[tuple[int, str], tuple[int, int]] = {}
         self._finals: dict[tuple[int, str], Message] = {}
 
@@ -91,7 +100,6 @@ class DecodeReceiver(EndpointBase):
         release callback once the writer confirmed it stopped, or at the lease."""
         if room in self.table and not self.table.state(room).terminal:  # type: ignore[union-attr]
             self.table.fail(room, TransferError(ErrorKind.ABORTED, "aborted by decode", room=room))
-            self._forget(room)
             self._metrics.record_failure(ErrorKind.ABORTED)
             for writer in self.table.claim(room).live_writers() if room in self.table else ():
                 self._send(writer, Message(kind=MsgKind.ABORT, room=room))
@@ -125,6 +133,12 @@ class DecodeReceiver(EndpointBase):
     def _send(self, peer_id: str, msg: Message) -> None:
         self.backend.send_message(peer_id, msg.encode())
 
+    def _on_release(self, rel: Release) -> None:
+        """The table gave the room up (no writer can touch it): drop what we kept about it."""
+        self._parts.pop(rel.room, None)
+        self._forget(rel.room)
+        self._release(rel)
+
     def _forget(self, room: int) -> None:
         """Drop the DATA counts and waiting FINALs of a room that reached its end here."""
         for key in [k for k in self._data if k[0] == room]:
@@ -134,7 +148,6 @@ class DecodeReceiver(EndpointBase):
 
     def _failed(self, room: int, error: TransferError) -> None:
         self._parts.pop(room, None)
-        self._forget(room)
         # Other senders of a re-sliced room still writing: stop them (one failure fails all).
         for writer in self.table.claim(room).live_writers() if room in self.table else ():
             self._send(writer, Message(kind=MsgKind.ABORT, room=room))
@@ -228,9 +241,8 @@ class DecodeReceiver(EndpointBase):
     def _on_data(self, writer: _Writer, msg: Message) -> None:
         """A page write's bytes landed. Completes the room if its FINAL(done) was waiting."""
         room = msg.room
-        if (room not in self.table or writer.peer_id not in self.table.claim(room).writers
-                or self.table.claim(room).state.terminal):
-            return  # stale (already released, failed, aborted) or not this writer's room
+        if room not in self.table or self.table.claim(room).writers.get(writer.peer_id, True):
+            return  # stale (released), not this writer's room, or it already gave its final word
         key = (room, writer.peer_id)
         n, nbytes = self._data.get(key, (0, 0))
         self._data[key] = (n + 1, nbytes + msg.nbytes)
@@ -241,15 +253,19 @@ class DecodeReceiver(EndpointBase):
 
     def _on_final(self, writer: _Writer, msg: Message) -> None:
         room = msg.room
-        if room not in self.table or writer.peer_id not in self.table.claim(room).writers:
-            return  # stale (already released) or not this writer's room
+        if room not in self.table:
+            return  # stale (already released)
         claim = self.table.claim(room)
+        if writer.peer_id not in claim.writers:
+            self._on_decline(writer, msg)
+            return
         key = (room, writer.peer_id)
-        if msg.outcome == "done" and not claim.state.terminal:
+        if msg.outcome == "done":
             n, data_bytes = self._data.get(key, (0, 0))
-            if n < msg.count:  # page writes whose bytes have not been confirmed yet
-                self._finals[key] = msg
-                return
+            if n < msg.count:  # page writes whose bytes have not been confirmed yet: they may
+                self._finals[key] = msg  # still land, aborted room or not (a FINAL(done) on
+                return                   # the aux write does not wait for them)
+        if msg.outcome == "done" and not claim.state.terminal:
             self._data.pop(key, None)
             if msg.count and data_bytes != msg.nbytes:
                 error = TransferError(ErrorKind.CORRUPT, f"completion says {msg.nbytes} B, the "
@@ -294,6 +310,23 @@ class DecodeReceiver(EndpointBase):
         self._metrics.record_done(msg.nbytes + HEADER_BYTES + len(payload), latency)
         self._events.append(Received(room=room, page_ids=claim.page_ids[: claim.num_pages],
                                      aux_payload=payload))
+
+    def _on_decline(self, writer: _Writer, msg: Message) -> None:
+        """FINAL from a connected writer never granted this room: it will never begin it (its
+        room ended on the prefill side first, or decode denied its BEGIN). Fail the room now
+        rather than at its deadline; released at once if nobody was granted (the table holds
+        it for any other granted writer). Only for this session's rooms (BEGIN's rule)."""
+        room = msg.room
+        if (msg.session != self.session or msg.outcome == "done"
+                or self.table.claim(room).state.terminal):
+            return  # stale or foreign
+        try:
+            kind = ErrorKind(msg.outcome)
+        except ValueError:
+            kind = ErrorKind.BACKEND
+        error = TransferError(kind, f"prefill: {msg.reason}", room=room)
+        self.table.fail(room, error)
+        self._failed(room, error)
 
     def _verify_done(self, room: int, msg: Message, granted_pages: int,
                      piece: HeadSlice | None) -> bytes | None:

@@ -14,7 +14,9 @@ waits until every page write completed. The room is DONE on this side when every
 completed. On any failure the room turns terminal at once (the caller
 learns), but the decode side is told FINAL only after every posted write finished or was
 cancelled (its pages stay leased until then); if writes hang past `drain_timeout_s`, the peer is
-fenced (disconnected) instead.
+fenced (disconnected) instead. Every ABORT from decode is answered with a final word (a leg that
+already retired answers from the recent outcomes). A room that ends here before it was begun for
+a destination (`decline`) gets FINAL without BEGIN, so decode need not wait for its deadline.
 
 Different TP sizes (reslice.py): one room may go to several decode ranks, one leg (`_Send`) per
 decode endpoint, each started with its own Destination; `push_layers`/`finish`/`abort`/`state`
@@ -299,12 +301,35 @@ class PrefillSender(EndpointBase):
              aux_payload: bytes) -> None:
         """`dest`: one Destination, or one per decode rank this rank feeds (different TP)."""
         dests = [dest] if isinstance(dest, Destination) else list(dest)
-        for d in dests:
-            self.start(d, src_page_ids)
-        dest = dests[0]
-        for region in self.layout.regions:
-            self.push_layers(dest.room, region.name, range(region.num_layers))
-        self.finish(dest.room, aux_payload)
+        started = False
+        try:
+            for d in dests:
+                self.start(d, src_page_ids)
+                started = True
+            for region in self.layout.regions:
+                self.push_layers(dests[0].room, region.name, range(region.num_layers))
+            self.finish(dests[0].room, aux_payload)
+        except TransferError:
+            if started:  # legs this call began would otherwise wait for their deadline (and
+                self.abort(dests[0].room)  # keep decode's pages until then): end them now
+            raise
+
+    def decline(self, dests: Sequence[Destination], reason: str = "aborted by prefill") -> None:
+        """The room of `dests` ends here and will never be sent (aborted, or failed, before its
+        transfer started). A destination no leg was begun for gets FINAL(aborted) at once:
+        decode never granted us (no BEGIN went out), so it releases its claim now instead of
+        at its deadline. Legs already begun are aborted (their final word follows once
+        nothing of theirs can land)."""
+        for dest in dests:
+            legs = self._rooms.get(dest.room, ())
+            peer = self._peers.get(dest.receiver_session)
+            if (peer is None or not peer.alive or dest.room in self._recent
+                    or any(leg.dest.receiver_session == dest.receiver_session for leg in legs)):
+                continue  # unreachable, or begun: that leg's own final word covers it
+            self._say_final(peer.peer_id, dest.room, TransferState.ABORTED,
+                            TransferError(ErrorKind.ABORTED, reason, room=dest.room), peer.session)
+        for room in dict.fromkeys(d.room for d in dests):
+            self.abort(room)
 
     def abort(self, room: int) -> None:
         for s in self._rooms.get(room, []):
@@ -473,7 +498,7 @@ class PrefillSender(EndpointBase):
         if s.state.terminal and not s.final_said:
             if not s.inflight and s.final_handle is None:  # nothing of ours can land any more
                 if s.peer.alive:
-                    self._say_final(s.peer.peer_id, s.room, s.state, s.error)
+                    self._say_final(s.peer.peer_id, s.room, s.state, s.error, s.peer.session)
                 s.final_said = True
             elif now >= s.drain_deadline:  # writes hang (frozen peer): fence, then forget them
                 if s.peer.alive:
@@ -594,14 +619,17 @@ class PrefillSender(EndpointBase):
         self._leg_terminal(s)
 
     def _say_final(self, peer_id: str, room: int, state: TransferState,
-                   error: TransferError | None) -> None:
+                   error: TransferError | None, session: int = 0) -> None:
+        """FINAL: nothing of ours lands in `room` any more. `session` (the receiver's, as in
+        BEGIN) lets decode act on it for a room it never granted us (`decline`, a denied BEGIN);
+        0 for a late answer to ABORT, which only a granted writer gets."""
         if state is TransferState.DONE:
             outcome = "done"
         else:  # the error kind travels, so decode reports the same reason
             outcome = error.kind.value if error else ErrorKind.BACKEND.value
         reason = error.message if error else ""
         self.backend.send_message(peer_id, Message(kind=MsgKind.FINAL, room=room, outcome=outcome,
-                                                   reason=reason[:200]).encode())
+                                                   session=session, reason=reason[:200]).encode())
 
     def _retire(self, s: _Send) -> None:
         self._drop_ready(s)  # nothing is left on a terminal leg; kept as a guard

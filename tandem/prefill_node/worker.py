@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,10 @@ from tandem.prefill_node.layerwise import LayerwisePusher
 from tandem.spec.handoff import PrefillHandoff
 
 log = logging.getLogger(__name__)
+
+# Rooms ended before their destination came, remembered (the newest this many) so that a route
+# arriving afterwards still tells decode to release what it reserved.
+ENDED_UNROUTED = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +83,7 @@ class PrefillWorker:
         # hand-offs of those whose forward ended first (their pages held until `route`)
         self._awaiting: set[int] = set()
         self._parked: dict[int, PrefillHandoff] = {}
+        self._ended_unrouted: OrderedDict[int, None] = OrderedDict()  # see ENDED_UNROUTED
         self._deferred: list[tuple[int, bool, str, str]] = []  # outcomes from `route` calls
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
         layout = kv_layout(self.engine, self._aux)
@@ -161,8 +167,16 @@ class PrefillWorker:
     def route(self, room: int, destination: bytes | Sequence[bytes]) -> None:
         """Where a room submitted without a destination goes. Its transfer starts now if its
         forward is over (the hand-off waited), else with the forward as usual. A room that
-        ended meanwhile (aborted, or finished by its first token) is ignored."""
+        ended meanwhile is not sent; if it was stopped (aborted, failed) decode is told to
+        release its reservation now (the router's abort of decode may never come); one its
+        first token finished is left to the router (which aborts decode for it)."""
         if room not in self._awaiting:
+            if room in self._ended_unrouted:
+                del self._ended_unrouted[room]
+                try:
+                    self.sender.decline(self._destinations(room, destination))
+                except ValueError:
+                    pass  # not a destination we could tell anything
             return
         dests = self._destinations(room, destination)
         self._awaiting.discard(room)
@@ -198,8 +212,14 @@ class PrefillWorker:
             return
         if room in self._awaiting:  # no destination yet: forward running or hand-off waiting
             self._awaiting.discard(room)
+            self._ended_unrouted[room] = None  # a route that still comes is declined
+            while len(self._ended_unrouted) > ENDED_UNROUTED:
+                self._ended_unrouted.popitem(last=False)
             parked = self._parked.pop(room, None)
-        elif self._dest.pop(room, None) is not None:  # its forward still runs
+        elif (dests := self._dest.pop(room, None)) is not None:  # its forward still runs
+            # Decode reserved for it and waits for a BEGIN that will not come: say so, so its
+            # claim goes back now and not at its transfer deadline.
+            self.sender.decline(dests)
             parked = None
         else:
             return  # not here (any more)
@@ -302,6 +322,7 @@ class PrefillWorker:
             else:
                 self.sender.send(dests, h.page_ids, h.seed_bytes())
         except TransferError as exc:
+            self.sender.abort(room)  # a leg begun must not wait for its deadline (nor decode)
             local.append((room, False, str(exc), exc.kind.value))
 
     def _agree_on_outcomes(self, local: list[tuple[int, bool, str, str]]) -> None:
