@@ -304,7 +304,7 @@ class DisaggregatedDispatcher:
                 if outputs > 0:  # decode has produced: the KV landed, a late outcome is moot
                     continue
                 if not ev.ok:
-                    raise self._prefill_failure(pname, dname, ev)
+                    raise self._prefill_failure(rid, pname, dname, ev)
                 if ev.finished:  # the first token ended the request on prefill
                     progress.ended_on_prefill = True
                     yield TokenChunk(request_id=rid, token_ids=(ev.first_token,),
@@ -314,7 +314,7 @@ class DisaggregatedDispatcher:
                 continue
             # a decode output
             if ev.finish_reason == "error":
-                raise self._decode_failure(pname, dname, ev)
+                raise self._decode_failure(rid, pname, dname, ev)
             tokens, text = tuple(ev.token_ids), ev.text_delta
             if outputs > 0 and ev.token_ids:
                 rounds.append(len(ev.token_ids))
@@ -333,24 +333,22 @@ class DisaggregatedDispatcher:
                 return
 
     @staticmethod
-    def _prefill_failure(pname: str, dname: str, res) -> Exception:
+    def _prefill_failure(rid: str, pname: str, dname: str, res) -> Exception:
         """The error of a request whose prefill side failed (a PrefillResult with ok False)."""
         kind = getattr(res, "error_kind", "")
         if kind == "aborted":
             return TransferFailed(pname, f"prefill worker '{pname}' aborted the request: "
                                          f"{res.error}")
         if kind in ("request", "worker"):
-            return RequestFailed(f"prefill worker '{pname}' failed this request: "
-                                          f"{res.error}")
+            return RequestFailed(f"prefill worker '{pname}': {res.error}", request_id=rid)
         return TransferFailed(pname, f"KV transfer from prefill worker '{pname}' to decode "
                                      f"worker '{dname}' failed on the prefill side "
                                      f"({kind or 'error'}): {res.error}")
 
     @staticmethod
-    def _decode_failure(pname: str, dname: str, out) -> Exception:
+    def _decode_failure(rid: str, pname: str, dname: str, out) -> Exception:
         if getattr(out, "error_kind", "") == "request":
-            return RequestFailed(f"decode worker '{dname}' failed this request: "
-                                          f"{out.error}")
+            return RequestFailed(f"decode worker '{dname}': {out.error}", request_id=rid)
         return TransferFailed(dname, f"KV transfer from prefill worker '{pname}' to decode "
                                      f"worker '{dname}' failed on the decode side: {out.error}")
 
