@@ -143,6 +143,12 @@ class Driver:
         self.ep.abort(room)
 
     # -- sender role ----------------------------------------------------------------------------
+    def decline(self, dest: bytes) -> None:
+        """The room of `dest` ends here before it was sent (PrefillSender.decline)."""
+        from tandem.kvtransfer import Destination
+
+        self.ep.decline([Destination.decode(dest)])
+
     def connect(self, info: bytes, timeout_s: float = 30.0) -> tuple:
         from tandem.kvtransfer import EndpointInfo, TransferError
 
