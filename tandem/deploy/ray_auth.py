@@ -125,9 +125,14 @@ def apply_ray_auth(auth: RayAuth) -> None:
     os.environ[MODE_ENV] = auth.mode
     if auth.token_path is not None:
         os.environ[TOKEN_PATH_ENV] = str(auth.token_path)
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError as e:  # Ray < 2.52: RAY_AUTH_MODE means nothing to it
+        if auth.mode == "token":
+            raise RayAuthError(f"this Ray has no token authentication (Ray 2.52+ has): upgrade "
+                               f"Ray, or set {MODE_ENV}=disabled to run without it") from e
+        return
     # The same refresh Ray itself does when it turns token mode on (authentication_token_setup).
-    from ray._raylet import AuthenticationTokenLoader, Config
-
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 

@@ -31,6 +31,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ _TCP_LISTEN = "0A"  # state column of /proc/net/tcp*
 _SIOCGIFADDR = 0x8915
 _SIOCGIFFLAGS = 0x8913
 _IFF_LOOPBACK = 0x8
+_ENV_LOCK = threading.Lock()
 
 
 def default_host() -> str:
@@ -119,7 +121,10 @@ def confine_new_listeners(before: dict[int, Listener], host: str, must_include: 
     """Filter every wildcard listener that appeared since `before` (a `tcp_listeners()` taken
     just before the library created its sockets) to `host`. `must_include` is a port the
     library reported: if no new listener has it, the sockets were not found and nothing can
-    be promised - raises RuntimeError rather than run open. Returns the filtered listeners."""
+    be promised - raises RuntimeError rather than run open. Returns the filtered listeners.
+    A wildcard listener another thread of this process opened meanwhile would be filtered too;
+    in a worker nothing else opens listeners while its endpoint starts (the process group of a
+    multi-rank worker is up before its endpoint is built)."""
     new = [lst for fd, lst in tcp_listeners().items() if before.get(fd) != lst]
     if not any(lst.port == must_include for lst in new):
         raise RuntimeError(f"no new listener on port {must_include} among {new}")
@@ -197,8 +202,9 @@ def ucx_devices_for(host: str) -> Iterator[str | None]:
                     "UCX_NET_DEVICES to choose)", host)
         yield None
         return
-    os.environ["UCX_NET_DEVICES"] = devices
-    try:
-        yield devices
-    finally:
-        os.environ.pop("UCX_NET_DEVICES", None)
+    with _ENV_LOCK:  # two agents created at once in one process must not mix their devices
+        os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            yield devices
+        finally:
+            os.environ.pop("UCX_NET_DEVICES", None)
