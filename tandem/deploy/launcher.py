@@ -52,13 +52,15 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     import ray
 
     from tandem.deploy.ray_auth import cluster_to_join, configure_ray_auth
-    from tandem.kvtransfer.bind import KV_HOST_ENV
+    from tandem.kvtransfer import KV_HOST_ENV
 
     if ray.is_initialized():
         return
     joining = cluster_to_join(address) is not None
     configure_ray_auth(joining=joining)
-    env = {"env_vars": dict(QUIET_ENV)}
+    for k, v in FAST_DEATH_ENV.items():  # this process's core worker (the router's calls)
+        os.environ.setdefault(k, v)
+    env = {"env_vars": {**QUIET_ENV, **FAST_DEATH_ENV}}
     if joining:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
