@@ -58,9 +58,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     joining = cluster_to_join(address) is not None
     configure_ray_auth(joining=joining)
-    for k, v in FAST_DEATH_ENV.items():  # this process's core worker (the router's calls)
-        os.environ.setdefault(k, v)
-    env = {"env_vars": {**QUIET_ENV, **FAST_DEATH_ENV}}
+    env = {"env_vars": dict(QUIET_ENV)}
     if joining:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
