@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from tandem.deploy.worker_config import TRANSFER_BACKENDS
+from tandem.router.admission import AdmissionConfig
 from tandem.kvtransfer import EndpointConfig, FailureInjection
 from tandem.engine.config import ConfigError, EngineConfig
 from tandem.spec.config import SpecConfig
@@ -81,6 +82,9 @@ class DeployConfig:
     prefill: GroupConfig = field(default_factory=GroupConfig)
     decode: GroupConfig = field(default_factory=GroupConfig)
     endpoint: EndpointConfig | None = None  # transfer deadlines/leases; None = defaults
+    # The router's bound on requests (YAML `router: {max_running: N, max_queued: M}`):
+    # at most max_running dispatched at once, max_queued waiting; beyond, RESOURCE_EXHAUSTED.
+    router: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -134,6 +138,7 @@ def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
         transfer_timeout_s=float(raw.get("transfer_timeout_s", 30.0)),
         prefill=_build(GroupConfig, raw.get("prefill"), "prefill"),
         decode=_build(GroupConfig, raw.get("decode"), "decode"),
+        router=_build(AdmissionConfig, raw.get("router"), "router"),
     )
 
 

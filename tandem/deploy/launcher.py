@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from tandem.deploy.actors import QUIET_ENV, DecodeActor, PrefillActor
+from tandem.deploy.actors import FAST_DEATH_ENV, QUIET_ENV, DecodeActor, PrefillActor
 from tandem.deploy.config import DeployConfig, GroupConfig
 from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine.config import ConfigError
@@ -58,7 +58,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     joining = cluster_to_join(address) is not None
     configure_ray_auth(joining=joining)
-    env = {"env_vars": dict(QUIET_ENV)}
+    for k, v in FAST_DEATH_ENV.items():  # this process's core worker (the router's calls)
+        os.environ.setdefault(k, v)
+    env = {"env_vars": {**QUIET_ENV, **FAST_DEATH_ENV}}
     if joining:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:

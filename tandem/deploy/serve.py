@@ -42,7 +42,7 @@ def router_for(cfg: DeployConfig, prefill: dict[str, object], decode: dict[str, 
     model = ModelInfo(name=cfg.model_name, vocab_size=vocab, max_model_len=max_len,
                       max_request_tokens=min(x[2] for x in limits))
     dispatcher = DisaggregatedDispatcher(prefill, decode, endpoints, model,
-                                         num_steps=cfg.spec.num_steps)
+                                         num_steps=cfg.spec.num_steps, admission=cfg.router)
     return Router(dispatcher, {cfg.model_name: load_tokenizer(cfg)}, router_cfg or RouterConfig())
 
 

@@ -69,6 +69,8 @@ HEALTH_TIMEOUT_S = 0.75
 SLOW_POLLS_DOWN = 2
 # Short calls (submit, reserve's answer aside, route, abort, endpoint) answer within this.
 CALL_TIMEOUT_S = 10.0
+# How long a request's end waits for the aborts of what is left of it on its workers.
+ABORT_WAIT_S = 0.2
 # Health answers' round trips kept per worker (what `health_latencies` reports).
 HEALTH_SAMPLES = 4096
 
@@ -104,6 +106,7 @@ class DisaggregatedDispatcher:
             for n, h in [*self._prefill.items(), *self._decode.items()]}
         self._admission: Admission | None = None
         self._admission_loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()  # background aborts (kept referenced)
         self._admission_cfg = admission or AdmissionConfig()
 
     # ---- snapshots --------------------------------------------------------------------------
@@ -224,6 +227,8 @@ class DisaggregatedDispatcher:
         events: asyncio.Queue = asyncio.Queue()  # (worker name, event), both workers
         finished = False
         release_decode = False  # decode reserved pages nothing will be sent into
+        retried = False  # decode was full at an earlier attempt
+        dead: str | None = None  # a worker that died under this request
         try:
             while True:
                 if rid in self._aborted:  # aborted while it waited for a slot or for pages
@@ -234,9 +239,11 @@ class DisaggregatedDispatcher:
                 dch.open(room, events)
                 # Concurrent dispatch: the prefill goes first (the prompt's forward starts at
                 # once), decode's reserve next, and the reserve's answer follows to prefill by
-                # `route` while the forward runs.
-                submitted = prefill.submit.remote(self._channel_id, room, list(request.prompt_ids),
-                                                  request.params)
+                # `route` while the forward runs. A request that found decode full before
+                # reserves first, so that waiting for pages costs no prefill forwards.
+                submit = (lambda: prefill.submit.remote(
+                    self._channel_id, room, list(request.prompt_ids), request.params))
+                submitted = submit() if not retried else None
                 reserved = decode.reserve.remote(self._channel_id, room,
                                                  list(request.prompt_ids), request.params)
                 trace.mark(room, "router.reserve_sent")
@@ -248,11 +255,14 @@ class DisaggregatedDispatcher:
                     # and events must not meet the new attempt).
                     pch.close(room)
                     dch.close(room)
-                    await self._abort_one(pname, prefill, room)
+                    if submitted is not None:
+                        await self._abort_one(pname, prefill, room)
                     await self._admission.wait_for_capacity(rid, request.deadline)
-                    room = _fresh_room()
+                    room, retried = _fresh_room(), True
                     self._in_flight[rid] = (pname, dname, room)
                     continue
+                if submitted is None:
+                    submitted = submit()
                 break
             trace.mark(room, "router.reserved")
             prefill.route.remote(room, dest, self._endpoints[dname])  # outcome: its events
@@ -263,12 +273,19 @@ class DisaggregatedDispatcher:
                     finished = True
                     release_decode = progress.ended_on_prefill
                 yield chunk
+        except WorkerUnavailable as exc:
+            dead = exc.worker  # nothing to abort there: its process is gone
+            raise
         finally:
             pch.close(room)
             dch.close(room)
             if not finished or release_decode:  # cancelled, deadline, error, or decode's
-                # pages wait for a transfer that will not come: stop it everywhere
-                await self._abort_both(pname, dname, room)
+                # pages wait for a transfer that will not come: stop it everywhere. A live
+                # worker answers in milliseconds; past ABORT_WAIT_S the abort goes on in the
+                # background and the request ends now (a dead or restarting worker's abort
+                # call may take seconds to fail).
+                task = self._background(self._abort_both(pname, dname, room, skip=dead))
+                await asyncio.wait({task}, timeout=ABORT_WAIT_S)
 
     async def _follow(self, request: RoutedRequest, room: int, pname: str, dname: str,
                       events: asyncio.Queue, progress: _Progress
@@ -368,15 +385,24 @@ class DisaggregatedDispatcher:
                 raise RequestRejected(str(cause)) from exc
             raise WorkerUnavailable(worker, f"worker '{worker}' failed: {exc!r}"[:300]) from exc
 
+    def _background(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _abort_one(self, name: str, handle, room: int) -> None:
         try:
             await asyncio.wait_for(_await_ref(handle.abort.remote(room)), timeout=CALL_TIMEOUT_S)
         except Exception as exc:  # a dead worker has nothing left to abort
             log.warning("abort of room %d on %s failed: %r", room, name, exc)
 
-    async def _abort_both(self, pname: str, dname: str, room: int) -> None:
-        await asyncio.gather(self._abort_one(pname, self._prefill[pname], room),
-                             self._abort_one(dname, self._decode[dname], room))
+    async def _abort_both(self, pname: str, dname: str, room: int, skip: str | None = None
+                          ) -> None:
+        """Abort `room` on both workers (but `skip`, one known dead)."""
+        await asyncio.gather(*(self._abort_one(n, h, room) for n, h in
+                               ((pname, self._prefill[pname]), (dname, self._decode[dname]))
+                               if n != skip))
 
     async def abort(self, request_id: str) -> bool:
         entry = self._in_flight.get(request_id)
