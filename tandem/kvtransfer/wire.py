@@ -14,9 +14,13 @@ must be valid UTF-8, hence ASCII JSON). Per peer pair they are delivered in orde
                                    aux bytes; the room is complete once `count` DATA arrived)
     FINAL(failed|aborted)          ───►      sent only after every posted write finished
                                    ◄───      ABORT(room)   (decode abort or decode deadline)
+    FINAL(aborted, session)        ───►      (no BEGIN: the room ended on prefill before it
+                                                was begun) decode releases the claim at once
     BYE                            ◄──►      endpoint closing
 
-FINAL is the sender's "final word": after it, the sender never writes that room again.
+FINAL is the sender's "final word": after it, the sender never writes that room again. Every
+ABORT is answered by one (a FINAL(done) riding on the aux write is the final word only once the
+DATA of every page write it counts arrived).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class MsgKind(enum.Enum):
 class Message:
     kind: MsgKind
     room: int = 0
-    session: int = 0  # BEGIN: the receiver session it targets; WELCOME: the receiver's session
+    session: int = 0  # BEGIN / FINAL: the receiver session it targets; WELCOME: the receiver's
     num_pages: int = 0  # BEGIN / FINAL(done): pages written
     nbytes: int = 0  # FINAL(done): KV bytes written (all groups, all layers); DATA: the write's
     count: int = 0  # FINAL(done): page writes that carried DATA (the receiver waits for them all)

@@ -234,3 +234,19 @@ def test_completion_that_overtakes_its_page_writes_after_an_abort_waits_for_them
         assert not [ev for ev in e.events if isinstance(ev, Received)]
     finally:
         e.close()
+
+
+def test_a_denied_writer_s_final_word_fails_the_room_at_once(ends):
+    """Decode denies a BEGIN it cannot serve (here: more pages than it reserved); the writer's
+    FINAL(refused) then ends the room -- no writer was ever granted -- instead of decode
+    holding the pages to the transfer deadline for a writer that will not come back."""
+    from dataclasses import replace
+
+    e = ends
+    dest = e.rx.expect(12, DST[:2], 0)
+    e.tx.send(replace(dest, page_ids=DST), SRC, b"seed")  # announces 3 pages, 2 reserved
+    e.pump(lambda: 12 in e.released)
+    rel = e.released[12][0]
+    assert (rel.outcome, rel.reason) == (TransferState.FAILED, "never_granted")
+    (failed,) = [ev for ev in e.events if isinstance(ev, ReceiveFailed)]
+    assert failed.error.kind is ErrorKind.REFUSED
