@@ -174,9 +174,10 @@ class PrefillWorker:
             if room in self._ended_unrouted:
                 del self._ended_unrouted[room]
                 try:
-                    self.sender.decline(self._destinations(room, destination))
-                except ValueError:
-                    pass  # not a destination we could tell anything
+                    dests = self._destinations(room, destination)
+                except (ValueError, TypeError):
+                    return  # not a destination we could tell anything
+                self.sender.decline(dests)
             return
         dests = self._destinations(room, destination)
         self._awaiting.discard(room)
