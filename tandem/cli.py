@@ -4,6 +4,7 @@ configs and delegates; the logic lives in the packages."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -275,6 +276,8 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg, router_cfg) -> in
     from tandem.router.app import serve
 
     cfg = load_deploy(args.config)
+    if args.transfer:
+        cfg = dataclasses.replace(cfg, transfer_backend=args.transfer)
     t0 = time.perf_counter()
     init_ray(args.ray_address)
     print(f"tandem serve: starting {cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
@@ -627,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_import_model)
     _add_router_parsers(sub)
     _add_bench_parser(sub)
+    from tandem.bench import soak_command
+
+    soak_command.add_parser(sub)
     return parser
 
 
@@ -644,6 +650,9 @@ def _add_router_parsers(sub) -> None:
                         "them disaggregated; engine flags below are then ignored")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to use with --config (default: $RAY_ADDRESS, else local)")
+    p.add_argument("--transfer", choices=["mooncake", "nixl"], default=None,
+                   help="With --config: the KV transfer backend, instead of the config's "
+                        "transfer_backend")
     p.add_argument("--host", default="127.0.0.1",
                    help="Address to bind (0.0.0.0 for all interfaces). Default: %(default)s")
     p.add_argument("--port", type=int, default=50051, help="Default: %(default)s")
