@@ -138,4 +138,19 @@ def execute(cmd: BenchCommand, out: TextIO | None = None) -> int:
     if failed:
         out.write(f"tandem bench: failed runs: {', '.join(failed)}\n")
         return 1
+    # The benchmark cancels nothing and sets generous deadlines: every request must end OK.
+    lost = {f"{r['name']} {lv_label(lv)}": lv["status_counts"] for r in doc["runs"]
+            for lv in r["levels"] if set(lv.get("status_counts", {})) - {"OK"}}
+    if lost:
+        out.write("tandem bench: requests failed: " + "; ".join(
+            f"{where}: " + ", ".join(f"{k} {v}" for k, v in c.items() if k != "OK")
+            for where, c in lost.items()) + "\n")
+        return 1
     return 0
+
+
+def lv_label(lv: dict[str, Any]) -> str:
+    load = lv["load"]
+    if load.get("concurrency") is not None:
+        return f"c={load['concurrency']}"
+    return f"rate={load.get('request_rate')}"

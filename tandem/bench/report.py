@@ -56,6 +56,9 @@ def run_table(run: dict[str, Any], out: TextIO) -> None:
             f"{_ms(lv['itl_s']['p50'])}/{_ms(lv['itl_s']['p99'])}",
             f"{_ms(lv['tpot_s']['p50'])}/{_ms(lv['tpot_s']['p99'])} ({floor})",
             _num(lv["goodput"]), _num(acc["mean_length"]) if acc else "-", lv["num_failed"]))
+        counts = lv.get("status_counts") or {}
+        if set(counts) - {"OK"}:
+            out.write("   by status: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "\n")
         if lv["errors"]:
             out.write(f"   errors: {'; '.join(lv['errors'][:2])}\n")
     if run["error"]:

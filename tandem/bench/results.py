@@ -45,7 +45,9 @@ Schema (`"schema": "tandem.bench/1"`; times in seconds, throughputs per second):
                      "tpot_floor_spec_s": float | null,   # floor / tau (speculative runs)
                      "transfer_floor_s": float | null,    # mean prompt's KV over the link
                      "batch": int, "context_tokens": float},
-          "errors": [str]                          # up to 5 distinct failure messages
+          "errors": [str],                         # up to 5 distinct failure messages
+          "status_counts": {str: int}              # requests per final gRPC status ("OK",
+                                                   # "UNAVAILABLE", ...; "OTHER": no status)
         }]
       }]
     }
@@ -121,7 +123,25 @@ def level_json(level: LoadLevel, m: LevelMetrics, floors: ModelFloors,
         if r.error and r.error not in errors:
             errors.append(r.error)
     out["errors"] = errors[:5]
+    out["status_counts"] = status_counts(records)
     return out
+
+
+def status_of(record: RequestRecord) -> str:
+    """The final status of one request as the client saw it: "OK", the gRPC code's name
+    (driver errors read "CODE: details"), or "OTHER" (e.g. a stream without a final message)."""
+    if record.ok:
+        return "OK"
+    code = (record.error or "").split(":", 1)[0]
+    return code if code.isupper() and code.replace("_", "").isalpha() else "OTHER"
+
+
+def status_counts(records) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        s = status_of(r)
+        counts[s] = counts.get(s, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _clean(x: Any) -> Any:
@@ -227,3 +247,6 @@ def _check_run(run: Any, where: str) -> None:
         for key in ("tpot_floor_s", "tpot_floor_spec_s", "transfer_floor_s"):
             _need(fl, key, NUM, f"{w}.floors", nullable=True)
         _need(lv, "errors", (list,), w)
+        counts = _need(lv, "status_counts", (dict,), w)
+        if not all(isinstance(k, str) and isinstance(v, int) for k, v in counts.items()):
+            raise SchemaError(f"{w}.status_counts: must map status names to counts")
