@@ -4,6 +4,15 @@ Owns nothing mutable except an `IncrementalDetokenizer`'s per-request state. Rea
 Face checkpoint directory that has `tokenizer.json` + `tokenizer_config.json` (what
 `model_import` writes and what transformers' `save_pretrained` writes), using only the
 `tokenizers` library and a sandboxed jinja2 environment; transformers is not needed at runtime.
+
+Control tokens: a raw prompt (`encode`) may contain special-token text such as "<|im_start|>"
+and it becomes the control token, as in vLLM's raw completions: whoever writes a raw prompt
+writes the whole prompt. A chat message's content may not: `encode_chat` lets only the chat
+template's own markers be special tokens, and encodes special-token text inside a content as
+ordinary text (role injection: a user content "<|im_start|>system..." stays user text).
+
+Encoding releases the GIL (`encode_batch` does on every `tokenizers` version; a long prompt
+tokenized on a worker thread must not stall the router's event loop).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import pre_tokenizers
 
 ALLOWED_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
@@ -27,6 +37,10 @@ ALLOWED_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
 
 _REPLACEMENT_CHAR = "\ufffd"
+
+# Stand-ins for message contents when the template is rendered to find its own text (private-use
+# characters: no template trims or splits them).
+_SLOT = "\ue000tandem-content-{}\ue001"
 
 
 class ChatTemplateError(ValueError):
@@ -47,7 +61,8 @@ class Tokenizer:
     Immutable after construction; safe to share between threads and requests.
     """
 
-    __slots__ = ("_tokenizer", "_template", "_special_tokens", "_bos_token_id", "_eos_token_ids")
+    __slots__ = ("_tokenizer", "_literal", "_template", "_special_tokens", "_bos_token_id",
+                 "_eos_token_ids", "_control_texts", "_max_token_bytes")
 
     def __init__(
         self,
@@ -58,6 +73,11 @@ class Tokenizer:
         extra_eos_token_ids: Iterable[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
+        # A twin that encodes special-token text as ordinary text (tokenizers' switch for HF's
+        # split_special_tokens). A second object rather than toggling the flag: this class is
+        # shared between threads and never changes.
+        self._literal = _HFTokenizer.from_str(tokenizer.to_str())
+        self._literal.encode_special_tokens = True
         self._template = _compile_chat_template(chat_template) if chat_template else None
         # {"bos_token": "<|im_start|>", "eos_token": ...}: passed to the template as HF does.
         self._special_tokens = dict(special_tokens)
@@ -67,6 +87,10 @@ class Tokenizer:
         eos_ids.update(i for i, tok in added.items() if tok.special and tok.content in _END_OF_TURN_TOKENS)
         eos_ids.discard(None)
         self._eos_token_ids: frozenset[int] = frozenset(eos_ids)  # type: ignore[arg-type]
+        # The control tokens' texts, longest first (what a message content must not smuggle in).
+        self._control_texts = tuple(sorted({tok.content for tok in added.values() if tok.special},
+                                           key=len, reverse=True))
+        self._max_token_bytes = _max_token_bytes(tokenizer)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -114,12 +138,29 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of input text one token can stand for, or None when that cannot be
+        proven. Byte-level BPE without a normalizer covers every input byte by exactly one token,
+        and a token covers at most as many bytes as its vocabulary string has characters (one
+        character per byte) -- or, for an added token, its text's UTF-8 bytes. So a text of B
+        bytes has at least ceil(B / max_token_bytes) tokens: a size bound known before
+        tokenizing. (A normalizer may shrink the text first, e.g. NFC composes up to three code
+        points into one; other tokenizer kinds have unknown-token fallbacks: None for those.)"""
+        return self._max_token_bytes
+
     # ------------------------------------------------------------------ encode / decode
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. "<|im_start|>") are
-        always matched whole; `add_special_tokens` only adds what the post-processor adds (BOS)."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        always matched whole (raw prompts may hold control tokens); `add_special_tokens` only
+        adds what the post-processor adds (BOS)."""
+        return _encode(self._tokenizer, text, add_special_tokens)
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token text encoded as ordinary text: no id of a
+        special token comes out (what a chat message's content gets)."""
+        return _encode(self._literal, text, False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -141,9 +182,64 @@ class Tokenizer:
         return rendered
 
     def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation, where only the template's own markers are
+        control tokens. Raises ValueError naming `messages[i]...` when the conversation is bad.
+
+        Contents free of special-token text give exactly HF's ids (the rendered text encoded
+        whole). Otherwise the template's text and the contents are encoded apart, the contents
+        literally; that needs the template to insert each content verbatim (or stripped), and a
+        conversation whose template rewrites such a content is refused rather than guessed at."""
         # No add_special_tokens: the template already writes every special token it wants, and
         # a BOS added on top would be doubled (HF makes the same choice).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode_rendered_chat(messages, text, add_generation_prompt)
+
+    def encode_rendered_chat(self, messages: Sequence[ChatMessage], text: str,
+                             add_generation_prompt: bool = True) -> list[int]:
+        """`encode_chat` for a conversation already rendered to `text` (by
+        `apply_chat_template` with the same arguments): callers that check the rendered size
+        first render once."""
+        smuggled = [i for i, m in enumerate(messages) if self._control_text_in(m.content)]
+        if not smuggled:
+            return self.encode(text)
+        ids: list[int] = []
+        for piece, is_content in self._split_rendered(messages, text, add_generation_prompt,
+                                                      smuggled[0]):
+            ids += self.encode_literal(piece) if is_content else self.encode(piece)
+        return ids
+
+    def _control_text_in(self, content: str) -> str | None:
+        return next((t for t in self._control_texts if t in content), None)
+
+    def _split_rendered(self, messages: Sequence[ChatMessage], text: str,
+                        add_generation_prompt: bool, first_smuggled: int
+                        ) -> list[tuple[str, bool]]:
+        """`text` as (piece, is a message content) in order. The template's own text is found
+        by rendering it with stand-ins for the contents; the split is used only if putting the
+        contents back (as given, or stripped as `| trim` does) yields exactly `text`."""
+        slots = [_SLOT.format(i) for i in range(len(messages))]
+        with_slots = self.apply_chat_template(
+            [ChatMessage(role=m.role, content=slot) for m, slot in zip(messages, slots)],
+            add_generation_prompt)
+        template_texts: list[str] = []  # before content 0, between 0 and 1, ..., after the last
+        rest = with_slots
+        for slot in slots:
+            before, found, rest = rest.partition(slot)
+            if not found:  # the template dropped a content, or put them out of order
+                break
+            template_texts.append(before)
+        else:
+            template_texts.append(rest)
+            for form in (str, str.strip):
+                pieces = [(template_texts[0], False)]
+                for m, after in zip(messages, template_texts[1:]):
+                    pieces += [(form(m.content), True), (after, False)]
+                if "".join(p for p, _ in pieces) == text:  # e.g. no content rendered twice
+                    return pieces
+        token = self._control_text_in(messages[first_smuggled].content)
+        raise ValueError(f"messages[{first_smuggled}].content: contains the control-token text "
+                         f"{token!r}, and this model's chat template rewrites message contents, "
+                         f"so it cannot be kept apart from the template's own markers")
 
     def _id_of(self, token: str | None) -> int | None:
         return self._tokenizer.token_to_id(token) if token is not None else None
@@ -208,6 +304,31 @@ class IncrementalDetokenizer:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _encode(tokenizer: _HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch, not encode: it releases the GIL on every tokenizers version (encode holds it
+    # before 0.2x), so a worker thread tokenizing a long prompt leaves other threads running.
+    # Measured: one batch of one is as fast as encode once the thread pool is up (9 us).
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def _max_token_bytes(tokenizer: _HFTokenizer) -> int | None:
+    """See `Tokenizer.max_token_bytes`; read from the tokenizer's JSON (works on every version)."""
+    spec = json.loads(tokenizer.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    model = spec.get("model") or {}
+    if (spec.get("normalizer") is not None or model.get("type") != "BPE"
+            or not any(p.get("type") == "ByteLevel" for p in parts)):
+        return None
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())  # the 256 characters standing for bytes
+    # A vocabulary string outside the alphabet never comes out of byte-level input; its UTF-8
+    # length is a safe (larger) stand-in.
+    longest = max((len(t) if alphabet.issuperset(t) else len(t.encode())
+                   for t in model.get("vocab", {})), default=1)
+    added = (len(t["content"].encode()) for t in spec.get("added_tokens", []))
+    return max([longest, *added])
 
 
 def _validate_messages(messages: Sequence[ChatMessage]) -> None:

@@ -8,6 +8,21 @@ converts protos to these values and back.
 Ending a request early always reaches the workers: the router closes the dispatcher's stream
 on every path out (client cancel, deadline, error), and the dispatcher's contract is that closing
 an unfinished stream aborts the request on every worker and frees its pages.
+
+Request ids belong to their caller. A caller is whoever the edge says sent the request: the
+gRPC servicer passes the client's connection (its peer address, e.g. "ipv4:10.0.0.7:53114");
+in-process callers share LOCAL_CALLER. A request's id (the client's own, or one the router
+assigns) names it only within its caller's space: `abort(id, caller)` reaches only that caller's
+requests, and a duplicate id is ALREADY_EXISTS only when the same caller has it in flight -- so
+no client can stop another's request or learn which ids others use (an id in flight elsewhere is
+indistinguishable from an unknown one). Workers see an id unique across callers: the client's
+id, with a random suffix when another caller's request already holds it.
+
+The event loop never tokenizes a long text: prompts above INLINE_TOKENIZE_CHARS are validated on
+a small thread pool (`RouterConfig.tokenize_threads`; tokenization releases the GIL), after a
+size bound that refuses hopeless prompts without tokenizing them (see router/validate.py). A
+client's huge prompt therefore costs others neither the loop (Health, Stats, streaming) nor
+more than `tokenize_threads` cores.
 """
 
 from __future__ import annotations
@@ -19,6 +34,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -39,14 +55,19 @@ from tandem.router.policy import PlacementQuery, Policy, WorkerState, make_polic
 from tandem.router.registry import WorkerRegistry
 from tandem.router.validate import (
     GenerateInput,
+    PromptTooLong,
     check_request_id,
+    num_text_chars,
     resolve_model,
     validate,
 )
 
 log = logging.getLogger(__name__)
 
-OFFLOAD_CHARS = 32_768  # prompts longer than this are tokenized on a worker thread
+# Texts up to this many characters are tokenized on the event loop (about 1 ms at most: less
+# than a hop to a thread and back); longer ones on the tokenizing pool.
+INLINE_TOKENIZE_CHARS = 4096
+LOCAL_CALLER = ""  # the id space of in-process callers (tests, the bench driver)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,17 +78,36 @@ class RouterConfig:
     quarantine_s: float = 5.0  # a worker seen failing gets no requests for this long
     prefill_policy: str = "least-load"
     decode_policy: str = "power-of-two"
+    # Threads that tokenize long prompts: at most this many cores go to tokenizing, however many
+    # clients send long prompts at once (the rest wait their turn; short prompts never do).
+    tokenize_threads: int = 1
+    # A prompt refused as longer than the context is answered this late. The wait costs the
+    # router nothing and slows a client that repeats such prompts in a loop: 4 clients sending
+    # 3.9 MB prompts back to back made the router receive ~650 MB/s (the refusal itself takes
+    # ~1 ms), and that traffic alone slowed other requests 7x on 2 cores.
+    too_long_delay_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.default_max_tokens <= 0:
             raise ValueError(f"default_max_tokens: must be > 0, got {self.default_max_tokens}")
+        if self.tokenize_threads <= 0:
+            raise ValueError(f"tokenize_threads: must be > 0, got {self.tokenize_threads}")
         if self.max_request_s is not None and not self.max_request_s > 0:
             raise ValueError(f"max_request_s: must be > 0, got {self.max_request_s}")
-        for name in ("refresh_s", "quarantine_s"):
+        for name in ("refresh_s", "quarantine_s", "too_long_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         make_policy(self.prefill_policy, "prefill_policy")
         make_policy(self.decode_policy, "decode_policy")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedRequest:
+    """A request ready to dispatch, and whose it is."""
+
+    caller: str  # the id space it belongs to (see the module docstring)
+    request_id: str  # the caller's name for it: its own id, or the one assigned
+    routed: RoutedRequest  # routed.request_id: unique across callers (what workers see)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,23 +165,34 @@ class Router:
         self.registry = WorkerRegistry(dispatcher.workers, cfg.refresh_s, cfg.quarantine_s)
         self._prefill_policy = prefill_policy or make_policy(cfg.prefill_policy)
         self._decode_policy = decode_policy or make_policy(cfg.decode_policy)
-        self._in_flight: dict[str, RoutedRequest] = {}
+        # (caller, the caller's request id) -> the request; the only table of requests in flight.
+        self._in_flight: dict[tuple[str, str], PreparedRequest] = {}
+        self._routed_ids: set[str] = set()  # the workers' ids of the requests in flight
         self._rooms: set[int] = set()
         self._counters = _Counters()
+        self._tokenize_pool = ThreadPoolExecutor(cfg.tokenize_threads,
+                                                 thread_name_prefix="router-tokenize")
+        for name, tok in self._tokenizers.items():
+            if tok is not None and tok.max_token_bytes is None:
+                log.warning("model '%s': its tokenizer is not byte-level BPE without a "
+                            "normalizer, so prompts are not refused by size before tokenizing",
+                            name)
 
     # ---- requests ---------------------------------------------------------------------------
 
-    async def prepare(self, inp: GenerateInput, timeout_s: float | None = None) -> RoutedRequest:
+    async def prepare(self, inp: GenerateInput, timeout_s: float | None = None, *,
+                      caller: str = LOCAL_CALLER) -> PreparedRequest:
         """Validate, tokenize and place; raises RouterError. Does not register the request."""
         check_request_id(inp.request_id)
         model = resolve_model(inp.model, self._models)
         args = (inp, model, self._tokenizers.get(model.name), self.cfg.default_max_tokens)
-        if _num_chars(inp) > OFFLOAD_CHARS:  # keep the event loop streaming meanwhile
-            valid = await asyncio.to_thread(validate, *args)
+        if num_text_chars(inp) > INLINE_TOKENIZE_CHARS:  # keep the event loop serving meanwhile
+            valid = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                                     validate, *args)
         else:
             valid = validate(*args)
-        # From here to registration nothing awaits, so the id check cannot race.
-        if inp.request_id and inp.request_id in self._in_flight:
+        # From here to registration nothing awaits, so the id checks cannot race.
+        if inp.request_id and (caller, inp.request_id) in self._in_flight:
             raise RouterError(Code.ALREADY_EXISTS,
                               f"request_id: '{inp.request_id}' is already in flight")
         self.registry.maybe_refresh()
@@ -150,23 +201,31 @@ class Router:
         placement = place(self.registry, query, self._prefill_policy, self._decode_policy,
                           inp.prefill_worker, inp.decode_worker)
         budget = self._budget(timeout_s)
-        return RoutedRequest(
-            request_id=inp.request_id or uuid.uuid4().hex, room=self._new_room(),
+        request_id = inp.request_id or uuid.uuid4().hex
+        routed = RoutedRequest(
+            request_id=self._routed_id(request_id), room=self._new_room(),
             model=model.name, prompt_ids=valid.prompt_ids, params=valid.params,
             placement=placement, deadline=None if budget is None else time.time() + budget)
+        return PreparedRequest(caller=caller, request_id=request_id, routed=routed)
 
-    async def generate(self, inp: GenerateInput, timeout_s: float | None = None
-                       ) -> AsyncIterator[GenerateOutput]:
-        """Stream a request's outputs. `timeout_s`: the client's remaining deadline. Raises
-        RouterError (validation, placement, worker failure, DEADLINE_EXCEEDED); a cancelled
-        consumer or `aclose()` stops the request on its workers."""
+    async def generate(self, inp: GenerateInput, timeout_s: float | None = None, *,
+                       caller: str = LOCAL_CALLER) -> AsyncIterator[GenerateOutput]:
+        """Stream a request's outputs. `timeout_s`: the client's remaining deadline; `caller`:
+        whose id space the request's id lives in. Raises RouterError (validation, placement,
+        worker failure, DEADLINE_EXCEEDED); a cancelled consumer or `aclose()` stops the request
+        on its workers."""
         t0 = time.perf_counter()
         try:
-            req = await self.prepare(inp, timeout_s)
+            prepared = await self.prepare(inp, timeout_s, caller=caller)
+        except PromptTooLong:
+            self._counters.rejected += 1
+            await asyncio.sleep(self.cfg.too_long_delay_s)
+            raise
         except RouterError:
             self._counters.rejected += 1
             raise
-        self._register(req)
+        self._register(prepared)
+        req, request_id = prepared.routed, prepared.request_id
         ttft_s: float | None = None
         num_tokens = 0
         outcome = "aborted"  # what ends the request if we leave early (cancel, close)
@@ -181,11 +240,11 @@ class Router:
                         ttft_s = time.perf_counter() - t0
                     num_tokens += len(chunk.token_ids)
                     if not chunk.finished:
-                        yield GenerateOutput(request_id=req.request_id, token_ids=chunk.token_ids,
+                        yield GenerateOutput(request_id=request_id, token_ids=chunk.token_ids,
                                              text_delta=chunk.text_delta)
                         continue
                     outcome = "aborted" if chunk.finish_reason is FinishReason.ABORT else "finished"
-                    yield self._final(req, chunk, num_tokens, ttft_s, t0)
+                    yield self._final(prepared, chunk, num_tokens, ttft_s, t0)
                     return
         except RouterError as exc:
             outcome = "aborted" if exc.code is Code.DEADLINE_EXCEEDED else "failed"
@@ -194,7 +253,7 @@ class Router:
             outcome = "failed"
             raise
         finally:
-            self._unregister(req, outcome, num_tokens)
+            self._unregister(prepared, outcome, num_tokens)
 
     async def _next(self, stream: AsyncIterator[TokenChunk], req: RoutedRequest
                     ) -> TokenChunk | None:
@@ -220,21 +279,24 @@ class Router:
         except DispatchError as exc:
             raise from_dispatch_error(exc) from None
 
-    def _final(self, req: RoutedRequest, chunk: TokenChunk, num_tokens: int,
+    def _final(self, prepared: PreparedRequest, chunk: TokenChunk, num_tokens: int,
                ttft_s: float | None, t0: float) -> GenerateOutput:
         return GenerateOutput(
-            request_id=req.request_id, token_ids=chunk.token_ids, text_delta=chunk.text_delta,
-            finish_reason=chunk.finish_reason,
-            usage=Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=num_tokens),
+            request_id=prepared.request_id, token_ids=chunk.token_ids,
+            text_delta=chunk.text_delta, finish_reason=chunk.finish_reason,
+            usage=Usage(prompt_tokens=len(prepared.routed.prompt_ids),
+                        completion_tokens=num_tokens),
             ttft_s=ttft_s, latency_s=time.perf_counter() - t0, spec=chunk.spec)
 
-    async def abort(self, request_id: str) -> bool:
-        """Stop a request in flight; its stream ends with FinishReason.ABORT."""
+    async def abort(self, request_id: str, *, caller: str = LOCAL_CALLER) -> bool:
+        """Stop `caller`'s request in flight; its stream ends with FinishReason.ABORT. False
+        when `caller` has no such request (another caller's request of that id is untouched)."""
         if not request_id:
             raise RouterError(Code.INVALID_ARGUMENT, "request_id: required")
-        if request_id not in self._in_flight:
+        prepared = self._in_flight.get((caller, request_id))
+        if prepared is None:
             return False
-        return await self.dispatcher.abort(request_id)
+        return await self.dispatcher.abort(prepared.routed.request_id)
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -256,6 +318,7 @@ class Router:
             workers=tuple(self.workers()), spec=self.dispatcher.stats().spec)
 
     async def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         await self.dispatcher.close()
 
     # ---- internals --------------------------------------------------------------------------
@@ -269,14 +332,23 @@ class Router:
             raise RouterError(Code.DEADLINE_EXCEEDED, "deadline: already passed on arrival")
         return budget
 
+    def _routed_id(self, request_id: str) -> str:
+        """The workers' id: the caller's, unless another caller's request in flight holds it."""
+        routed_id = request_id
+        while routed_id in self._routed_ids:
+            routed_id = f"{request_id}~{secrets.token_hex(4)}"
+        return routed_id
+
     def _new_room(self) -> int:
         while True:
             room = secrets.randbits(64)
             if room and room not in self._rooms:
                 return room
 
-    def _register(self, req: RoutedRequest) -> None:
-        self._in_flight[req.request_id] = req
+    def _register(self, prepared: PreparedRequest) -> None:
+        req = prepared.routed
+        self._in_flight[prepared.caller, prepared.request_id] = prepared
+        self._routed_ids.add(req.request_id)
         self._rooms.add(req.room)
         self._counters.requests += 1
         self._counters.prompt_tokens += len(req.prompt_ids)
@@ -284,17 +356,16 @@ class Router:
         for name in {p.prefill_worker, p.decode_worker}:
             self.registry.assign(name)
 
-    def _unregister(self, req: RoutedRequest, outcome: str, num_tokens: int) -> None:
-        self._in_flight.pop(req.request_id, None)
+    def _unregister(self, prepared: PreparedRequest, outcome: str, num_tokens: int) -> None:
+        req = prepared.routed
+        self._in_flight.pop((prepared.caller, prepared.request_id), None)
+        self._routed_ids.discard(req.request_id)
         self._rooms.discard(req.room)
         p = req.placement
         for name in {p.prefill_worker, p.decode_worker}:
             self.registry.release(name)
         self._counters.completion_tokens += num_tokens
         setattr(self._counters, outcome, getattr(self._counters, outcome) + 1)
-        log.debug("request %s (room %d) %s after %d tokens", req.request_id, req.room, outcome,
+        log.debug("request %s of %r (workers' id %s, room %d) %s after %d tokens",
+                  prepared.request_id, prepared.caller, req.request_id, req.room, outcome,
                   num_tokens)
-
-
-def _num_chars(inp: GenerateInput) -> int:
-    return len(inp.prompt or "") + sum(len(m.content) for m in inp.messages)

@@ -3,6 +3,11 @@
 
 Handlers are registered with `safe_deserializer`s (router/wire.py) so that an unparsable request
 (e.g. invalid UTF-8) is answered with INVALID_ARGUMENT naming the field, not INTERNAL.
+
+Whose request: Generate and Abort pass the client's connection (`context.peer()`) as the
+router's `caller`, so request ids are per connection: an Abort reaches only requests started on
+the same connection (the same channel), and a duplicate id is refused only within it (see
+router/router.py). Clients that abort by id do it on the channel that generates.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ class RouterServicer:
         request = await _decoded(request, context)
         try:
             async with aclosing(self.router.generate(convert.generate_input(request),
-                                                     context.time_remaining())) as outputs:
+                                                     context.time_remaining(),
+                                                     caller=context.peer())) as outputs:
                 async for out in outputs:
                     await context.write(convert.generate_response(out))
         except RouterError as exc:
@@ -42,7 +48,8 @@ class RouterServicer:
                     context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         request = await _decoded(request, context)
         try:
-            return pb.AbortResponse(found=await self.router.abort(request.request_id))
+            return pb.AbortResponse(found=await self.router.abort(request.request_id,
+                                                                  caller=context.peer()))
         except RouterError as exc:
             await context.abort(status_code(exc), exc.message)
             raise  # unreachable: abort raises

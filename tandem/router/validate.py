@@ -4,6 +4,19 @@ API spells it (`prompt`, `messages[1].role`, `sampling.top_p`, ...).
 
 Pure functions; the tokenizer is immutable and shared. Tokenization happens here, once per
 request: workers receive token ids only.
+
+Size before work: a text prompt is bounded by its UTF-8 length before it is tokenized. With
+byte-level BPE every input byte is covered by exactly one token and a token covers at most
+`Tokenizer.max_token_bytes` (L) bytes, so B bytes are at least ceil(B / L) tokens; when that
+alone leaves no room in the context, the request is refused at once (SmolLM2: L = 81, context
+8192, so about 660 KB; a 3.9 MB prompt costs microseconds instead of seconds of tokenizing).
+For chat the bound applies to the rendered conversation, which holds every content the template
+keeps (rendering is a string join, ~1 ms for 4 MB).
+
+Control tokens: a raw `prompt` may contain special-token text and it becomes the control token
+(as in vLLM's raw completions: the client writes the whole prompt, markers included). Message
+contents may not: `Tokenizer.encode_chat` encodes special-token text in a content as text, so
+only the chat template's own markers are control tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +33,14 @@ from tandem.router.errors import Code, RouterError, invalid
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 MAX_REQUEST_ID_CHARS = 256
+
+
+class PromptTooLong(RouterError):
+    """INVALID_ARGUMENT: the prompt cannot fit the model's context, shown by its size or its
+    token count (a refusal the router answers late, see `RouterConfig.too_long_delay_s`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Code.INVALID_ARGUMENT, message)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +98,25 @@ def check_request_id(request_id: str) -> None:
         raise invalid("request_id: must contain printable characters only")
 
 
+def num_text_chars(inp: GenerateInput) -> int:
+    """Characters of text to tokenize (<= its UTF-8 bytes; O(1) per field)."""
+    return len(inp.prompt or "") + sum(len(m.content) for m in inp.messages)
+
+
+def check_text_size(field: str, num_bytes: int, tokenizer: Tokenizer, model: ModelInfo,
+                    what: str = "the prompt") -> None:
+    """Refuse text that must be longer than the context, from its size alone (see above)."""
+    max_token_bytes = tokenizer.max_token_bytes
+    if max_token_bytes is None:  # no provable bound for this tokenizer: tokenize and count
+        return
+    min_tokens = -(-num_bytes // max_token_bytes)
+    if min_tokens >= model.max_model_len:
+        raise PromptTooLong(
+            f"{field}: {what} has {num_bytes} bytes, so at least {min_tokens} tokens (a token of "
+            f"this model covers at most {max_token_bytes} bytes); the context of model "
+            f"'{model.name}' holds {model.max_model_len} (prompt + at least one new token)")
+
+
 def validate(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer | None,
              default_max_tokens: int) -> ValidRequest:
     """Check everything about the request that does not depend on worker state."""
@@ -84,9 +124,9 @@ def validate(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer | None,
     field, prompt_ids = tokenize(inp, tokenizer, model)
     n = len(prompt_ids)
     if n >= model.max_model_len:
-        raise invalid(f"{field}: the prompt has {n} tokens; the context of model "
-                      f"'{model.name}' holds {model.max_model_len} (prompt + at least one new "
-                      f"token)")
+        raise PromptTooLong(f"{field}: the prompt has {n} tokens; the context of model "
+                            f"'{model.name}' holds {model.max_model_len} (prompt + at least one "
+                            f"new token)")
     s = inp.sampling
     if s.max_tokens is None:
         max_tokens = min(default_max_tokens, model.max_model_len - n,
@@ -149,6 +189,8 @@ def tokenize(inp: GenerateInput, tokenizer: Tokenizer | None, model: ModelInfo
                       "messages)")
     field = given[0]
     if field == "prompt_token_ids":
+        if len(inp.prompt_token_ids) >= model.max_model_len:  # before a Python loop over them
+            return field, list(inp.prompt_token_ids)  # validate() names the length
         for i, t in enumerate(inp.prompt_token_ids):
             if not 0 <= t < model.vocab_size:
                 raise invalid(f"prompt_token_ids[{i}]: token id {t} is outside the vocabulary "
@@ -161,7 +203,9 @@ def tokenize(inp: GenerateInput, tokenizer: Tokenizer | None, model: ModelInfo
                           f"{field}: model '{model.name}' has no tokenizer; send "
                           f"prompt_token_ids")
     if field == "prompt":
-        ids = tokenizer.encode(inp.prompt or "")
+        prompt = inp.prompt or ""
+        check_text_size("prompt", len(prompt.encode()), tokenizer, model)
+        ids = tokenizer.encode(prompt)  # control-token text stays a control token (see above)
         if not ids:
             raise invalid("prompt: encodes to no tokens")
         return field, ids
@@ -169,9 +213,15 @@ def tokenize(inp: GenerateInput, tokenizer: Tokenizer | None, model: ModelInfo
         if m.role not in ALLOWED_ROLES:
             raise invalid(f"messages[{i}].role: unknown role '{m.role}' (expected one of "
                           f"{', '.join(ALLOWED_ROLES)})")
+    messages = list(inp.messages)
     try:
-        return field, tokenizer.encode_chat(list(inp.messages))
-    except ValueError as exc:  # no template, or the template rejects the conversation
+        text = tokenizer.apply_chat_template(messages)
+        # Named after the largest content: the one to shorten.
+        largest = max(range(len(messages)), key=lambda i: len(messages[i].content))
+        check_text_size(f"messages[{largest}].content", len(text.encode()), tokenizer, model,
+                        what="the rendered conversation")
+        return field, tokenizer.encode_rendered_chat(messages, text)
+    except ValueError as exc:  # no template, the template rejects the conversation, ...
         msg = str(exc)
         raise invalid(msg if msg.startswith("messages") else f"messages: {msg}") from exc
 

@@ -99,8 +99,14 @@ MATRIX = [
      Code.INVALID_ARGUMENT, "prompt_token_ids: the prompt has 64 tokens"),
     ("prompt-longer-than-context", pb.GenerateRequest(prompt="hello " * 80),
      Code.INVALID_ARGUMENT, "prompt: the prompt has 81 tokens"),  # 80 words + the last space
-    ("huge-prompt-tokenized-off-loop", pb.GenerateRequest(prompt="hello " * 7000),
-     Code.INVALID_ARGUMENT, "prompt: the prompt has 7001 tokens"),
+    ("long-prompt-tokenized-off-loop", pb.GenerateRequest(prompt="hello " * 800),
+     Code.INVALID_ARGUMENT, "prompt: the prompt has 801 tokens"),
+    # SmolLM2's longest token is 81 bytes: 42000 bytes are >= 519 tokens, never tokenized.
+    ("huge-prompt-refused-by-size", pb.GenerateRequest(prompt="hello " * 7000),
+     Code.INVALID_ARGUMENT, "prompt: the prompt has 42000 bytes, so at least 519 tokens"),
+    ("huge-message-refused-by-size", pb.GenerateRequest(
+        messages=[*_chat(content="hi"), *_chat(content="hi " * 7000)]), Code.INVALID_ARGUMENT,
+     "messages[1].content: the rendered conversation has 21"),
     ("messages-longer-than-context", pb.GenerateRequest(messages=_chat(content="hi " * 80)),
      Code.INVALID_ARGUMENT, "messages: the prompt has"),
     ("larger-than-kv-pool", pb.GenerateRequest(prompt="a", sampling=_sp(max_tokens=50)),
