@@ -15,8 +15,9 @@ Per request (the orchestration of the request path lives here, in one place):
   4. the request ends with the right error, naming the side at fault: a failed or timed-out
      transfer or a failed row fails this request only (`TransferFailed`, `RequestFailed`; no
      worker is blamed for it); a worker whose event stream breaks (it died) fails its requests
-     at once (`WorkerUnavailable`); the deadline gives `DeadlineExceeded`. Both workers are told
-     to abort whatever is left of the request.
+     at once (`WorkerUnavailable`) -- except that a request whose prefill worker died before
+     its first token is tried once more on a prefill worker that answers; the deadline gives
+     `DeadlineExceeded`. Both workers are told to abort whatever is left of the request.
 
 Worker health comes from a background poll of every actor (`health()`, every
 HEALTH_PERIOD_S), so `workers()` is a cheap snapshot: a dead actor shows up unhealthy at the
@@ -28,6 +29,7 @@ transfer endpoint is fetched before it is reported healthy again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -69,6 +71,9 @@ HEALTH_TIMEOUT_S = 0.75
 SLOW_POLLS_DOWN = 2
 # Short calls (submit, reserve's answer aside, route, abort, endpoint) answer within this.
 CALL_TIMEOUT_S = 10.0
+# How long a request whose prefill worker died waits for one that answers (restarts of a CPU
+# worker take ~5 s) before it gets UNAVAILABLE.
+PREFILL_RETRY_WAIT_S = 20.0
 # How long a request's end waits for the aborts of what is left of it on its workers.
 ABORT_WAIT_S = 0.2
 # Health answers' round trips kept per worker (what `health_latencies` reports).
@@ -212,15 +217,48 @@ class DisaggregatedDispatcher:
         self._in_flight[rid] = (pname, dname, request.room)
         try:
             async with self._admission.slot(rid, request.deadline):
+                streamed = False
+                try:
+                    async for chunk in self._run(request, pname, dname):
+                        streamed = True
+                        yield chunk
+                    return
+                except WorkerUnavailable as exc:
+                    if streamed or exc.worker != pname:
+                        raise
+                    # Its prefill worker died before the first token: once more, invisibly to
+                    # the client, on a prefill worker that answers (the restarted one, or
+                    # another), under a new room.
+                    pname = await self._prefill_for_retry(exc.worker, request)
+                    log.warning("request '%s': prefill worker '%s' died before its first token; "
+                                "retrying on '%s'", rid, exc.worker, pname)
+                request = dataclasses.replace(request, room=_fresh_room())
                 async for chunk in self._run(request, pname, dname):
                     yield chunk
         finally:
             self._in_flight.pop(rid, None)
             self._aborted.discard(rid)
 
+    async def _prefill_for_retry(self, dead: str, request: RoutedRequest) -> str:
+        """A healthy prefill worker for a request whose prefill worker died (the least busy;
+        the dead one counts once it answers again), waited for until PREFILL_RETRY_WAIT_S or the
+        deadline; WorkerUnavailable if none comes."""
+        end = time.monotonic() + PREFILL_RETRY_WAIT_S
+        while True:
+            healthy = [w for n, w in self._health.items() if n in self._prefill and w.healthy]
+            if healthy:
+                return min(healthy, key=lambda w: (w.num_running + w.num_waiting, w.name)).name
+            left = _remaining(request)
+            if time.monotonic() > end or (left is not None and left <= 0.1):
+                raise WorkerUnavailable(dead, f"prefill worker '{dead}' died before this "
+                                              "request's first token and no prefill worker "
+                                              "answered in time to retry it")
+            await asyncio.sleep(0.1)
+
     async def _run(self, request: RoutedRequest, pname: str, dname: str
                    ) -> AsyncGenerator[TokenChunk, None]:
         """One request on its two workers, from submission to its last chunk."""
+        self._in_flight[request.request_id] = (pname, dname, request.room)
         rid, room = request.request_id, request.room
         prefill, decode = self._prefill[pname], self._decode[dname]
         pch, dch = self._channels[pname], self._channels[dname]
@@ -305,6 +343,10 @@ class DisaggregatedDispatcher:
                 if worker == pname and (prefill_over or outputs > 0):
                     continue  # the KV is on decode already: the prefill worker is not needed
                 side = "prefill" if worker == pname else "decode"
+                # Down until its next health answer (a restarted worker answers anew): no new
+                # request, and no retry, goes to it meanwhile.
+                self._down(worker, WorkerRole.PREFILL if worker == pname else WorkerRole.DECODE,
+                           f"its event stream broke: {ev.error}"[:300])
                 raise WorkerUnavailable(worker, f"{side} worker '{worker}' became unavailable "
                                                 f"while serving this request: {ev.error}")
             if worker == pname and isinstance(ev, FirstToken):

@@ -257,3 +257,26 @@ def test_a_full_decode_pool_queues_requests_instead_of_failing_them(local_ray, d
         assert system.all_free()
     finally:
         system.close()
+
+
+def test_a_request_whose_prefill_worker_dies_before_its_first_token_is_retried(local_ray, dirs):
+    """Requests placed on a frozen prefill worker (before the router notices) have no first
+    token yet when it is killed: each is tried once more, on the restarted worker, and ends OK
+    -- the client sees only a delay."""
+    system = System(_cfg(dirs))
+    try:
+        assert system.outcome([1, 2, 3], 4) == "OK"
+        before = system.health("prefill-0")
+        os.kill(before.pid, signal.SIGSTOP)
+        statuses: list[str] = []
+        threads = [threading.Thread(target=lambda i=i: statuses.append(
+            system.outcome([i + 1, 2, 3], 8, timeout=60))) for i in range(3)]
+        [t.start() for t in threads]
+        time.sleep(0.5)  # placed on the frozen worker: it is not marked down yet
+        os.kill(before.pid, signal.SIGKILL)
+        [t.join() for t in threads]
+        assert statuses == ["OK"] * 3, statuses
+        assert system.health("prefill-0").incarnation != before.incarnation
+        assert system.all_free()
+    finally:
+        system.close()
