@@ -75,6 +75,9 @@ class SoakReport:
     health_ms: list[float] = field(default_factory=list)  # router health answers
     health_failures: int = 0
     leaks: list[str] = field(default_factory=list)  # workers whose pages did not all come back
+    # Per worker: (p50, p99) ms of its health answers to the router's poll, as the router saw
+    # them over its recent polls (ListWorkers); empty when the router does not poll workers.
+    worker_health_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:
@@ -100,6 +103,8 @@ class SoakReport:
                          f"p99 {percentile(self.health_ms, 99):.1f} ms, "
                          f"max {max(self.health_ms):.1f} ms over {len(self.health_ms)} probes, "
                          f"{self.health_failures} failed")
+        for name, (p50, p99) in sorted(self.worker_health_ms.items()):
+            lines.append(f"  worker {name} health: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
         lines.append("  leaks: " + ("none" if not self.leaks else "; ".join(self.leaks)))
         if self.failures:
             lines.append(f"  {len(self.failures)} unexpected outcomes, first ones:")
@@ -238,4 +243,7 @@ async def run_soak(cfg: SoakConfig, progress: bool = False) -> SoakReport:
             if bar is not None:
                 bar.close()
         report.leaks = await check_pages(stub, metadata)
+        resp = await stub.ListWorkers(pb.ListWorkersRequest(), timeout=10.0, metadata=metadata)
+        report.worker_health_ms = {w.name: (w.health_p50_ms, w.health_p99_ms)
+                                   for w in resp.workers if w.health_p99_ms > 0}
     return report

@@ -70,7 +70,8 @@ def worker_status(state: WorkerState) -> pb.WorkerStatus:
     return pb.WorkerStatus(
         name=w.name, role=ROLES[w.role], model=w.model, healthy=state.healthy, error=w.error,
         address=w.address, num_running=w.num_running, num_waiting=w.num_waiting,
-        num_free_pages=w.num_free_pages, num_pages=w.num_pages, speculative=w.speculative)
+        num_free_pages=w.num_free_pages, num_pages=w.num_pages, speculative=w.speculative,
+        health_p50_ms=w.health_p50_ms, health_p99_ms=w.health_p99_ms)
 
 
 def stats_response(stats: RouterStats) -> pb.StatsResponse:

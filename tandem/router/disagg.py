@@ -162,11 +162,13 @@ class DisaggregatedDispatcher:
             if role is WorkerRole.DECODE and not await self._refresh_endpoint(name, handle):
                 return
         self._incarnation[name] = incarnation
+        rtts = sorted(self._health_ms[name])
         self._health[name] = WorkerInfo(
             name=name, role=role, model=self._model.name, healthy=h.healthy, error=h.error,
             address=h.node, num_running=h.num_running, num_waiting=h.num_waiting,
             num_free_pages=h.num_free_pages, num_pages=h.num_pages,
-            speculative=role is WorkerRole.DECODE)
+            speculative=role is WorkerRole.DECODE, health_p50_ms=_pct(rtts, 50),
+            health_p99_ms=_pct(rtts, 99))
         if role is WorkerRole.DECODE and h.num_rounds:
             self._spec[name] = SpecAcceptance(mean_acceptance_length=h.mean_acceptance_length,
                                               per_position=h.per_position,
@@ -462,6 +464,12 @@ class DisaggregatedDispatcher:
 
 async def _await_ref(ref):
     return await ref
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1)))]
 
 
 def _aborted_chunk(rid: str) -> TokenChunk:

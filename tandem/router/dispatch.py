@@ -68,6 +68,8 @@ class WorkerInfo:
     num_free_pages: int = 0
     num_pages: int = 0
     speculative: bool = False
+    health_p50_ms: float = 0.0  # round trips of its recent health answers (0: unknown)
+    health_p99_ms: float = 0.0
 
     @property
     def kv_load(self) -> float:

@@ -130,7 +130,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "role", "model", "healthy", "error", "address", "num_running", "num_waiting", "num_free_pages", "num_pages", "speculative")
+    __slots__ = ("name", "role", "model", "healthy", "error", "address", "num_running", "num_waiting", "num_free_pages", "num_pages", "speculative", "health_p50_ms", "health_p99_ms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class WorkerStatus(_message.Message):
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_P99_MS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: WorkerRole
     model: str
@@ -153,7 +155,9 @@ class WorkerStatus(_message.Message):
     num_free_pages: int
     num_pages: int
     speculative: bool
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    health_p50_ms: float
+    health_p99_ms: float
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., speculative: _Optional[bool] = ..., health_p50_ms: _Optional[float] = ..., health_p99_ms: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
