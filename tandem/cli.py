@@ -219,21 +219,22 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import os
     from pathlib import Path
 
     from tandem.router import RouterConfig
     from tandem.router.app import build_colocated_router, serve
+    from tandem.router.auth import resolve_auth_token
     from tandem.router.server import ServerConfig
 
-    token = args.auth_token if args.auth_token is not None else os.environ.get("TANDEM_AUTH_TOKEN")
+    token = resolve_auth_token(value=args.auth_token, file=args.auth_token_file)
     server_cfg = ServerConfig(
-        host=args.host, port=args.port, auth_token=token or None,
+        host=args.host, port=args.port, auth_token=token,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         max_message_bytes=args.max_message_mib << 20)
     router_cfg = RouterConfig(default_max_tokens=args.default_max_tokens,
                               max_request_s=args.max_request_s,
+                              tokenize_threads=args.tokenize_threads,
                               prefill_policy=args.prefill_policy, decode_policy=args.decode_policy)
     if args.config:
         return _serve_disaggregated(args, server_cfg, router_cfg)
@@ -296,18 +297,18 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg, router_cfg) -> in
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import os
     from pathlib import Path
 
-    from tandem.router.validate import SamplingInput
+    from tandem.router.auth import resolve_auth_token
     from tandem.router.client import (
         ClientConfig,
         build_request,
         stream_generate,
     )
+    from tandem.router.validate import SamplingInput
 
-    token = args.auth_token if args.auth_token is not None else os.environ.get("TANDEM_AUTH_TOKEN")
-    cfg = ClientConfig(target=args.target, auth_token=token or None, tls=args.tls,
+    token = resolve_auth_token(value=args.auth_token, file=args.auth_token_file)
+    cfg = ClientConfig(target=args.target, auth_token=token, tls=args.tls,
                        tls_ca=Path(args.tls_ca) if args.tls_ca else None, timeout_s=args.timeout)
     sampling = SamplingInput(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -664,9 +665,13 @@ def _add_router_parsers(sub) -> None:
                    help="EAGLE head directory (with --speculative; default: the shipped head)")
     p.add_argument("--num-draft-steps", type=int, default=4, help="Default: %(default)s")
     p.add_argument("--draft-topk", type=int, default=1, help="1 = chain. Default: %(default)s")
+    p.add_argument("--auth-token-file", default=None, metavar="PATH",
+                   help="Require 'authorization: Bearer TOKEN' metadata on every call, TOKEN "
+                        "being the file's first line (default: $TANDEM_AUTH_TOKEN; unset = no "
+                        "auth)")
     p.add_argument("--auth-token", default=None,
-                   help="Require 'authorization: Bearer TOKEN' metadata on every call (default: "
-                        "$TANDEM_AUTH_TOKEN; unset = no auth)")
+                   help="The token itself (works, but shows in the process list: prefer "
+                        "--auth-token-file or $TANDEM_AUTH_TOKEN)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
     p.add_argument("--max-message-mib", type=int, default=4,
@@ -675,6 +680,9 @@ def _add_router_parsers(sub) -> None:
                    help="Deadline for requests whose client sets none (default: none)")
     p.add_argument("--default-max-tokens", type=int, default=128,
                    help="max_tokens when a request sets none. Default: %(default)s")
+    p.add_argument("--tokenize-threads", type=int, default=1,
+                   help="Threads that tokenize long prompts (the most cores tokenizing takes). "
+                        "Default: %(default)s")
     p.add_argument("--prefill-policy", choices=sorted(POLICIES), default="least-load",
                    help="Default: %(default)s")
     p.add_argument("--decode-policy", choices=sorted(POLICIES), default="power-of-two",
@@ -698,8 +706,11 @@ def _add_router_parsers(sub) -> None:
     p.add_argument("--decode-worker", default="", help="Pin the decode worker")
     p.add_argument("--request-id", default="", help="Client request id (default: assigned)")
     p.add_argument("--timeout", type=float, default=None, help="Deadline of the call, seconds")
+    p.add_argument("--auth-token-file", default=None, metavar="PATH",
+                   help="File whose first line is the bearer token (default: $TANDEM_AUTH_TOKEN)")
     p.add_argument("--auth-token", default=None,
-                   help="Bearer token (default: $TANDEM_AUTH_TOKEN)")
+                   help="Bearer token (shows in the process list: prefer --auth-token-file or "
+                        "$TANDEM_AUTH_TOKEN)")
     p.add_argument("--tls", action="store_true", help="Use TLS with the system's root certificates")
     p.add_argument("--tls-ca", default=None, help="PEM root certificate of the server (implies TLS)")
     add_sampling_args(p)

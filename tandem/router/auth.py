@@ -3,16 +3,81 @@
 `check_bearer` is the rule (pure); `BearerAuthInterceptor` applies it to every method except
 the health service (load balancers probe it without credentials) and answers a failure with
 UNAUTHENTICATED before the request is read.
+
+Where the token comes from (`resolve_auth_token`, for `tandem serve` and `tandem generate`):
+`--auth-token-file PATH` (its first line), or `--auth-token VALUE`, which still works but warns
+(a command line is readable by every user of the machine: `ps`, /proc/PID/cmdline), else
+`$TANDEM_AUTH_TOKEN`. `edge_warnings` says what is open about a server's address: a token sent
+over plaintext to a non-loopback address can be read and replayed by anyone on the path, and a
+non-loopback address without a token serves anyone who reaches it.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+import ipaddress
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import grpc
 
+log = logging.getLogger(__name__)
+
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+TOKEN_ENV = "TANDEM_AUTH_TOKEN"
+
+
+def resolve_auth_token(*, value: str | None = None, file: str | Path | None = None,
+                       environ: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer token from `file`, `$TANDEM_AUTH_TOKEN` or `value` (None: no auth).
+
+    At most one of `value` and `file`; both outrank the environment. A file holds the token on
+    its first line (surrounding whitespace ignored; an empty file is an error, not "no auth")."""
+    if value is not None and file is not None:
+        raise ValueError("--auth-token, --auth-token-file: give only one")
+    if file is not None:
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(f"--auth-token-file: no such file '{path}'")
+        token = path.read_text(encoding="utf-8").strip().partition("\n")[0].strip()
+        if not token:
+            raise ValueError(f"--auth-token-file: '{path}' holds no token")
+        return token
+    if value is not None:
+        log.warning("--auth-token: the token shows in the process list (ps, /proc/PID/cmdline) "
+                    "to every user of this machine; use --auth-token-file PATH or $%s",
+                    TOKEN_ENV)
+        if not value:
+            raise ValueError("--auth-token: must not be empty")
+        return value
+    return environ.get(TOKEN_ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves only this machine ("" and 0.0.0.0 serve every interface;
+    a host name other than localhost may resolve anywhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def edge_warnings(host: str, *, auth: bool, tls: bool) -> list[str]:
+    """What is open about serving on `host` (empty when nothing is)."""
+    if is_loopback(host):
+        return []
+    if auth and not tls:
+        return [f"host {host}: the auth token is sent in plaintext (no TLS) and anyone on the "
+                f"network path can read and replay it; serve TLS (--tls-cert/--tls-key) or bind "
+                f"127.0.0.1 behind a TLS proxy"]
+    if not auth:
+        return [f"host {host}: no auth token; anyone who can reach this address can generate "
+                f"(set --auth-token-file or ${TOKEN_ENV})"]
+    return []
 
 
 def check_bearer(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> str | None:

@@ -246,6 +246,9 @@ class DisaggregatedDispatcher:
         the dead one counts once it answers again), waited for until PREFILL_RETRY_WAIT_S or the
         deadline; WorkerUnavailable if none comes."""
         end = time.monotonic() + PREFILL_RETRY_WAIT_S
+        # Down until its next health answer, however its death showed (a broken stream, or a
+        # failed call): the retry must not go to the process that just died.
+        self._down(dead, WorkerRole.PREFILL, "died under a request; waiting for its next answer")
         while True:
             healthy = [w for n, w in self._health.items() if n in self._prefill and w.healthy]
             if healthy:

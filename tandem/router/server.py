@@ -5,6 +5,9 @@ and the receive-size limit.
 Owns the `grpc.aio.Server` and the task that keeps the health status in step with the worker
 registry (SERVING while some model can take a request, NOT_SERVING otherwise, and
 NOT_SERVING during shutdown).
+
+Closed by default: it binds 127.0.0.1 unless told otherwise, and `start` warns when an address
+beyond loopback is served without a token, or with a token but without TLS (auth.edge_warnings).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.router.auth import BearerAuthInterceptor
+from tandem.router.auth import BearerAuthInterceptor, edge_warnings
 from tandem.router.router import Router
 from tandem.router.servicer import SERVICE_NAME, RouterServicer, add_router_servicer
 
@@ -92,6 +95,9 @@ class RouterServer:
         self._health_task = asyncio.create_task(self._health_loop())
         log.info("router listening on %s:%d (%s%s)", self.cfg.host, self.port,
                  "TLS" if self.cfg.tls else "plaintext", ", auth" if self.cfg.auth_token else "")
+        for warning in edge_warnings(self.cfg.host, auth=self.cfg.auth_token is not None,
+                                     tls=self.cfg.tls):
+            log.warning("%s", warning)
         return self.port
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
