@@ -73,10 +73,11 @@ class Tokenizer:
         extra_eos_token_ids: Iterable[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
+        serialized = tokenizer.to_str()
         # A twin that encodes special-token text as ordinary text (tokenizers' switch for HF's
         # split_special_tokens). A second object rather than toggling the flag: this class is
         # shared between threads and never changes.
-        self._literal = _HFTokenizer.from_str(tokenizer.to_str())
+        self._literal = _HFTokenizer.from_str(serialized)
         self._literal.encode_special_tokens = True
         self._template = _compile_chat_template(chat_template) if chat_template else None
         # {"bos_token": "<|im_start|>", "eos_token": ...}: passed to the template as HF does.
@@ -90,7 +91,7 @@ class Tokenizer:
         # The control tokens' texts, longest first (what a message content must not smuggle in).
         self._control_texts = tuple(sorted({tok.content for tok in added.values() if tok.special},
                                            key=len, reverse=True))
-        self._max_token_bytes = _max_token_bytes(tokenizer)
+        self._max_token_bytes = _max_token_bytes(json.loads(serialized))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -313,9 +314,9 @@ def _encode(tokenizer: _HFTokenizer, text: str, add_special_tokens: bool) -> lis
     return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
-def _max_token_bytes(tokenizer: _HFTokenizer) -> int | None:
-    """See `Tokenizer.max_token_bytes`; read from the tokenizer's JSON (works on every version)."""
-    spec = json.loads(tokenizer.to_str())
+def _max_token_bytes(spec: dict) -> int | None:
+    """See `Tokenizer.max_token_bytes`; `spec`: the tokenizer.json contents (read as JSON, which
+    every tokenizers version writes alike)."""
     pre = spec.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     model = spec.get("model") or {}
