@@ -72,7 +72,28 @@ def run(args: argparse.Namespace) -> int:
     report = asyncio.run(run_soak(cfg, progress=sys.stderr.isatty()))
     print(report.summary())
     if args.out:
-        data = asdict(report) | {"ok": report.ok, "config": {
+        data = report_json(report) | {"config": {
             k: v for k, v in asdict(cfg).items() if k not in ("prompts", "auth_token")}}
         Path(args.out).write_text(json.dumps(data, indent=1, default=str))
     return 0 if report.ok else 1
+
+
+def report_json(report) -> dict:
+    """The report as JSON values (asdict would turn its Counters into Counters of pairs)."""
+    from tandem.bench.soak import percentile
+
+    return {
+        "ok": report.ok, "duration_s": report.duration_s, "num_requests": report.num_requests,
+        "counts": dict(report.counts), "by_kind": {k: dict(c) for k, c in report.by_kind.items()},
+        "failures": report.failures, "tokens": report.tokens,
+        "max_deadline_overrun_s": max(report.deadline_overrun_s, default=None),
+        "max_cancel_latency_s": max(report.cancel_latency_s, default=None),
+        "router_health_ms": {"p50": percentile(report.health_ms, 50),
+                             "p99": percentile(report.health_ms, 99),
+                             "max": max(report.health_ms, default=None),
+                             "probes": len(report.health_ms),
+                             "failed": report.health_failures},
+        "worker_health_ms": {n: {"p50": a, "p99": b}
+                             for n, (a, b) in report.worker_health_ms.items()},
+        "leaks": report.leaks,
+    }
