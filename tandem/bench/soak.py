@@ -170,6 +170,7 @@ async def _one(stub, cfg: SoakConfig, rng: random.Random, report: SoakReport,
     allowed = EXPECTED[kind] | ({"RESOURCE_EXHAUSTED"} if cfg.allow_resource_exhausted else set())
     if status not in allowed:
         report.failures.append(f"{kind} request after {end - t0:.2f} s: {status}: {details}")
+        await asyncio.sleep(0.1)  # as a client would: no tight loop of failing requests
 
 
 async def _probe(channel, cfg: SoakConfig, report: SoakReport, stop: asyncio.Event,

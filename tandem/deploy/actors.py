@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tandem.decode_node.worker import DecodeOutput, DecodeWorker, OutOfCapacity
+from tandem.decode_node.worker import DecodeOutput, DecodeWorker
 from tandem.deploy.channels import EventChannels, FirstToken
 from tandem.deploy.group_loop import GroupLoop
 from tandem.deploy.loop import WorkerLoop

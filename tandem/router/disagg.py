@@ -21,8 +21,8 @@ Per request (the orchestration of the request path lives here, in one place):
 
 Worker health comes from a background poll of every actor (`health()`, every
 HEALTH_PERIOD_S), so `workers()` is a cheap snapshot: a dead actor shows up unhealthy at the
-next poll, a frozen one (no answer within HEALTH_TIMEOUT_S, SLOW_POLLS_DOWN polls in a row)
-within about 2 s. A worker Ray restarted answers with a new incarnation: a decode worker's new
+next poll, a frozen one (nothing heard from it for DOWN_AFTER_S) within about 3 s; a busy one
+whose answers come late stays up. A worker Ray restarted answers with a new incarnation: a decode worker's new
 transfer endpoint is fetched before it is reported healthy again.
 """
 
@@ -62,13 +62,14 @@ from tandem.router.worker_channel import ChannelLost, WorkerChannel
 
 log = logging.getLogger(__name__)
 
-# Health polls: every HEALTH_PERIOD_S; an answer later than HEALTH_TIMEOUT_S is a missed poll; a
-# worker is marked down after SLOW_POLLS_DOWN missed polls in a row (a busy worker may answer
-# late once), at once when the call fails (the actor died or raised). A frozen worker is thus
-# down within HEALTH_PERIOD_S + SLOW_POLLS_DOWN * (HEALTH_TIMEOUT_S + HEALTH_PERIOD_S) ~ 2.25 s.
+# Health polls: every HEALTH_PERIOD_S, each waiting up to HEALTH_TIMEOUT_S for the answer (a
+# later answer still counts); a worker is marked down when a health call fails (the actor died)
+# or when nothing was heard from it -- no health answer, no event-stream batch (one a second at
+# least) -- for DOWN_AFTER_S: a frozen worker is down within ~DOWN_AFTER_S + HEALTH_TIMEOUT_S +
+# HEALTH_PERIOD_S < 3 s, while a busy one answering late stays up.
 HEALTH_PERIOD_S = 0.25
 HEALTH_TIMEOUT_S = 0.75
-SLOW_POLLS_DOWN = 2
+DOWN_AFTER_S = 1.75
 # Short calls (submit, reserve's answer aside, route, abort, endpoint) answer within this.
 CALL_TIMEOUT_S = 10.0
 # How long a request whose prefill worker died waits for one that answers (restarts of a CPU
@@ -100,7 +101,9 @@ class DisaggregatedDispatcher:
         self._aborted: set[str] = set()  # in flight and aborted by abort()
         self._period = health_period_s
         self._poller: asyncio.Task | None = None
-        self._missed: dict[str, int] = {}  # worker -> health polls missed in a row
+        self._asking: dict[str, asyncio.Task] = {}  # worker -> its health call in flight
+        self._heard: dict[str, float] = {}  # worker -> time.monotonic() of its last answer
+        self._polling_since = time.monotonic()
         self._incarnation: dict[str, str] = {}  # worker -> the incarnation last seen
         self._health_ms: dict[str, deque[float]] = {
             n: deque(maxlen=HEALTH_SAMPLES) for n in [*self._prefill, *self._decode]}
@@ -138,24 +141,35 @@ class DisaggregatedDispatcher:
             await asyncio.sleep(self._period)
 
     async def _check(self, name: str, handle) -> None:
+        """One poll of `name`. A worker is down at once when its health call fails (the actor
+        died or raised), and when nothing has been heard from it -- no health answer, no batch
+        on its event stream -- for DOWN_AFTER_S (frozen). A busy worker whose answers come late
+        stays up: its late answers still count as heard."""
         role = WorkerRole.PREFILL if name in self._prefill else WorkerRole.DECODE
+        task = self._asking.get(name)
+        if task is None or task.done():  # one health call at a time per worker
+            task = self._asking[name] = asyncio.ensure_future(self._ask(name, handle, role))
+        await asyncio.wait({task}, timeout=HEALTH_TIMEOUT_S)
+        if task.done():
+            return
+        channel = self._channels.get(name)
+        heard = max(self._heard.get(name, self._polling_since),
+                    channel.last_batch if channel is not None else 0.0)
+        silent = time.monotonic() - heard
+        if silent > DOWN_AFTER_S and self._health[name].healthy:
+            self._down(name, role, f"unreachable: nothing heard from it for {silent:.1f} s")
+
+    async def _ask(self, name: str, handle, role: WorkerRole) -> None:
+        """One health call, however long it takes; its answer updates the report."""
         t0 = time.perf_counter()
         try:
-            h = await asyncio.wait_for(_await_ref(handle.health.remote()),
-                                       timeout=HEALTH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            missed = self._missed[name] = self._missed.get(name, 0) + 1
-            if missed < SLOW_POLLS_DOWN and self._health[name].healthy:
-                return  # keep the last report: one late answer is not a dead worker
-            self._down(name, role, f"unreachable: no health answer within "
-                                   f"{HEALTH_TIMEOUT_S:g} s, {missed} polls in a row")
-            return
-        except Exception as exc:
+            h = await _await_ref(handle.health.remote())
+        except Exception as exc:  # noqa: BLE001 -- dead or restarting
             self._down(name, role, f"unreachable: {exc!r}"[:300])
             return
+        self._heard[name] = time.monotonic()
         self._health_ms.setdefault(name, deque(maxlen=HEALTH_SAMPLES)).append(
             (time.perf_counter() - t0) * 1e3)
-        self._missed.pop(name, None)
         incarnation = getattr(h, "incarnation", "")
         if incarnation != self._incarnation.get(name, incarnation):
             log.warning("worker %s restarted (incarnation %s)", name, incarnation[:8])

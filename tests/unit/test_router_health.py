@@ -1,6 +1,6 @@
-"""The disaggregated dispatcher's health poll: a worker that answers late once keeps its last
-report; SLOW_POLLS_DOWN late answers in a row mark it down; a failing call (dead actor) marks it
-down at once; a good answer brings it back."""
+"""The disaggregated dispatcher's health poll: a worker whose answers come late stays up (they
+still count as heard); one heard from by nothing for DOWN_AFTER_S is marked down (frozen); a
+failing call (dead actor) marks it down at once; a good answer brings it back."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tandem.router.dispatch import ModelInfo
 
 
 class FakeHandle:
-    """What `_check` uses of a Ray actor handle: `health.remote()` -> something to await."""
+    """What the poll uses of a Ray actor handle: `health.remote()` -> something to await."""
 
     def __init__(self) -> None:
         self.mode = "ok"
@@ -27,6 +27,8 @@ class FakeHandle:
     async def _answer(self):
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        if self.mode == "slow":
+            await asyncio.sleep(0.05)
         if self.mode == "dead":
             raise RuntimeError("actor died")
         return SimpleNamespace(healthy=True, error="", node="n0", num_running=0, num_waiting=0,
@@ -36,9 +38,10 @@ class FakeHandle:
 @pytest.fixture
 def fast_polls(monkeypatch):
     monkeypatch.setattr(disagg, "HEALTH_TIMEOUT_S", 0.02)
+    monkeypatch.setattr(disagg, "DOWN_AFTER_S", 0.3)
 
 
-def test_late_answers_are_tolerated_until_a_run_of_them_and_failures_are_not(fast_polls):
+def test_late_answers_keep_a_worker_up_silence_and_failures_do_not(fast_polls):
     handle = FakeHandle()
     disp = DisaggregatedDispatcher({"prefill-0": handle}, {}, {},
                                    ModelInfo(name="m", vocab_size=10, max_model_len=64,
@@ -50,17 +53,22 @@ def test_late_answers_are_tolerated_until_a_run_of_them_and_failures_are_not(fas
     async def scenario():
         await disp._check("prefill-0", handle)
         assert healthy()
-        handle.mode = "hang"
-        for _ in range(disagg.SLOW_POLLS_DOWN - 1):
+        handle.mode = "slow"  # every answer 2.5x later than a poll waits: still heard
+        for _ in range(12):
             await disp._check("prefill-0", handle)
-            assert healthy()  # late, not dead: the last report stands
+            await asyncio.sleep(0.02)
+            assert healthy()
+        await asyncio.sleep(0.06)  # the last slow answer lands
+        handle.mode = "hang"  # frozen: nothing is heard any more
+        await disp._check("prefill-0", handle)
+        assert healthy()  # not silent long enough yet
+        await asyncio.sleep(0.4)
         await disp._check("prefill-0", handle)
         assert not healthy()
-        assert "polls in a row" in disp._health["prefill-0"].error
+        assert "nothing heard from it" in disp._health["prefill-0"].error
+        disp._asking["prefill-0"].cancel()  # the frozen call (SIGCONT would answer it)
+        await asyncio.sleep(0.01)
         handle.mode = "ok"
-        await disp._check("prefill-0", handle)
-        assert healthy()
-        handle.mode = "hang"  # the count starts over after a good answer
         await disp._check("prefill-0", handle)
         assert healthy()
         handle.mode = "dead"
