@@ -19,11 +19,8 @@ Per request (the orchestration of the request path lives here, in one place):
      its first token is tried once more on a prefill worker that answers; the deadline gives
      `DeadlineExceeded`. Both workers are told to abort whatever is left of the request.
 
-Worker health comes from a background poll of every actor (`health()`, every
-HEALTH_PERIOD_S), so `workers()` is a cheap snapshot: a dead actor shows up unhealthy at the
-next poll, a frozen one (nothing heard from it for DOWN_AFTER_S) within about 3 s; a busy one
-whose answers come late stays up. A worker Ray restarted answers with a new incarnation: a decode worker's new
-transfer endpoint is fetched before it is reported healthy again.
+Worker health comes from a background poll of every actor (router/worker_health.py), so
+`workers()` is a cheap snapshot.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
@@ -55,21 +51,13 @@ from tandem.router.dispatch import (
     TokenChunk,
     TransferFailed,
     WorkerInfo,
-    WorkerRole,
     WorkerUnavailable,
 )
 from tandem.router.worker_channel import ChannelLost, WorkerChannel
+from tandem.router.worker_health import HEALTH_PERIOD_S, WorkerHealthTable
 
 log = logging.getLogger(__name__)
 
-# Health polls: every HEALTH_PERIOD_S, each waiting up to HEALTH_TIMEOUT_S for the answer (a
-# later answer still counts); a worker is marked down when a health call fails (the actor died)
-# or when nothing was heard from it -- no health answer, no event-stream batch (one a second at
-# least) -- for DOWN_AFTER_S: a frozen worker is down within ~DOWN_AFTER_S + HEALTH_TIMEOUT_S +
-# HEALTH_PERIOD_S < 3 s, while a busy one answering late stays up.
-HEALTH_PERIOD_S = 0.25
-HEALTH_TIMEOUT_S = 0.75
-DOWN_AFTER_S = 1.75
 # Short calls (submit, reserve's answer aside, route, abort, endpoint) answer within this.
 CALL_TIMEOUT_S = 10.0
 # How long a request whose prefill worker died waits for one that answers (restarts of a CPU
@@ -77,8 +65,6 @@ CALL_TIMEOUT_S = 10.0
 PREFILL_RETRY_WAIT_S = 20.0
 # How long a request's end waits for the aborts of what is left of it on its workers.
 ABORT_WAIT_S = 0.2
-# Health answers' round trips kept per worker (what `health_latencies` reports).
-HEALTH_SAMPLES = 4096
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -89,24 +75,11 @@ class DisaggregatedDispatcher:
                  num_steps: int, health_period_s: float = HEALTH_PERIOD_S,
                  admission: AdmissionConfig | None = None) -> None:
         self._prefill, self._decode = dict(prefill), dict(decode)
-        self._endpoints = dict(decode_endpoints)
         self._model, self._num_steps = model, num_steps
-        self._health: dict[str, WorkerInfo] = {
-            n: WorkerInfo(name=n, role=WorkerRole.PREFILL, model=model.name)
-            for n in self._prefill} | {
-            n: WorkerInfo(name=n, role=WorkerRole.DECODE, model=model.name, speculative=True)
-            for n in self._decode}
-        self._spec: dict[str, SpecAcceptance] = {}
         self._in_flight: dict[str, tuple[str, str, int]] = {}  # request -> prefill, decode, room
         self._aborted: set[str] = set()  # in flight and aborted by abort()
         self._period = health_period_s
         self._poller: asyncio.Task | None = None
-        self._asking: dict[str, asyncio.Task] = {}  # worker -> its health call in flight
-        self._heard: dict[str, float] = {}  # worker -> time.monotonic() of its last answer
-        self._polling_since = time.monotonic()
-        self._incarnation: dict[str, str] = {}  # worker -> the incarnation last seen
-        self._health_ms: dict[str, deque[float]] = {
-            n: deque(maxlen=HEALTH_SAMPLES) for n in [*self._prefill, *self._decode]}
         # This router's channel name on every worker (one event stream per worker)
         self._channel_id = f"router-{uuid.uuid4().hex[:12]}"
         self._channels: dict[str, WorkerChannel] = {
@@ -116,6 +89,8 @@ class DisaggregatedDispatcher:
         self._admission_loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()  # background aborts (kept referenced)
         self._admission_cfg = admission or AdmissionConfig()
+        self.table = WorkerHealthTable(self._prefill, self._decode, decode_endpoints,
+                                       model.name, self._last_batch)
 
     # ---- snapshots --------------------------------------------------------------------------
 
@@ -125,87 +100,22 @@ class DisaggregatedDispatcher:
     def workers(self) -> Sequence[WorkerInfo]:
         if self._poller is None:
             try:
-                self._poller = asyncio.get_running_loop().create_task(self._poll_health())
+                self._poller = asyncio.get_running_loop().create_task(
+                    self.table.poll_forever(self._period))
             except RuntimeError:
                 pass
-        return list(self._health.values())
+        return self.table.infos()
 
     def health_latencies(self) -> dict[str, list[float]]:
         """Per worker, the round trips (ms) of its recent health answers, oldest first."""
-        return {n: list(d) for n, d in self._health_ms.items()}
+        return self.table.latencies()
 
-    async def _poll_health(self) -> None:
-        while True:
-            await asyncio.gather(*(self._check(n, h) for n, h in
-                                   [*self._prefill.items(), *self._decode.items()]))
-            await asyncio.sleep(self._period)
-
-    async def _check(self, name: str, handle) -> None:
-        """One poll of `name`. A worker is down at once when its health call fails (the actor
-        died or raised), and when nothing has been heard from it -- no health answer, no batch
-        on its event stream -- for DOWN_AFTER_S (frozen). A busy worker whose answers come late
-        stays up: its late answers still count as heard."""
-        role = WorkerRole.PREFILL if name in self._prefill else WorkerRole.DECODE
-        task = self._asking.get(name)
-        if task is None or task.done():  # one health call at a time per worker
-            task = self._asking[name] = asyncio.ensure_future(self._ask(name, handle, role))
-        await asyncio.wait({task}, timeout=HEALTH_TIMEOUT_S)
-        if task.done():
-            return
+    def _last_batch(self, name: str) -> float:
         channel = self._channels.get(name)
-        heard = max(self._heard.get(name, self._polling_since),
-                    channel.last_batch if channel is not None else 0.0)
-        silent = time.monotonic() - heard
-        if silent > DOWN_AFTER_S and self._health[name].healthy:
-            self._down(name, role, f"unreachable: nothing heard from it for {silent:.1f} s")
-
-    async def _ask(self, name: str, handle, role: WorkerRole) -> None:
-        """One health call, however long it takes; its answer updates the report."""
-        t0 = time.perf_counter()
-        try:
-            h = await _await_ref(handle.health.remote())
-        except Exception as exc:  # noqa: BLE001 -- dead or restarting
-            self._down(name, role, f"unreachable: {exc!r}"[:300])
-            return
-        self._heard[name] = time.monotonic()
-        self._health_ms.setdefault(name, deque(maxlen=HEALTH_SAMPLES)).append(
-            (time.perf_counter() - t0) * 1e3)
-        incarnation = getattr(h, "incarnation", "")
-        if incarnation != self._incarnation.get(name, incarnation):
-            log.warning("worker %s restarted (incarnation %s)", name, incarnation[:8])
-            if role is WorkerRole.DECODE and not await self._refresh_endpoint(name, handle):
-                return
-        self._incarnation[name] = incarnation
-        rtts = sorted(self._health_ms[name])
-        self._health[name] = WorkerInfo(
-            name=name, role=role, model=self._model.name, healthy=h.healthy, error=h.error,
-            address=h.node, num_running=h.num_running, num_waiting=h.num_waiting,
-            num_free_pages=h.num_free_pages, num_pages=h.num_pages,
-            speculative=role is WorkerRole.DECODE, health_p50_ms=_pct(rtts, 50),
-            health_p99_ms=_pct(rtts, 99))
-        if role is WorkerRole.DECODE and h.num_rounds:
-            self._spec[name] = SpecAcceptance(mean_acceptance_length=h.mean_acceptance_length,
-                                              per_position=h.per_position,
-                                              num_rounds=h.num_rounds)
-
-    def _down(self, name: str, role: WorkerRole, error: str) -> None:
-        self._health[name] = WorkerInfo(name=name, role=role, model=self._model.name,
-                                        healthy=False, error=error)
-
-    async def _refresh_endpoint(self, name: str, handle) -> bool:
-        """A restarted decode worker listens on new transfer endpoints: fetch them before it
-        gets requests again (False: not yet; the next poll tries again)."""
-        try:
-            self._endpoints[name] = await asyncio.wait_for(_await_ref(handle.endpoint.remote()),
-                                                           timeout=CALL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 -- still starting
-            self._down(name, WorkerRole.DECODE, f"restarted; its endpoint is not ready: {exc!r}"
-                       [:300])
-            return False
-        return True
+        return channel.last_batch if channel is not None else 0.0
 
     def stats(self) -> DispatcherStats:
-        snaps = list(self._spec.values())
+        snaps = self.table.spec_snapshots()
         if not snaps:
             return DispatcherStats(spec=None)
         total = sum(s.num_rounds for s in snaps)
@@ -262,9 +172,9 @@ class DisaggregatedDispatcher:
         end = time.monotonic() + PREFILL_RETRY_WAIT_S
         # Down until its next health answer, however its death showed (a broken stream, or a
         # failed call): the retry must not go to the process that just died.
-        self._down(dead, WorkerRole.PREFILL, "died under a request; waiting for its next answer")
+        self.table.down(dead, "died under a request; waiting for its next answer")
         while True:
-            healthy = [w for n, w in self._health.items() if n in self._prefill and w.healthy]
+            healthy = [w for w in self.table.infos() if w.name in self._prefill and w.healthy]
             if healthy:
                 return min(healthy, key=lambda w: (w.num_running + w.num_waiting, w.name)).name
             left = _remaining(request)
@@ -322,7 +232,7 @@ class DisaggregatedDispatcher:
                     submitted = submit()
                 break
             trace.mark(room, "router.reserved")
-            prefill.route.remote(room, dest, self._endpoints[dname])  # outcome: its events
+            prefill.route.remote(room, dest, self.table.endpoint(dname))  # outcome: its events
             await self._call(pname, submitted, request)  # answered long ago, normally
             progress = _Progress()
             async for chunk in self._follow(request, room, pname, dname, events, progress):
@@ -364,8 +274,7 @@ class DisaggregatedDispatcher:
                 side = "prefill" if worker == pname else "decode"
                 # Down until its next health answer (a restarted worker answers anew): no new
                 # request, and no retry, goes to it meanwhile.
-                self._down(worker, WorkerRole.PREFILL if worker == pname else WorkerRole.DECODE,
-                           f"its event stream broke: {ev.error}"[:300])
+                self.table.down(worker, f"its event stream broke: {ev.error}"[:300])
                 raise WorkerUnavailable(worker, f"{side} worker '{worker}' became unavailable "
                                                 f"while serving this request: {ev.error}")
             if worker == pname and isinstance(ev, FirstToken):
@@ -481,12 +390,6 @@ class DisaggregatedDispatcher:
 
 async def _await_ref(ref):
     return await ref
-
-
-def _pct(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    return sorted_values[min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1)))]
 
 
 def _aborted_chunk(rid: str) -> TokenChunk:

@@ -1,6 +1,7 @@
-"""The disaggregated dispatcher's health poll: a worker whose answers come late stays up (they
-still count as heard); one heard from by nothing for DOWN_AFTER_S is marked down (frozen); a
-failing call (dead actor) marks it down at once; a good answer brings it back."""
+"""The router's worker health table (the disaggregated dispatcher's poll): a worker whose
+answers come late stays up (they still count as heard); one heard from by nothing for
+DOWN_AFTER_S is marked down (frozen); a failing call (dead actor) marks it down at once; a good
+answer brings it back."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandem.router import disagg
-from tandem.router.disagg import DisaggregatedDispatcher
-from tandem.router.dispatch import ModelInfo
+from tandem.router import worker_health
+from tandem.router.worker_health import WorkerHealthTable
 
 
 class FakeHandle:
@@ -37,42 +37,40 @@ class FakeHandle:
 
 @pytest.fixture
 def fast_polls(monkeypatch):
-    monkeypatch.setattr(disagg, "HEALTH_TIMEOUT_S", 0.02)
-    monkeypatch.setattr(disagg, "DOWN_AFTER_S", 0.3)
+    monkeypatch.setattr(worker_health, "HEALTH_TIMEOUT_S", 0.02)
+    monkeypatch.setattr(worker_health, "DOWN_AFTER_S", 0.3)
 
 
 def test_late_answers_keep_a_worker_up_silence_and_failures_do_not(fast_polls):
     handle = FakeHandle()
-    disp = DisaggregatedDispatcher({"prefill-0": handle}, {}, {},
-                                   ModelInfo(name="m", vocab_size=10, max_model_len=64,
-                                             max_request_tokens=64), num_steps=1)
+    table = WorkerHealthTable({"prefill-0": handle}, {}, {}, "m", lambda name: 0.0)
 
-    def healthy() -> bool:  # the report (disp.workers() would also start the poller)
-        return disp._health["prefill-0"].healthy
+    def healthy() -> bool:
+        return table.get("prefill-0").healthy
 
     async def scenario():
-        await disp._check("prefill-0", handle)
+        await table.check("prefill-0")
         assert healthy()
         handle.mode = "slow"  # every answer 2.5x later than a poll waits: still heard
         for _ in range(12):
-            await disp._check("prefill-0", handle)
+            await table.check("prefill-0")
             await asyncio.sleep(0.02)
             assert healthy()
         await asyncio.sleep(0.06)  # the last slow answer lands
         handle.mode = "hang"  # frozen: nothing is heard any more
-        await disp._check("prefill-0", handle)
+        await table.check("prefill-0")
         assert healthy()  # not silent long enough yet
         await asyncio.sleep(0.4)
-        await disp._check("prefill-0", handle)
+        await table.check("prefill-0")
         assert not healthy()
-        assert "nothing heard from it" in disp._health["prefill-0"].error
-        disp._asking["prefill-0"].cancel()  # the frozen call (SIGCONT would answer it)
+        assert "nothing heard from it" in table.get("prefill-0").error
+        table._asking["prefill-0"].cancel()  # the frozen call (SIGCONT would answer it)
         await asyncio.sleep(0.01)
         handle.mode = "ok"
-        await disp._check("prefill-0", handle)
+        await table.check("prefill-0")
         assert healthy()
         handle.mode = "dead"
-        await disp._check("prefill-0", handle)
+        await table.check("prefill-0")
         assert not healthy()
 
     asyncio.run(scenario())

@@ -1,0 +1,152 @@
+"""`WorkerHealthTable`: the router's view of its Ray workers' health, from a background poll.
+
+Owns (the only writer): each worker's last `WorkerInfo`, the incarnation it last answered with,
+the round trips of its recent health answers, when it was last heard from, the speculative
+acceptance counts its answers carry, and the decode workers' transfer endpoints.
+
+Judgement: a worker is down at once when its health call fails (the actor died or raised) or
+when the dispatcher saw its event stream break (`down`); and when nothing has been heard from it
+-- no health answer, no batch on its event stream (one a second at least) -- for DOWN_AFTER_S:
+frozen (SIGSTOP, a wedged process). A busy worker whose answers come late stays up: a late
+answer still counts as heard. Its next answer brings a worker back. A worker Ray restarted
+answers with a new incarnation; a decode worker's new transfer endpoint is fetched before it is
+reported healthy again. Used on the router's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+from tandem.router.dispatch import SpecAcceptance, WorkerInfo, WorkerRole
+
+log = logging.getLogger(__name__)
+
+# Polls every HEALTH_PERIOD_S, each waiting up to HEALTH_TIMEOUT_S for the answer (a later one
+# still counts): a frozen worker is down within ~DOWN_AFTER_S + HEALTH_TIMEOUT_S +
+# HEALTH_PERIOD_S < 3 s of its last word.
+HEALTH_PERIOD_S = 0.25
+HEALTH_TIMEOUT_S = 0.75
+DOWN_AFTER_S = 1.75
+ENDPOINT_TIMEOUT_S = 10.0
+HEALTH_SAMPLES = 4096  # health round trips kept per worker (~17 min of polls)
+
+
+class WorkerHealthTable:
+    def __init__(self, prefill: dict[str, object], decode: dict[str, object],
+                 decode_endpoints: dict[str, bytes], model: str,
+                 last_batch: Callable[[str], float]) -> None:
+        # last_batch(name): time.monotonic() of the worker's last event-stream batch
+        self._handles = {**prefill, **decode}
+        self._roles = {n: WorkerRole.PREFILL for n in prefill} | {
+            n: WorkerRole.DECODE for n in decode}
+        self._model, self._last_batch = model, last_batch
+        self._endpoints = dict(decode_endpoints)
+        self._infos: dict[str, WorkerInfo] = {
+            n: WorkerInfo(name=n, role=r, model=model, speculative=r is WorkerRole.DECODE)
+            for n, r in self._roles.items()}
+        self._spec: dict[str, SpecAcceptance] = {}
+        self._asking: dict[str, asyncio.Task] = {}  # worker -> its health call in flight
+        self._heard: dict[str, float] = {}  # worker -> time.monotonic() of its last answer
+        self._since = time.monotonic()
+        self._incarnation: dict[str, str] = {}  # worker -> the incarnation last seen
+        self._rtt_ms: dict[str, deque[float]] = {n: deque(maxlen=HEALTH_SAMPLES)
+                                                 for n in self._roles}
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def infos(self) -> list[WorkerInfo]:
+        return list(self._infos.values())
+
+    def get(self, name: str) -> WorkerInfo:
+        return self._infos[name]
+
+    def endpoint(self, decode: str) -> bytes:
+        """The decode worker's transfer endpoints (every rank's, one blob), as of its current
+        incarnation."""
+        return self._endpoints[decode]
+
+    def spec_snapshots(self) -> list[SpecAcceptance]:
+        return list(self._spec.values())
+
+    def latencies(self) -> dict[str, list[float]]:
+        """Per worker, the round trips (ms) of its recent health answers, oldest first."""
+        return {n: list(d) for n, d in self._rtt_ms.items()}
+
+    # ---- judgement --------------------------------------------------------------------------
+
+    def down(self, name: str, error: str) -> None:
+        """`name` is down until its next health answer."""
+        self._infos[name] = WorkerInfo(name=name, role=self._roles[name], model=self._model,
+                                       healthy=False, error=error)
+
+    async def poll_forever(self, period_s: float = HEALTH_PERIOD_S) -> None:
+        while True:
+            await asyncio.gather(*(self.check(n) for n in self._roles))
+            await asyncio.sleep(period_s)
+
+    async def check(self, name: str) -> None:
+        """One poll of `name` (see the module docstring for the judgement)."""
+        task = self._asking.get(name)
+        if task is None or task.done():  # one health call at a time per worker
+            task = self._asking[name] = asyncio.ensure_future(self._ask(name))
+        await asyncio.wait({task}, timeout=HEALTH_TIMEOUT_S)
+        if task.done():
+            return
+        heard = max(self._heard.get(name, self._since), self._last_batch(name))
+        silent = time.monotonic() - heard
+        if silent > DOWN_AFTER_S and self._infos[name].healthy:
+            self.down(name, f"unreachable: nothing heard from it for {silent:.1f} s")
+
+    async def _ask(self, name: str) -> None:
+        """One health call, however long it takes; its answer updates the table."""
+        handle, role = self._handles[name], self._roles[name]
+        t0 = time.perf_counter()
+        try:
+            h = await _await_ref(handle.health.remote())
+        except Exception as exc:  # noqa: BLE001 -- dead or restarting
+            self.down(name, f"unreachable: {exc!r}"[:300])
+            return
+        self._heard[name] = time.monotonic()
+        self._rtt_ms[name].append((time.perf_counter() - t0) * 1e3)
+        incarnation = getattr(h, "incarnation", "")
+        if incarnation != self._incarnation.get(name, incarnation):
+            log.warning("worker %s restarted (incarnation %s)", name, incarnation[:8])
+            if role is WorkerRole.DECODE and not await self._refresh_endpoint(name):
+                return
+        self._incarnation[name] = incarnation
+        rtts = sorted(self._rtt_ms[name])
+        self._infos[name] = WorkerInfo(
+            name=name, role=role, model=self._model, healthy=h.healthy, error=h.error,
+            address=h.node, num_running=h.num_running, num_waiting=h.num_waiting,
+            num_free_pages=h.num_free_pages, num_pages=h.num_pages,
+            speculative=role is WorkerRole.DECODE, health_p50_ms=_pct(rtts, 50),
+            health_p99_ms=_pct(rtts, 99))
+        if role is WorkerRole.DECODE and h.num_rounds:
+            self._spec[name] = SpecAcceptance(mean_acceptance_length=h.mean_acceptance_length,
+                                              per_position=h.per_position,
+                                              num_rounds=h.num_rounds)
+
+    async def _refresh_endpoint(self, name: str) -> bool:
+        """A restarted decode worker listens on new transfer endpoints: fetch them before it
+        gets requests again (False: not yet; the next poll tries again)."""
+        try:
+            self._endpoints[name] = await asyncio.wait_for(
+                _await_ref(self._handles[name].endpoint.remote()), timeout=ENDPOINT_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- still starting
+            self.down(name, f"restarted; its endpoint is not ready: {exc!r}"[:300])
+            return False
+        return True
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1)))]
+
+
+async def _await_ref(ref):
+    return await ref
