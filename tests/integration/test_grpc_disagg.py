@@ -12,33 +12,14 @@ import time
 import grpc
 import pytest
 
-from disagg_helpers import tiny_model_and_head
+from grpc_system import SHORT, System, dirs, local_ray  # noqa: F401 -- module fixtures
 from tandem.deploy.config import DeployConfig, GroupConfig
 from tandem.engine import EngineConfig, SamplingParams
-from tandem.kvtransfer import EndpointConfig, FailureInjection, FaultKind
+from tandem.kvtransfer import FailureInjection, FaultKind
 from tandem.spec import SpecConfig, SpecEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 ray = pytest.importorskip("ray")
-
-SHORT = EndpointConfig(handshake_timeout_s=5.0, timeout_s=4.0, drain_timeout_s=3.0,
-                       lease_margin_s=4.0)
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return tiny_model_and_head(tmp_path_factory.mktemp("m"))
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    from tandem.deploy.launcher import init_ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    init_ray(num_cpus=8)
-    yield
-    ray.shutdown()
 
 
 def _cfg(dirs, prefill=1, decode=1, prefill_faults=None) -> DeployConfig:
@@ -49,51 +30,6 @@ def _cfg(dirs, prefill=1, decode=1, prefill_faults=None) -> DeployConfig:
         transfer_backend="mooncake", transfer_timeout_s=4.0, endpoint=SHORT,
         prefill=GroupConfig(replicas=prefill, num_cpus=0.5, faults=prefill_faults),
         decode=GroupConfig(replicas=decode, num_cpus=0.5))
-
-
-class System:
-    """A deployment behind a gRPC server on 127.0.0.1 (random port)."""
-
-    def __init__(self, cfg: DeployConfig) -> None:
-        from tandem.deploy.serve import launch_and_build
-        from tandem.proto import router_pb2_grpc as pb_grpc
-        from tandem.router.app import BackgroundServer
-        from tandem.router.server import ServerConfig
-
-        self.dep, router = launch_and_build(cfg)
-        self.server = BackgroundServer(router, ServerConfig(host="127.0.0.1", port=0)).start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.port}")
-        self.stub = pb_grpc.RouterStub(self.channel)
-
-    def generate(self, prompt, max_tokens, timeout=60, **pins):
-        from tandem.proto import router_pb2 as pb
-
-        req = pb.GenerateRequest(prompt_token_ids=prompt,
-                                 sampling=pb.SamplingParams(max_tokens=max_tokens,
-                                                            ignore_eos=True), **pins)
-        return self.stub.Generate(req, timeout=timeout)
-
-    def tokens(self, prompt, max_tokens, **pins) -> list[int]:
-        out = []
-        for msg in self.generate(prompt, max_tokens, **pins):
-            out.extend(msg.token_ids)
-        return out
-
-    def all_free(self, timeout_s=30.0, skip=()) -> bool:
-        end = time.monotonic() + timeout_s
-        handles = [h for n, h in [*self.dep.prefill.items(), *self.dep.decode.items()]
-                   if n not in skip]
-        while time.monotonic() < end:
-            hs = ray.get([h.health.remote() for h in handles])
-            if all(h.num_free_pages == h.num_pages for h in hs):
-                return True
-            time.sleep(0.2)
-        return False
-
-    def close(self) -> None:
-        self.channel.close()
-        self.server.stop()
-        self.dep.shutdown()
 
 
 def test_grpc_disaggregated_equals_colocated_and_survives_worker_death(local_ray, dirs):
