@@ -124,7 +124,7 @@ def test_sigstop_marks_a_decode_worker_down_fast_and_new_requests_avoid_it(local
                 t1 = time.monotonic()
                 assert system.outcome([i + 1, 5, 6], 6, timeout=20) == "OK"
                 assert time.monotonic() - t1 < 5.0
-            time.sleep(max(0.0, 8.0 - (time.monotonic() - t0)))  # frozen for a while
+            time.sleep(max(0.0, 20.0 - (time.monotonic() - t0)))  # frozen for 20 s in all
         finally:
             os.kill(pid, signal.SIGCONT)
         t2 = time.monotonic()
