@@ -25,7 +25,12 @@ class EndpointConfig:
     lease_margin_s, and with Mooncake drain_timeout_s > MC_TRANSFER_TIMEOUT (default 30 s)."""
 
     handshake_timeout_s: float = 10.0  # connect(): HELLO → WELCOME
-    timeout_s: float = 30.0  # default transfer deadline of expect(); covers prefill queue + compute
+    timeout_s: float = 30.0  # default transfer deadline of expect(), counted from the grant
+    # How long a reservation waits for its writer to begin (the prefill queue and forward, which
+    # must not count against the transfer); None: the transfer deadline counts from the
+    # reservation (what unit tests of deadlines use). The router aborts a request at its own
+    # deadline, so this bounds only reservations whose router went away.
+    reserve_wait_s: float | None = 300.0
     drain_timeout_s: float = 35.0  # sender: after a failure, wait this long for posted writes
     lease_margin_s: float = 45.0  # decode: lease = timeout_s + this; then the writer is fenced
     # Entries per backend write; None = the backend's own limit (Mooncake 1024, NIXL none: one

@@ -53,6 +53,8 @@ class _Claim:
     num_pages: int = 0  # pages the writers announced in BEGIN (all the same)
     granted_at: float = 0.0
     error: TransferError | None = None
+    timeout_s: float | None = None  # set: the deadline restarts at the first grant
+    lease_margin_s: float = 0.0
 
     @property
     def writer(self) -> str | None:
@@ -102,7 +104,11 @@ class ReceiveTable:
 
     # -- transitions --------------------------------------------------------------------------
     def reserve(self, room: int, page_ids: Sequence[int], aux_slot: int, *, timeout_s: float,
-                lease_margin_s: float) -> None:
+                lease_margin_s: float, reserve_wait_s: float | None = None) -> None:
+        """Claim `page_ids` + `aux_slot` for `room`. The transfer must be DONE within
+        `timeout_s` of this call, or -- with `reserve_wait_s` -- within `timeout_s` of its first
+        grant, a writer having to begin within `reserve_wait_s` (time a request spends queued
+        for prefill is not transfer time)."""
         if room in self._claims:
             raise ValueError(f"room {room}: already reserved")
         pages = tuple(page_ids)
@@ -111,9 +117,12 @@ class ReceiveTable:
             raise ValueError(f"room {room}: pages {busy[:8]} / aux slot {aux_slot} still held by "
                              "another transfer (released only when no writer can touch them)")
         now = self._clock()
+        wait = timeout_s if reserve_wait_s is None else max(timeout_s, reserve_wait_s)
         self._claims[room] = _Claim(room=room, page_ids=pages, aux_slot=aux_slot,
-                                    state=TransferState.RESERVED, deadline=now + timeout_s,
-                                    lease_deadline=now + timeout_s + lease_margin_s)
+                                    state=TransferState.RESERVED, deadline=now + wait,
+                                    lease_deadline=now + wait + lease_margin_s,
+                                    timeout_s=timeout_s if reserve_wait_s is not None else None,
+                                    lease_margin_s=lease_margin_s)
         self._held_pages.update((p, room) for p in pages)
         self._held_slots[aux_slot] = room
 
@@ -130,6 +139,9 @@ class ReceiveTable:
         c.state = advance(c.state, TransferState.TRANSFERRING, room=room)
         c.writers[writer] = False
         c.num_pages, c.granted_at = num_pages, self._clock()
+        if c.timeout_s is not None:  # the transfer's own deadline counts from its first grant
+            c.deadline = c.granted_at + c.timeout_s
+            c.lease_deadline = c.deadline + c.lease_margin_s
 
     def complete(self, room: int) -> _Claim:
         """TRANSFERRING -> DONE on a verified completion notification (the writer's final word)."""

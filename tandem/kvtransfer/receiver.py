@@ -87,7 +87,8 @@ class DecodeReceiver(EndpointBase):
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         try:
             self.table.reserve(room, pages, aux_slot, timeout_s=timeout,
-                               lease_margin_s=self.config.lease_margin_s)
+                               lease_margin_s=self.config.lease_margin_s,
+                               reserve_wait_s=self.config.reserve_wait_s)
         except ValueError as e:
             raise TransferError(ErrorKind.INVALID, str(e), room=room) from e
         # A slot never written for this room must not decode as a seed (stale-slot guard).

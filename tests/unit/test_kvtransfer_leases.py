@@ -191,3 +191,23 @@ def test_random_histories_release_each_room_once_and_never_early(seed):
     table.close()
     assert sorted(released) == list(range(rooms))  # every room exactly once
     assert sorted(free) == list(range(40))
+
+
+def test_time_queued_for_prefill_is_not_transfer_time(env):
+    """With reserve_wait_s, a reservation waits that long for its writer to begin (the request
+    may sit in the prefill queue), and the transfer's own deadline counts from the grant;
+    without it, from the reservation (the old rule, kept for deadline tests)."""
+    table, clock, _ = env
+    table.reserve(1, (1, 2), 0, timeout_s=3.0, lease_margin_s=2.0, reserve_wait_s=60.0)
+    table.reserve(2, (3, 4), 1, timeout_s=3.0, lease_margin_s=2.0)  # no reserve wait
+    clock.t += 10.0  # queued in prefill for 10 s
+    timed_out, _ = table.expired()
+    assert timed_out == [2]  # the old rule times the queued one out
+    table.grant(1, "w", 2)
+    clock.t += 2.9
+    assert table.expired()[0] == [2]  # granted 2.9 s ago: within its 3 s
+    clock.t += 0.2
+    assert 1 in table.expired()[0]  # 3.1 s after the grant
+    table.reserve(3, (5, 6), 2, timeout_s=3.0, lease_margin_s=2.0, reserve_wait_s=60.0)
+    clock.t += 60.5
+    assert 3 in table.expired()[0]  # nobody began within the reserve wait
