@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 from tandem.router.dispatch import CapacityExceeded, DeadlineExceeded
 
+# A request waiting for decode pages tries again at least this often.
+CAPACITY_RETRY_S = 2.0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdmissionConfig:
@@ -37,7 +40,8 @@ class Admission:
         self.cfg = cfg or AdmissionConfig()
         self._running = 0
         self._waiters: deque[asyncio.Future] = deque()
-        self._freed = asyncio.Event()  # set whenever a request ends (capacity may be back)
+        # Requests waiting for decode pages (`wait_for_capacity`), oldest first
+        self._capacity_waiters: deque[asyncio.Future] = deque()
 
     @property
     def num_running(self) -> int:
@@ -86,22 +90,31 @@ class Admission:
                 break
         else:
             self._running -= 1
-        self._freed.set()
+        while self._capacity_waiters:  # a request ended: the oldest page waiter tries again
+            turn = self._capacity_waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                break
 
     async def wait_for_capacity(self, request_id: str, deadline: float | None,
-                                max_wait_s: float = 0.5) -> None:
-        """Wait until some request ends (decode pages may be free again), at most `max_wait_s`;
-        DeadlineExceeded when the deadline passes first."""
-        self._freed.clear()
+                                max_wait_s: float = CAPACITY_RETRY_S) -> None:
+        """Wait for a turn to try decode's pages again: the oldest waiter is woken when a
+        request ends (one end frees pages for about one request: waking every waiter made
+        them all retry at once), each at least every `max_wait_s`; DeadlineExceeded when the
+        deadline has passed."""
         left = _remaining(deadline)
         if left is not None and left <= 0:
             raise DeadlineExceeded(f"request '{request_id}' passed its deadline waiting for KV "
                                    "pages on the decode workers")
+        turn = asyncio.get_running_loop().create_future()
+        self._capacity_waiters.append(turn)
         try:
-            await asyncio.wait_for(self._freed.wait(),
-                                   max_wait_s if left is None else min(left, max_wait_s))
+            await asyncio.wait_for(turn, max_wait_s if left is None else min(left, max_wait_s))
         except asyncio.TimeoutError:
             pass
+        finally:
+            if not turn.done():
+                turn.cancel()
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -91,3 +91,35 @@ def test_wait_for_capacity_wakes_when_a_request_ends():
             await adm.wait_for_capacity("y", time.time() - 1)
 
     asyncio.run(scenario())
+
+
+def test_a_request_end_wakes_only_the_oldest_page_waiter():
+    async def scenario():
+        adm = Admission(AdmissionConfig(max_running=8, max_queued=8))
+        ends = [asyncio.Event() for _ in range(2)]
+
+        async def running(i: int):
+            async with adm.slot(f"run{i}", None):
+                await ends[i].wait()
+
+        runs = [asyncio.ensure_future(running(i)) for i in range(2)]
+        await asyncio.sleep(0.01)
+        woken: list[str] = []
+
+        async def waiter(name: str):
+            await adm.wait_for_capacity(name, None, max_wait_s=5.0)
+            woken.append(name)
+
+        waiters = [asyncio.ensure_future(waiter(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0.01)
+        ends[0].set()
+        await asyncio.sleep(0.05)
+        assert woken == ["a"]  # one end, one turn, oldest first
+        ends[1].set()
+        await asyncio.sleep(0.05)
+        assert woken == ["a", "b"]
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*runs, *waiters, return_exceptions=True)
+
+    asyncio.run(scenario())
