@@ -163,7 +163,8 @@ class DecodeWrappers:
                     f"decode batch of {bs} sequences over {num_pages} pages exceeds the CUDA "
                     f"graph buffers ({self.max_batch_size} sequences, {self.max_num_pages} pages)"
                 )
-            self._allocate(max(bs, self.max_batch_size), max(num_pages, 2 * self.max_num_pages))
+            self._allocate(*grown_capacity(bs, num_pages, self.max_batch_size,
+                                           self.max_num_pages))
         s = self.shape
         self._guard.before_plan()
         self._wrapper(bs).plan(
@@ -178,6 +179,19 @@ class DecodeWrappers:
         self._epoch.value += 1
         return FlashInferPlan(wrapper=self._wrappers[bs], slot_ids=slots, epoch=self._epoch,
                               planned_at=self._epoch.value)
+
+
+def grown_capacity(batch_size: int, num_pages: int, max_batch_size: int, max_num_pages: int
+                   ) -> tuple[int, int]:
+    """The (batch, pages) capacity of growable decode buffers that hold this batch: a dimension
+    grows only when exceeded, and then at least doubles. (Pages used to double whenever the
+    batch grew: a batch growing by a row at a time doubled them each step, up to a 51 GiB
+    page-id buffer and a decode worker out of GPU memory at 256 concurrent requests.)"""
+    if batch_size > max_batch_size:
+        max_batch_size = max(batch_size, 2 * max_batch_size)
+    if num_pages > max_num_pages:
+        max_num_pages = max(num_pages, 2 * max_num_pages)
+    return max_batch_size, max_num_pages
 
 
 class PrefillGraphWrappers:
