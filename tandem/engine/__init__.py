@@ -1,41 +1,55 @@
 """The engine: one model on one device group with a paged KV cache.
 
-Public API (other packages import only these names):
+Public API (other packages import only these names). The names load on first use (PEP 562):
+`tandem.engine.params`, `trace` and `tokenizer` -- the request vocabulary the router shares --
+import no torch, and importing one of them must not load the model code through this file.
 """
 
-from tandem.engine.attention import (
-    AttentionMetadata,
-    BatchLayout,
-    SeqSlice,
-    build_metadata,
-    causal_mask,
-    create_backend,
-    tree_mask,
-)
-from tandem.engine.config import ConfigError, EngineConfig, ModelConfig, SamplingFault
-from tandem.engine.kv_cache import (
-    KVGroupSpec,
-    KVPool,
-    KVRegionInfo,
-    OutOfPages,
-    PageAllocator,
-    PageError,
-)
-from tandem.engine.llm import LLMEngine, validate_prompt
-from tandem.engine.loader import WeightLoadError, build_model, resolve_model
-from tandem.engine.models.decoder import DecoderLM
-from tandem.engine.parallel import ParallelContext, ParallelGroup
-from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine.request import Completion, FinishReason, RequestOutput
-from tandem.engine.runner import ForwardBatch, ForwardOutput, ModelRunner
-from tandem.engine.sampling import (
-    GREEDY_TEMPERATURE,
-    InjectedFault,
-    SampleOutput,
-    Sampler,
-    SamplingParams,
-    target_probs,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {  # public name -> the module that defines it
+    "AttentionMetadata": "tandem.engine.attention",
+    "BatchLayout": "tandem.engine.attention",
+    "Completion": "tandem.engine.request",
+    "ConfigError": "tandem.engine.config",
+    "DecoderLM": "tandem.engine.models.decoder",
+    "EngineConfig": "tandem.engine.config",
+    "FinishReason": "tandem.engine.request",
+    "ForwardBatch": "tandem.engine.runner",
+    "ForwardOutput": "tandem.engine.runner",
+    "GREEDY_TEMPERATURE": "tandem.engine.sampling",
+    "InjectedFault": "tandem.engine.sampling",
+    "KVGroupSpec": "tandem.engine.kv_cache",
+    "KVPool": "tandem.engine.kv_cache",
+    "KVRegionInfo": "tandem.engine.kv_cache",
+    "LLMEngine": "tandem.engine.llm",
+    "ModelConfig": "tandem.engine.config",
+    "ModelRunner": "tandem.engine.runner",
+    "OutOfPages": "tandem.engine.kv_cache",
+    "PageAllocator": "tandem.engine.kv_cache",
+    "PageError": "tandem.engine.kv_cache",
+    "ParallelContext": "tandem.engine.parallel",
+    "ParallelGroup": "tandem.engine.parallel",
+    "PrefixCache": "tandem.engine.prefix_cache",
+    "RequestOutput": "tandem.engine.request",
+    "SampleOutput": "tandem.engine.sampling",
+    "Sampler": "tandem.engine.sampling",
+    "SamplingFault": "tandem.engine.config",
+    "SamplingParams": "tandem.engine.sampling",
+    "SeqSlice": "tandem.engine.attention",
+    "WeightLoadError": "tandem.engine.loader",
+    "build_metadata": "tandem.engine.attention",
+    "build_model": "tandem.engine.loader",
+    "causal_mask": "tandem.engine.attention",
+    "create_backend": "tandem.engine.attention",
+    "resolve_model": "tandem.engine.loader",
+    "target_probs": "tandem.engine.sampling",
+    "tree_mask": "tandem.engine.attention",
+    "validate_prompt": "tandem.engine.llm",
+}
 
 __all__ = [
     "GREEDY_TEMPERATURE", "AttentionMetadata", "BatchLayout", "Completion", "ConfigError",
@@ -47,3 +61,16 @@ __all__ = [
     "build_model", "causal_mask", "create_backend", "resolve_model", "target_probs",
     "tree_mask", "validate_prompt",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tandem.engine' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,20 +8,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
-from tandem.engine.sampling import SamplingParams
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"  # EOS, a stop token or a stop string
-    LENGTH = "length"  # max_new_tokens or the context limit
-    ABORT = "abort"
-    # This request's own per-row work after the forward raised (its sampling, stop checks or
-    # detokenizer): it alone ends, with `error` saying why; the rest of its batch goes on.
-    ERROR = "error"
+from tandem.engine.params import FinishReason, SamplingParams  # noqa: F401 -- re-exported
 
 
 @dataclass(slots=True, eq=False)

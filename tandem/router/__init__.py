@@ -3,10 +3,13 @@ request lifecycle (request ids, rooms, streaming, abort, deadlines), and the wor
 
 Public API (other packages import only these names). The gRPC pieces (`RouterServer`,
 `RouterServicer`) live in `tandem.router.server` / `tandem.router.servicer` and are not imported
-here, so the logic can be used without loading grpc.
+here, so the logic can be used without loading grpc. The router imports no torch: the
+colocated dispatcher, which holds engines in this process, loads on first use (PEP 562).
 """
 
-from tandem.router.colocated import ColocatedDispatcher, ColocatedWorker
+from typing import Any
+
+
 from tandem.router.dispatch import (
     CapacityExceeded,
     DeadlineExceeded,
@@ -55,3 +58,11 @@ __all__ = [
     "SpecAcceptance", "TokenChunk", "Usage", "WorkerInfo", "WorkerRegistry", "WorkerRole",
     "WorkerState", "WorkerUnavailable", "make_policy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ColocatedDispatcher", "ColocatedWorker"):
+        from tandem.router import colocated
+
+        return getattr(colocated, name)
+    raise AttributeError(f"module 'tandem.router' has no attribute '{name}'")

@@ -30,6 +30,7 @@ from tandem.router.dispatch import (
     RequestRejected,
     RoutedRequest,
     SpecAcceptance,
+    acceptance_from_rounds,
     TokenChunk,
     WorkerInfo,
     WorkerRole,
@@ -162,15 +163,6 @@ class ColocatedDispatcher:
 
     async def close(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(w.loop.stop) for w in self._workers.values()))
-
-
-def acceptance_from_rounds(rounds: Sequence[int], num_steps: int) -> SpecAcceptance:
-    n = len(rounds)
-    return SpecAcceptance(
-        mean_acceptance_length=sum(rounds) / n if n else 0.0,
-        per_position=tuple(sum(r - 1 >= j + 1 for r in rounds) / n if n else 0.0
-                           for j in range(num_steps)),
-        num_rounds=n)
 
 
 def _dispatch_error(worker: str, request_id: str, error: LoopError) -> DispatchError:

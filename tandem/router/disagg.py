@@ -35,10 +35,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from tandem.engine import trace
-from tandem.engine.request import FinishReason
+from tandem.engine.params import FinishReason
 from tandem.messages import FirstToken, OutOfCapacity
 from tandem.router.admission import Admission, AdmissionConfig
-from tandem.router.colocated import acceptance_from_rounds
 from tandem.router.dispatch import (
     CapacityExceeded,
     DeadlineExceeded,
@@ -52,6 +51,7 @@ from tandem.router.dispatch import (
     TransferFailed,
     WorkerInfo,
     WorkerUnavailable,
+    acceptance_from_rounds,
 )
 from tandem.router.worker_channel import ChannelLost, WorkerChannel
 from tandem.router.worker_health import HEALTH_PERIOD_S, WorkerHealthTable

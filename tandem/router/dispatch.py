@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from tandem.engine.request import FinishReason
-from tandem.engine.sampling import SamplingParams
+from tandem.engine.params import FinishReason
+from tandem.engine.params import SamplingParams
 
 
 class WorkerRole(str, Enum):
@@ -129,6 +129,17 @@ class TokenChunk:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatcherStats:
     spec: SpecAcceptance | None  # over all requests of all speculative workers
+
+
+def acceptance_from_rounds(rounds: Sequence[int], num_steps: int) -> SpecAcceptance:
+    """A request's acceptance stats from its speculative rounds (tokens each committed:
+    accepted drafts + 1)."""
+    n = len(rounds)
+    return SpecAcceptance(
+        mean_acceptance_length=sum(rounds) / n if n else 0.0,
+        per_position=tuple(sum(r - 1 >= j + 1 for r in rounds) / n if n else 0.0
+                           for j in range(num_steps)),
+        num_rounds=n)
 
 
 class DispatchError(Exception):
