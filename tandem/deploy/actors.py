@@ -321,12 +321,10 @@ class PrefillActor(_ActorBase):
                                 error_kind="worker")
         self.channels.emit(room, res, last=True)
 
-    async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams,
-                      destination: bytes | None = None, decode_endpoint: bytes | None = None
+    async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams
                       ) -> PrefillResult:
         """Prefill and push one request; returns when its transfer reached a terminal state
-        (or the first token already finished it). `destination` (with `decode_endpoint`):
-        decode's reserve answer; None: it follows by `route`."""
+        (or the first token already finished it). Decode's destination comes by `route`."""
         trace.mark(room, "prefill.call")
         self._ended.pop(room, None)
         r = self._room(room)
@@ -335,27 +333,26 @@ class PrefillActor(_ActorBase):
             if r.aborted:  # its abort ran first
                 return PrefillResult(room=room, ok=False, error="aborted", error_kind="aborted")
             r.result = self._loop().create_future()
-            return await self._prefill(r, room, prompt_ids, params, destination, decode_endpoint)
+            return await self._prefill(r, room, prompt_ids, params)
         finally:
             self._end(room)
 
-    async def _prefill(self, r: _Room, room: int, prompt_ids: list[int], params: SamplingParams,
-                       destination: bytes | None, decode_endpoint: bytes | None) -> PrefillResult:
+    async def _prefill(self, r: _Room, room: int, prompt_ids: list[int], params: SamplingParams
+                       ) -> PrefillResult:
         # Layer-wise push must know its destinations before the forward (its hook starts the
         # legs then): it waits for the route first.
-        early = destination is None and not self.cfg.layerwise_push
+        early = not self.cfg.layerwise_push
         try:
             if early:
                 await self._call("submit", room, prompt_ids, params, None)
-            if destination is None:  # a router that died before its `route` must not hold
-                try:                 # the forward's pages forever
-                    got = await asyncio.wait_for(asyncio.shield(r.route), self.route_wait_s)
-                except asyncio.TimeoutError:
-                    raise RuntimeError(f"no destination from the router within "
-                                       f"{self.route_wait_s:g} s") from None
-                if got is None:
-                    raise RuntimeError("aborted before decode's destination came")
-                destination, decode_endpoint = got
+            try:  # a router that died before its `route` must not hold the forward's pages
+                got = await asyncio.wait_for(asyncio.shield(r.route), self.route_wait_s)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"no destination from the router within "
+                                   f"{self.route_wait_s:g} s") from None
+            if got is None:
+                raise RuntimeError("aborted before decode's destination came")
+            destination, decode_endpoint = got
             trace.mark(room, "prefill.dest")
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.

@@ -106,10 +106,6 @@ class DisaggregatedDispatcher:
                 pass
         return self.table.infos()
 
-    def health_latencies(self) -> dict[str, list[float]]:
-        """Per worker, the round trips (ms) of its recent health answers, oldest first."""
-        return self.table.latencies()
-
     def _last_batch(self, name: str) -> float:
         channel = self._channels.get(name)
         return channel.last_batch if channel is not None else 0.0

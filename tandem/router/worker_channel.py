@@ -39,7 +39,6 @@ class WorkerChannel:
         self._rooms: dict[int, asyncio.Queue] = {}
         self._pump: asyncio.Task | None = None
         self.last_batch = 0.0  # time.monotonic() of the last batch (keep-alives included)
-        self.connected = False
 
     def open(self, room: int, queue: asyncio.Queue) -> None:
         """`room`'s events go to `queue` from now on (open it before submitting the room)."""
@@ -48,9 +47,6 @@ class WorkerChannel:
 
     def close(self, room: int) -> None:
         self._rooms.pop(room, None)
-
-    def num_open(self) -> int:
-        return len(self._rooms)
 
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -64,7 +60,7 @@ class WorkerChannel:
                 gen = self._handle.events.options(num_returns="streaming").remote(self._id)
                 async for ref in gen:
                     batch = await ref
-                    self.connected, self.last_batch = True, time.monotonic()
+                    self.last_batch = time.monotonic()
                     backoff = RECONNECT_MIN_S
                     for event in batch:
                         q = self._rooms.get(event.room)
@@ -75,7 +71,6 @@ class WorkerChannel:
                 raise
             except Exception as exc:  # noqa: BLE001 -- the actor died or is restarting
                 error = f"{type(exc).__name__}: {exc}"[:300]
-            self.connected = False
             self._lose_all(error)
             await asyncio.sleep(backoff)
             backoff = min(RECONNECT_MAX_S, backoff * 2)

@@ -72,10 +72,6 @@ class WorkerHealthTable:
     def spec_snapshots(self) -> list[SpecAcceptance]:
         return list(self._spec.values())
 
-    def latencies(self) -> dict[str, list[float]]:
-        """Per worker, the round trips (ms) of its recent health answers, oldest first."""
-        return {n: list(d) for n, d in self._rtt_ms.items()}
-
     # ---- judgement --------------------------------------------------------------------------
 
     def down(self, name: str, error: str) -> None:
