@@ -119,7 +119,7 @@ class DecodeGraphRunner:
         """Replay without re-planning (benchmarks: pure GPU time of a step). The latest plan
         must be of this size (`run` a batch of it first): the planner's buffers are shared by
         every size, so a graph replayed over another size's plan reads a stale indptr tail --
-        negative page counts, an illegal memory access (bench/gpu_spec.py at batch 16)."""
+        negative page counts, an illegal memory access (benchmarks/gpu_spec.py at batch 16)."""
         check_latest_plan(self._planner, batch_size, "DecodeGraphRunner.replay_only")
         self._graphs[batch_size].graph.replay()
 

@@ -6,7 +6,7 @@ everything is queued once the whole prefill finished. `exposed_s` is the transfe
 request still waits for after compute: what layer-wise push is meant to shrink.
 
 The real thing -- pushes driven by the prefill forward's per-layer hook -- is
-prefill_node/layerwise.py (WorkerConfig.layerwise_push), measured by bench/layerwise_push.py.
+prefill_node/layerwise.py (WorkerConfig.layerwise_push), measured by benchmarks/layerwise_push.py.
 """
 
 from __future__ import annotations

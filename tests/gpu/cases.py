@@ -1,4 +1,4 @@
-"""Attention cases shared by tests/gpu and bench/gpu_engine.py: the FlashInfer backend and the
+"""Attention cases shared by tests/gpu and benchmarks/gpu_engine.py: the FlashInfer backend and the
 torch reference run on the same metadata, pages and q/k/v (the reference in float32)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The draft-extend graph (SpecGraphRunner.extend, fixed R rows per request, inputs gathered on
 the device) against the eager ragged draft-extend, and the capacity checks that turn a graph
 replay over stale or oversized metadata into a Python error before launch (the batch-16
-illegal memory access of bench/gpu_spec.py). CPU: the runner in eager mode, as in
+illegal memory access of benchmarks/gpu_spec.py). CPU: the runner in eager mode, as in
 test_spec_graph_padding.py; tests/gpu/test_spec_graphs.py replays the real graphs."""
 
 from __future__ import annotations

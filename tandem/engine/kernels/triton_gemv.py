@@ -19,7 +19,7 @@ x of one row runs `_gemv_kernel` (tuned: ~98% of copy bandwidth). x of 2..8 rows
 read of the weight for M tokens), or, where the first-call tuning finds it faster, the
 unfused sequence (`UNFUSED`: cuBLAS + the Triton elementwise kernels), so routing M <= 8
 here is never slower per projection than what ran before. Choices are recorded per kind of GPU
-(`tuning_file`): later processes take them untimed, so restarts run the same kernels. On an H100 at M = 5 (bench/
+(`tuning_file`): later processes take them untimed, so restarts run the same kernels. On an H100 at M = 5 (benchmarks/
 gpu_micro.py --skinny) the kernel wins qkv+norm (21.6 vs 23.8 us), o_proj+residual (14.4 vs
 17.5), gate_up+norm (83.1 vs 85.2) and the LM head (347 vs 378); UNFUSED wins down with
 SiLU-mul + residual (47.6 vs 58.7: the per-program SiLU prologue over 8 padded rows costs
@@ -183,7 +183,7 @@ def _rows_kernel(
 # (BLOCK_N, BLOCK_K, num_warps, programs per SM or 0 for one program per row block)
 # candidates; the first call of each shape and variant times them all and keeps the fastest.
 Config = tuple[int, int, int, int]
-# Pruned from a sweep of 17 on an H200 (bench/gpu_micro.py): these won for every Llama-8B
+# Pruned from a sweep of 17 on an H200 (benchmarks/gpu_micro.py): these won for every Llama-8B
 # site, plain and fused; the small-K ones serve SmolLM2-sized rows.
 CONFIGS: tuple[Config, ...] = (
     (2, 2048, 4, 0), (4, 2048, 8, 0), (1, 4096, 4, 0), (2, 4096, 8, 0), (8, 512, 4, 0),
@@ -214,7 +214,7 @@ UNFUSED: Literal["unfused"] = "unfused"
 RowsChoice = RowsConfig | Literal["unfused"]
 # Candidates for 2..8 rows, timed like CONFIGS at the first call of each shape, variant and
 # row count. The first is the interpreter's; UNFUSED stays in so a shape where cuBLAS wins
-# keeps it. Pruned from a sweep of 44 at M = 5 on an H100 (bench/gpu_micro.py --skinny
+# keeps it. Pruned from a sweep of 44 at M = 5 on an H100 (benchmarks/gpu_micro.py --skinny
 # --sweep): the winners of every Llama-8B site, plain and fused (8 warps never won); the
 # (8, 128) one is for SmolLM2's narrow rows (N = 576).
 ROWS_CONFIGS: tuple[RowsChoice, ...] = (

@@ -4,7 +4,7 @@ next to one plain decode step of the same batch.
 On the device machine, from the repository root (1 GPU):
 
     source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH
-    python bench/gpu_spec.py --out $OUT
+    python benchmarks/gpu_spec.py --out $OUT
 
 Sections (each one's failure is caught, printed and recorded; later ones still run):
 1. `check_fp32`: SmolLM2-shaped dummy model in float32 (torch reference attention, on the GPU):

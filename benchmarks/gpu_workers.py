@@ -1,9 +1,9 @@
 """Prefill/decode workers on GPUs, TP inside the workers: start each deployment on a local Ray
 instance of the GPU machine, check its greedy outputs against the colocated single-GPU engine,
 then measure output throughput and TTFT at a few concurrencies. Run it through
-bench/gpu_workers.sh (it activates the bundle); see that file for the machine kinds.
+benchmarks/gpu_workers.sh (it activates the bundle); see that file for the machine kinds.
 
-Deployments (bench/workers-*.yaml; the model and head paths are filled in here):
+Deployments (benchmarks/workers-*.yaml; the model and head paths are filled in here):
   2gpu      1 prefill + 1 decode worker, one GPU each, KV over NIXL
   4gpu-tp2  1 prefill worker of TP=2 + 1 decode worker of TP=2 (4 GPUs, NCCL inside each
             worker, prefill rank r -> decode rank r over NIXL)

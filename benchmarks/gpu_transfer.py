@@ -10,9 +10,9 @@ bf16, page_size 16: 256 pages of 64 KiB per layer = 512 MiB), laid out as the en
 ([L, num_pages, 2, page_size, Hkv, D]), page ids scattered over a 4x larger pool on both sides,
 the same bytes with contiguous page ids (one run a side), and the pages tandem's PageAllocator
 hands out in a churned, half-full pool (runs). The link floor is the prompt's bytes at the best
-rate measured in the run. Before the tandem cases, NIXL alone (bench/transfer_raw.py): 16/64/256
-MiB as one descriptor and as scattered 64 KiB descriptors, initialize_xfer vs prepared lists,
-and send_notif round trips with and without NIXL's progress thread.
+rate measured in the run. Before the tandem cases, NIXL alone (benchmarks/transfer_raw.py):
+16/64/256 MiB as one descriptor and as scattered 64 KiB descriptors, initialize_xfer vs prepared
+lists, and send_notif round trips with and without NIXL's progress thread.
 
 Modes: "send" = wall time from `send()` to the sender seeing DONE (grant round trip included);
 "pregrant" = `start()` first, the clock starts once GO arrived (as when the grant overlaps
@@ -31,8 +31,8 @@ NIXL's progress thread is per role by default (on for decode, off for prefill; s
 BackendOptions.nixl_progress_thread); --nixl-progress-thread on|off forces it on both sides.
 
     source .devbundle/activate.sh; export PYTHONPATH=.:$PYTHONPATH
-    python3 bench/gpu_transfer.py --out $OUT                   # 2 GPUs, ~1-2 min
-    PYTHONPATH=. .venv/bin/python bench/gpu_transfer.py --device cpu --sizes-mib 8 \
+    python3 benchmarks/gpu_transfer.py --out $OUT                   # 2 GPUs, ~1-2 min
+    PYTHONPATH=. .venv/bin/python benchmarks/gpu_transfer.py --device cpu --sizes-mib 8 \
         --raw-sizes-mib 8 --backends nixl --quick              # CPU smoke test
 """
 

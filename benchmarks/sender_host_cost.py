@@ -3,7 +3,7 @@ in one process (NIXL over loopback, or the in-process fake), one layer of 64 sma
 bytes cost little and what is timed is the sender's own work after GO: `push_layers` (plan +
 post the page write), `finish` (post the aux write with FINAL), and the wait until DONE.
 
-    PYTHONPATH=. .venv/bin/python bench/sender_host_cost.py [nixl|fake] [--rounds 200]
+    PYTHONPATH=. .venv/bin/python benchmarks/sender_host_cost.py [nixl|fake] [--rounds 200]
 
 `AB=DIR` puts DIR first on sys.path (another checkout's `tandem`, for an A/B of two versions).
 """

@@ -1,5 +1,5 @@
 """Raw NIXL between the two bench processes, no tandem code: what the library and the link give,
-so the tandem rows of bench/gpu_transfer.py can be read against it.
+so the tandem rows of benchmarks/gpu_transfer.py can be read against it.
 
 Per size (16/64/256 MiB by default) one transfer of ONE descriptor and of MANY (64 KiB blocks,
 scattered: independent random block orders on both sides, so nothing merges), each built two

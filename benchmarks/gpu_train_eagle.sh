@@ -12,8 +12,9 @@
 #                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train);
 #                SELF_PROMPTS=N: also N prompts the target writes itself (--self-prompts)
 #   PHASE=train  train the head (resumable from ckpt.pt; run again to go on), on this run's
-#                answers plus EXTRA (earlier answers, e.g. "bench/data/smollm2-answers-a.jsonl.gz
-#                bench/data/smollm2-answers-b.jsonl.gz")
+#                answers plus EXTRA (earlier answers, e.g.
+#                "benchmarks/data/smollm2-answers-a.jsonl.gz
+#                benchmarks/data/smollm2-answers-b.jsonl.gz")
 #   PHASE=eval   tau per position on the held-out prompts (EVAL_DTYPES, default bf16; EVAL50=1
 #                also on tandem/assets/chat-prompts-50.txt), head -> $OUT
 #

@@ -4,7 +4,7 @@ and the GEMV configurations the process ran. Run it several times, with and with
 tuning record (`TANDEM_GEMV_TUNING_CACHE=0` times every process afresh):
 
     source .devbundle-fi/activate.sh; export PYTHONPATH=.:$PYTHONPATH
-    for i in 1 2 3; do python bench/gpu_determinism.py --model /tmp/gc/smollm2; done
+    for i in 1 2 3; do python benchmarks/gpu_determinism.py --model /tmp/gc/smollm2; done
 """
 
 from __future__ import annotations

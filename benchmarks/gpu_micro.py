@@ -3,15 +3,15 @@ FlashInfer decode attention (tensor-core vs CUDA-core kernel) and every batch-1 
 the Llama-3.1-8B shape, plain and fused, over all Triton configs, next to the small kernels
 the fusions remove. Each number: a CUDA graph of repeated calls, median replay / calls.
 
-    source .devbundle/activate.sh; PYTHONPATH=. python3 bench/gpu_micro.py --out $OUT
+    source .devbundle/activate.sh; PYTHONPATH=. python3 benchmarks/gpu_micro.py --out $OUT
 
 `--skinny` instead measures the same sites with x of M in {1, 2, 4, 5, 8} rows (speculative
 verify, small decode batches): the unfused sequence (cuBLAS + the Triton elementwise kernels,
 what M > 1 ran before the multi-row kernel) against every candidate of the GEMV kernels,
 each checked against the float64 torch twin first. Torch and Triton only (no FlashInfer):
 
-    PYTHONPATH=. python3 bench/gpu_micro.py --skinny --out $OUT        # ~2 min on an H100
-    PYTHONPATH=. python3 bench/gpu_micro.py --skinny --sweep --out $OUT  # + a wide grid
+    PYTHONPATH=. python3 benchmarks/gpu_micro.py --skinny --out $OUT        # ~2 min on an H100
+    PYTHONPATH=. python3 benchmarks/gpu_micro.py --skinny --sweep --out $OUT  # + a wide grid
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ prefill timings next to the hardware floors measured in the same run.
 
 On the device machine, from the repository root:
 
-    source .devbundle/activate.sh; PYTHONPATH=. python3 bench/gpu_engine.py --out $OUT
+    source .devbundle/activate.sh; PYTHONPATH=. python3 benchmarks/gpu_engine.py --out $OUT
 
 `--jit-only` builds FlashInfer's kernels (one process per head_dim, in parallel) and exits.
 Prints a table last; writes every number to $OUT/gpu_engine.json.

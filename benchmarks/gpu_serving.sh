@@ -2,9 +2,9 @@
 # Serving benchmark on the GPU machine (2 GPUs of one host: kind nvidia-h100-x2 or
 # nvidia-h200-x2), from the repository root:
 #
-#   MODEL=smollm2 bash bench/gpu_serving.sh
-#   MODEL=8b bash bench/gpu_serving.sh
-# (bench/gpu_env.sh sets up the bundle and a grpcio new enough for the stubs: see there.)
+#   MODEL=smollm2 bash benchmarks/gpu_serving.sh
+#   MODEL=8b bash benchmarks/gpu_serving.sh
+# (benchmarks/gpu_env.sh sets up the bundle and a grpcio new enough for the stubs: see there.)
 #
 # `tandem bench` starts each bundled config of MODEL in turn on a local Ray instance, benchmarks
 # it and stops it (tandem/deploy/bench/gpu-$MODEL-*.yaml: random prompts of 2048-4096 tokens,
@@ -18,7 +18,7 @@
 #
 # RUNS picks configs (default: all three); EXTRA passes flags, e.g. EXTRA="--num-requests 4,16,64"
 # to fit a 10-minute call. Every run's results are in the JSON as soon as it finishes.
-source bench/gpu_env.sh
+source benchmarks/gpu_env.sh
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -1,11 +1,11 @@
 """Speculative vs plain decoding with real weights on the GPU: SmolLM2-135M-Instruct and the
 EAGLE head tandem ships for it, chat prompts, greedy, bf16, FlashInfer + CUDA graphs.
 
-On the device machine, once `bench/gpu_train_eagle.sh` phases part0, part1a and gen (with
+On the device machine, once `benchmarks/gpu_train_eagle.sh` phases part0, part1a and gen (with
 NUM_PROMPTS=0: import only) have put the imported model in /tmp/gc/smollm2:
 
     source .devbundle-fi/activate.sh; export PYTHONPATH=.:$PYTHONPATH
-    python bench/gpu_spec_chat.py --model /tmp/gc/smollm2 --out $OUT
+    python benchmarks/gpu_spec_chat.py --model /tmp/gc/smollm2 --out $OUT
 
 Per engine (plain; speculative chain k=4 over the same model object):
 - batch 1: the prompts one at a time; decode time per output token = (time of the last token -

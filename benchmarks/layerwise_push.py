@@ -8,8 +8,8 @@ time, max_new_tokens 2, chain spec):
     received_s = prefill start -> decode's receiver reports the request Received (TTFT-relevant)
     exposed_s  = received_s - prefill_s: transfer time not hidden behind the prefill
 
-    python bench/layerwise_push.py --backend mooncake --prompt-len 1536 --reps 3
-    python bench/layerwise_push.py --backend nixl --device cuda ...   # a later GPU run
+    python benchmarks/layerwise_push.py --backend mooncake --prompt-len 1536 --reps 3
+    python benchmarks/layerwise_push.py --backend nixl --device cuda ...   # a later GPU run
 """
 
 from __future__ import annotations

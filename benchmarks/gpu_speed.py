@@ -2,7 +2,7 @@
 (HBM-bound) timed on each visible GPU, so that a comparison between runs on different cards of
 one host (e.g. colocated on GPU 0 vs a prefill worker on GPU 1) can rule the card out.
 
-    python3 bench/gpu_speed.py
+    python3 benchmarks/gpu_speed.py
 """
 
 from __future__ import annotations
