@@ -721,7 +721,7 @@ def _add_router_parsers(sub) -> None:
 
     p = sub.add_parser("gen-proto", help="Regenerate the checked-in gRPC/protobuf Python code.",
                        description="Run grpcio-tools on proto/tandem/v1/*.proto and write "
-                                   "tandem/proto/tandem/v1/*_pb2*.py (dev dependency).")
+                                   "tandem/v1/*_pb2*.py (dev dependency).")
     p.add_argument("--check", action="store_true",
                    help="Only compare with the checked-in files (exit 1 and print a diff if stale)")
     p.set_defaults(func=cmd_gen_proto)

@@ -1,9 +1,12 @@
 """Regenerates the checked-in Python code of `proto/tandem/v1/*.proto` (grpcio-tools).
 
-Owns one fix-up of protoc's output: the gRPC plugin imports the messages module by the
-.proto's package path (`from tandem.v1 import router_pb2`), which is not importable here -- the
-code lives in `tandem.proto.tandem.v1` -- so that one import is rewritten. The descriptors keep
-the canonical file name `tandem/v1/router.proto`, which clients in other languages use too.
+protoc names a generated module after the .proto's path under its `-I` root: with `-I proto`,
+`proto/tandem/v1/router.proto` becomes the module `tandem.v1.router_pb2`, and the gRPC plugin's
+stubs import it as `from tandem.v1 import router_pb2`. The output goes to the folder that holds
+the `tandem` package, so the code lands in `tandem/v1/` -- exactly that import path -- and is
+written as protoc emits it, with no fix-up. The descriptors keep the canonical file name
+`tandem/v1/router.proto` (which server reflection reports and clients in other languages
+import) and the package `tandem.v1` (the gRPC method paths).
 
 grpcio-tools is a dev dependency; it is imported only when generating.
 """
@@ -12,17 +15,18 @@ from __future__ import annotations
 
 import difflib
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parent  # tandem/proto
-REPO_ROOT = PACKAGE_ROOT.parent.parent
-PROTO_ROOT = REPO_ROOT / "proto"
-PROTO_PACKAGE_DIR = Path("tandem") / "v1"  # relative to PROTO_ROOT and to PACKAGE_ROOT
+# The folder that holds the `tandem` package (the repository root): protoc's --*_out root.
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+PROTO_ROOT = SOURCE_ROOT / "proto"  # protoc's -I root
+# The one path that makes the imports right: the .protos' folder under PROTO_ROOT is the
+# generated package's folder under SOURCE_ROOT (proto package tandem.v1 = Python tandem.v1).
+PROTO_PACKAGE_DIR = Path("tandem") / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
-_IMPORT_FIX = (re.compile(r"^from tandem\.v1 import ", re.MULTILINE),
-               "from tandem.proto.tandem.v1 import ")
 # Lines that record the generator's version; masked when comparing so that a newer grpcio-tools
 # with identical output does not fail the check.
 _VERSION_LINES = re.compile(
@@ -36,7 +40,8 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Write the generated modules under `out_root/tandem/v1/`; return their paths."""
+    """Write the generated modules under `out_root/tandem/v1/` as protoc emits them; return
+    their paths."""
     import importlib.util
     import subprocess
     import sys
@@ -55,25 +60,23 @@ def generate(out_root: Path) -> list[Path]:
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"protoc failed on {PROTO_ROOT}: {result.stderr.strip()}")
+        # protoc writes into a temp dir: a failed run leaves out_root as it was.
         written = []
         for src in sorted((Path(tmp) / PROTO_PACKAGE_DIR).iterdir()):
             dst = out_root / PROTO_PACKAGE_DIR / src.name
             dst.parent.mkdir(parents=True, exist_ok=True)
-            text = src.read_text()
-            if src.name.endswith("_pb2_grpc.py"):
-                text = _IMPORT_FIX[0].sub(_IMPORT_FIX[1], text)
-            dst.write_text(text)
+            shutil.copyfile(src, dst)
             written.append(dst)
         return written
 
 
 def regenerate_in_place() -> list[Path]:
     """Replace the checked-in generated files (stale ones of deleted .protos are removed)."""
-    target = PACKAGE_ROOT / PROTO_PACKAGE_DIR
-    for old in target.iterdir():
-        if old.name.endswith(GENERATED_SUFFIXES):
+    written = generate(SOURCE_ROOT)
+    for old in (SOURCE_ROOT / PROTO_PACKAGE_DIR).iterdir():
+        if old.name.endswith(GENERATED_SUFFIXES) and old not in written:
             old.unlink()
-    return generate(PACKAGE_ROOT)
+    return written
 
 
 def diff_against_checked_in() -> str:
@@ -83,7 +86,7 @@ def diff_against_checked_in() -> str:
         fresh_root = Path(tmp)
         generate(fresh_root)
         fresh = _generated(fresh_root / PROTO_PACKAGE_DIR)
-        current = _generated(PACKAGE_ROOT / PROTO_PACKAGE_DIR)
+        current = _generated(SOURCE_ROOT / PROTO_PACKAGE_DIR)
         out: list[str] = []
         for name in sorted(set(fresh) | set(current)):
             a = _VERSION_LINES.sub("<version>", current.get(name, ""))

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from tandem.proto.tandem.v1 import router_pb2 as tandem_dot_v1_dot_router__pb2
+from tandem.v1 import router_pb2 as tandem_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

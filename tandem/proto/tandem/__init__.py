@@ -1,1 +1,0 @@
-"""Generated protobuf packages (see `tandem.proto`)."""

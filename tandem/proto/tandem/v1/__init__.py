@@ -1,1 +1,0 @@
-"""Generated from proto/tandem/v1/*.proto by `tandem gen-proto`. Do not edit the *_pb2* files."""
