@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from tandem.deploy.actors import FAST_DEATH_ENV, QUIET_ENV, DecodeActor, PrefillActor
 from tandem.deploy.config import DeployConfig, GroupConfig
-from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine.config import ConfigError
+from tandem.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Connect to `address` (or RAY_ADDRESS, or the cluster `ray start` runs on this machine),
     else start a local Ray instance; with Ray token authentication unless RAY_AUTH_MODE=disabled
     (ray_auth.py). The workers of a local instance advertise - and their KV transfer listeners
-    accept - 127.0.0.1 only (a joined cluster's: their node's IP; kvtransfer/bind.py)."""
+    accept - 127.0.0.1 only (a joined cluster's: their node's IP; kvtransfer/bind.py); the
+    workers run with the bind() shim preloaded, which binds those listeners to that address."""
     import ray
 
     from tandem.deploy.ray_auth import cluster_to_join, configure_ray_auth
@@ -60,13 +61,22 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     configure_ray_auth(joining=joining)
     for k, v in FAST_DEATH_ENV.items():  # this process's core worker (the router's calls)
         os.environ.setdefault(k, v)
-    env = {"env_vars": {**QUIET_ENV, **FAST_DEATH_ENV}}
+    env = {"env_vars": {**QUIET_ENV, **FAST_DEATH_ENV, **_bind_shim_env()}}
     if joining:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         env["env_vars"][KV_HOST_ENV] = os.environ.get(KV_HOST_ENV) or "127.0.0.1"
         ray.init(num_cpus=num_cpus, runtime_env=env, include_dashboard=False,
                  log_to_driver=False)
+
+
+def _bind_shim_env() -> dict[str, str]:
+    """LD_PRELOAD of the bind() shim for the job's workers (kvtransfer/bindshim.py), built here
+    if this machine has not yet; none if it cannot be built (the listeners are then filtered)."""
+    from tandem.kvtransfer.bindshim import build, preload_value
+
+    path = build()
+    return {"LD_PRELOAD": preload_value(path)} if path is not None else {}
 
 
 def actor_runtime_env() -> dict | None:

@@ -7,8 +7,13 @@ inside a Ray actor, the Ray node's IP, else 127.0.0.1. The libraries are then he
 - Mooncake (0.3.x, P2PHANDSHAKE + tcp) binds its handshake listener to INADDR_ANY (`0.0.0.0`)
   and its TCP data listener to the dual-stack wildcard (`*`), whatever `initialize(host, ...)`
   was told; no environment variable changes that (MC_TCP_BIND_ADDRESS only picks the address
-  published in metadata-server mode). `confine_new_listeners` finds the listeners that appeared
-  during `initialize` and filters them to the advertised address (sockfilter.py).
+  published in metadata-server mode). Two layers hold it to the advertised address:
+  1. in worker processes, which Ray starts with the bind() shim preloaded (bindshim.c,
+     bindshim.py), `listeners_on(host)` switches the shim on while `initialize` runs: its
+     listeners bind `host` itself (`127.0.0.1:port`, `[::ffff:127.0.0.1]:port`);
+  2. `confine_new_listeners` then finds the listeners that appeared during `initialize`, and
+     any still on the wildcard (no shim in this process: tests, a driver, a node without a
+     compiler) gets a socket filter that drops packets not addressed to `host` (sockfilter.py).
 - NIXL's UCX plugin: the `tcp` transport listens on the address of every network device UCX
   uses (`UCX_NET_DEVICES`, default all), so with the default devices it is reachable on every
   interface. `ucx_devices_for(host)` restricts the devices to the interface that carries the
@@ -42,6 +47,7 @@ log = logging.getLogger(__name__)
 
 KV_HOST_ENV = "TANDEM_KV_HOST"
 LISTEN_ANY_ENV = "TANDEM_KV_LISTEN_ANY"
+BIND_HOST_ENV = "TANDEM_BIND_HOST"  # read by the bind() shim (bindshim.c)
 _TCP_LISTEN = "0A"  # state column of /proc/net/tcp*
 _SIOCGIFADDR = 0x8915
 _SIOCGIFFLAGS = 0x8913
@@ -71,6 +77,29 @@ def resolve(host: str) -> list[IPAddress]:
     except ValueError:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
         return sorted({ipaddress.ip_address(info[4][0]) for info in infos}, key=str)
+
+
+@contextlib.contextmanager
+def listeners_on(host: str) -> Iterator[str | None]:
+    """Within the block, a TCP listener this process binds to the wildcard address binds `host`
+    (its first IPv4 address, else its first address) instead - where the bind() shim is
+    preloaded (bindshim.c); elsewhere this does nothing and `confine_new_listeners` filters.
+    Yields the address the shim was given (None: turned off by TANDEM_KV_LISTEN_ANY)."""
+    if listen_any():
+        yield None
+        return
+    ips = resolve(host)
+    ip = str(next((ip for ip in ips if ip.version == 4), ips[0]))
+    with _ENV_LOCK:
+        previous = os.environ.get(BIND_HOST_ENV)
+        os.environ[BIND_HOST_ENV] = ip  # putenv: the shim's getenv() sees it
+        try:
+            yield ip
+        finally:
+            if previous is None:
+                os.environ.pop(BIND_HOST_ENV, None)
+            else:
+                os.environ[BIND_HOST_ENV] = previous
 
 
 # -- listening sockets of this process -----------------------------------------------------------

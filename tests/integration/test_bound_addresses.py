@@ -6,7 +6,9 @@ addresses and authentication"):
 - a NIXL endpoint for 127.0.0.1 listens on 127.0.0.1 only;
 - a local deployment started as `tandem serve --config local` starts it (`init_ray` + `launch`,
   the bundled config on the tiny model): every listener of the process tree that is not Ray's
-  own accepts loopback connections only; Ray's own listen everywhere (Ray has no bind knob) and
+  own is BOUND to loopback (the workers run with the bind() shim preloaded, so Mooncake's
+  listeners bind 127.0.0.1 / ::ffff:127.0.0.1, not the wildcard) and accepts loopback
+  connections only; Ray's own listen everywhere (Ray has no bind knob) and
   refuse a client without the token - `ray.init` with a wrong or no token fails, and the GCS,
   a raylet and an actor's worker answer a token-less gRPC call with UNAUTHENTICATED.
 
@@ -167,12 +169,17 @@ def test_a_local_deployment_listens_on_loopback_only(local_ray, dirs, backend):
             ours += [(proc.pid, a) for a in _listening(proc) if a not in rays]
         assert len([p for p, _ in ours if p in actors]) >= 2, ours  # both workers' endpoints
         for pid, a in ours:  # ... ours are not
-            ip = ipaddress.ip_address(a.ip)
-            assert ip.is_loopback or ip.is_unspecified, (pid, a)
+            assert is_loopback(a.ip), f"pid {pid} listens on {a.ip}:{a.port}"
             assert reaches("127.0.0.1", a.port), (pid, a)
             assert not reaches(OTHER, a.port), f"pid {pid} accepts connections at {OTHER}:{a.port}"
     finally:
         dep.shutdown()
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)  # a dual-stack socket bound to 127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _listening(proc: psutil.Process) -> set:

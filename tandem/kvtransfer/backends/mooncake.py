@@ -18,7 +18,8 @@ How the library is used, and why:
   "notify" attached to a data write is queued there once every entry of that write completed, so
   it reaches the peer after the bytes.
 - Mooncake binds its handshake and data listeners to the wildcard address whatever host it is
-  given; they are filtered to the advertised host right after `initialize` (bind.py).
+  given: in a worker the preloaded bind() shim binds them to the advertised host instead, and
+  any still on the wildcard is filtered to it right after `initialize` (bind.py).
 - Failures are ints (nothing raises). A failed write is classified with `send_probe`: an
   unreachable peer is PEER_DEAD, anything else BACKEND.
 - Limits: async writes to a frozen peer stay pending forever (no per-task timeout on this path)
@@ -86,15 +87,17 @@ class MooncakeBackend:
     def __init__(self, options: BackendOptions):
         self.engine = TransferEngine()
         before = bind.tcp_listeners()
-        rc = self.engine.initialize(options.host, "P2PHANDSHAKE", options.protocol,
-                                    options.device_name)
+        with bind.listeners_on(options.host):
+            rc = self.engine.initialize(options.host, "P2PHANDSHAKE", options.protocol,
+                                        options.device_name)
         if rc != 0:
             raise TransferError(ErrorKind.BACKEND, f"mooncake initialize({options.host!r}, "
                                 f"P2PHANDSHAKE, {options.protocol!r}) rc={rc}")
         self.local_id = f"{options.host}:{self.engine.get_rpc_port()}"
-        # Mooncake listens on the wildcard address whatever `host` says (bind.py): its handshake
-        # and data listeners are filtered to `host` now, before this endpoint's address is
-        # published (not closed: the moment between listen() and here, docs/reliability.md).
+        # Mooncake listens on the wildcard address whatever `host` says unless the bind() shim
+        # is preloaded (bind.py): listeners still on the wildcard are filtered to `host` now,
+        # before this endpoint's address is published (not closed: the moment between listen()
+        # and here, docs/reliability.md).
         self.confined: list[bind.Listener] = []
         if not bind.listen_any():
             try:
