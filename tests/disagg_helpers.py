@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from hf_tiny import save_tiny
-from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine import EngineConfig, ParallelContext, build_model, resolve_model
 from tandem.kvtransfer import EndpointConfig
 from tandem.spec import DraftHeadConfig, SpecConfig, dummy_head
+from tandem.worker import WorkerConfig
 
 FAST_ENDPOINT = EndpointConfig(handshake_timeout_s=5.0, timeout_s=10.0, drain_timeout_s=6.0,
                                lease_margin_s=8.0)

@@ -13,7 +13,7 @@ Because decode reserves a request's whole budget up front, a running request nev
 page it does not have: out of pages means `reserve` refuses (the router retries or reports
 RESOURCE_EXHAUSTED), never a crash or a preemption mid-generation.
 
-With TP, every rank runs this worker (see deploy/group_loop.py) and has its own receiver: rank
+With TP, every rank runs this worker (see worker/group_loop.py) and has its own receiver: rank
 r's KV lands in rank r's pool at its own time. The ranks agree on transfer events each step
 (`sync.all_gather`): a request is admitted only when it landed on every rank, and its pages and
 slot go back (on every rank, in the same step) only once every rank's receiver is done with
@@ -35,8 +35,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from tandem.deploy.ranks import SOLO, RankSync
-from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
 from tandem.engine import FinishReason, RequestOutput, trace
 from tandem.engine.llm import validate_prompt
 from tandem.engine.parallel import ParallelContext
@@ -45,6 +43,7 @@ from tandem.kvtransfer import DecodeReceiver, Received, ReceiveFailed, Release, 
 from tandem.messages import OutOfCapacity  # raised by `reserve`; the router matches it by type
 from tandem.spec.engine import SpecStats
 from tandem.spec.handoff import decode_seed
+from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The Ray actor edges of the two worker kinds. They convert and delegate: each owns one
 worker (plain Python, see prefill_node/ and decode_node/) driven by a `WorkerLoop` thread, and
-turns its outputs into events on its routers' channels (deploy/channels.py): a request costs
+turns its outputs into events on its routers' channels (worker/channels.py): a request costs
 the router a short submission call (`PrefillActor.submit`, `DecodeActor.reserve`), never an
 actor call slot for its whole life, so control calls (health, abort, route) are never queued
 behind requests.
@@ -12,7 +12,7 @@ endpoints, which the router picks up from its health answers.
 
 A worker of `tp` ranks (or a decode worker of `dp` DP-attention ranks) is that many actors.
 Rank 0 (the leader, the decode group's front) is the one the router calls; it hands every call
-to its `GroupLoop`, which applies it on every rank (deploy/group_loop.py). The others only join
+to its `GroupLoop`, which applies it on every rank (worker/group_loop.py). The others only join
 the process group and follow. Values that differ per rank (endpoints, destinations) cross the
 router as one blob (`ranks.encode_per_rank`), also when tp is 1; with DP, a reserve's blob
 names the one DP rank that took the request (`ranks.encode_dp_destination`), and the prefill
@@ -36,15 +36,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tandem.decode_node.worker import DecodeOutput, DecodeWorker
-from tandem.deploy.channels import EventChannels, FirstToken
-from tandem.deploy.group_loop import GroupLoop
-from tandem.deploy.loop import WorkerLoop
-from tandem.deploy.ranks import (PerRank, RankInfo, encode_dp_destination, encode_per_rank,
-                                 join_group, leave_group, rendezvous_address, route_to_decode)
-from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine import trace
 from tandem.engine.sampling import SamplingParams
+from tandem.messages import FirstToken
 from tandem.prefill_node.worker import PrefillResult, PrefillWorker
+from tandem.worker import (EventChannels, GroupLoop, PerRank, RankInfo, WorkerConfig, WorkerLoop,
+                           encode_dp_destination, encode_per_rank, join_group, leave_group,
+                           rendezvous_address, route_to_decode)
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from tandem.deploy.worker_config import TRANSFER_BACKENDS
+from tandem.worker import TRANSFER_BACKENDS
 from tandem.router.admission import AdmissionConfig
 from tandem.kvtransfer import EndpointConfig, FailureInjection
 from tandem.engine.config import ConfigError, EngineConfig

@@ -11,10 +11,10 @@ With `cfg.layerwise_push`, step 2 starts inside the forward that completes the p
 layer l's pages leave right after layer l ran (layerwise.py), to every decode rank the request
 goes to; the rest follows the hand-off.
 
-With TP, every rank runs this worker (deploy/group_loop.py): rank r pushes the KV heads it holds
+With TP, every rank runs this worker (worker/group_loop.py): rank r pushes the KV heads it holds
 with its own sender to decode rank r, or, when the decode worker's TP size differs, to every
 decode rank taking heads from it (one `send` to several destinations; a rank whose heads lower
-ranks already send has none and counts as done at once, see deploy/ranks.route_to_decode).
+ranks already send has none and counts as done at once, see worker/ranks.route_to_decode).
 Send outcomes arrive per rank at different times; the ranks all-gather them each step, and a
 request's pages are freed (on every rank, in the same step) and its result reported only once
 every rank's transfer is terminal: DONE on all, else a failure.
@@ -28,14 +28,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tandem.deploy.ranks import SOLO, RankSync
-from tandem.deploy.worker_config import WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
 from tandem.engine import FinishReason, trace
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
 from tandem.prefill_node.layerwise import LayerwisePusher
 from tandem.spec.handoff import PrefillHandoff
+from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`WorkerChannel`: the router's end of one worker's event stream (deploy/channels.py is the
+"""`WorkerChannel`: the router's end of one worker's event stream (worker/channels.py is the
 worker's end).
 
 One long-lived `events` stream per router-worker pair carries, in batches, everything the worker

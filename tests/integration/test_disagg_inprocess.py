@@ -12,10 +12,10 @@ import pytest
 
 from disagg_helpers import tiny_model_and_head, worker_config
 from tandem.decode_node.worker import DecodeWorker
-from tandem.deploy.loop import WorkerLoop
 from tandem.engine import SamplingParams
 from tandem.prefill_node.worker import PrefillWorker
 from tandem.spec import SpecConfig, SpecEngine
+from tandem.worker import WorkerLoop
 
 pytestmark = pytest.mark.timeout(180)
 

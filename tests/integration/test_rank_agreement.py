@@ -16,12 +16,11 @@ import pytest
 
 from disagg_helpers import tiny_model_and_head, worker_config
 from tandem.decode_node.worker import DecodeWorker
-from tandem.deploy.group_loop import GroupLoop
-from tandem.deploy.ranks import PerRank
 from tandem.engine import SamplingParams
 from tandem.kvtransfer import FailureInjection, FaultKind
 from tandem.prefill_node.worker import PrefillWorker
 from tandem.spec import SpecConfig, SpecEngine
+from tandem.worker import GroupLoop, PerRank
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -105,7 +105,7 @@ def _assert_all_free(dep, hs) -> None:
 @pytest.mark.timeout(120)
 def test_dp2_one_request_other_rank_idle(deployment):
     cfg, dep, disp = deployment
-    from tandem.deploy.ranks import decode_per_rank
+    from tandem.worker import decode_per_rank
     from tandem.kvtransfer import EndpointInfo
 
     # Each DP rank holds every KV head (tp 1), the same per-rank layout as the prefill worker:
@@ -175,7 +175,7 @@ def test_dp_config_errors_name_the_field():
 
 
 def test_route_to_decode_picks_the_dp_rank():
-    from tandem.deploy.ranks import (
+    from tandem.worker import (
         encode_dp_destination,
         encode_per_rank,
         route_to_decode,

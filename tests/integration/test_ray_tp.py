@@ -43,7 +43,7 @@ def test_ep_must_match_tp():
 
 
 def test_per_rank_blob_checks_the_rank_count():
-    from tandem.deploy.ranks import decode_per_rank, encode_per_rank
+    from tandem.worker import decode_per_rank, encode_per_rank
 
     blob = encode_per_rank([b'{"a":1}', b'{"a":2}'])
     assert decode_per_rank(blob, 2, "decode endpoint") == [b'{"a":1}', b'{"a":2}']
@@ -66,7 +66,7 @@ def test_ray_tp2_disaggregated_equals_colocated_tp1(tmp_path):
         dep = launch(cfg, startup_timeout_s=90)
         try:
             print(f"4 ranks up in {time.monotonic() - t0:.1f} s")
-            from tandem.deploy.ranks import decode_per_rank
+            from tandem.worker import decode_per_rank
             from tandem.kvtransfer import EndpointInfo
 
             infos = [EndpointInfo.decode(b) for b in

@@ -11,9 +11,9 @@ import pytest
 
 from tandem.deploy.config import DeployConfig, GroupConfig
 from tandem.deploy.launcher import check_kv_reslice
-from tandem.deploy.ranks import encode_dp_destination, encode_per_rank, route_to_decode
 from tandem.engine.config import ConfigError
 from tandem.kvtransfer import CompatInfo, EndpointInfo
+from tandem.worker import encode_dp_destination, encode_per_rank, route_to_decode
 
 
 def _endpoints(role: str, tp: int, num_kv_heads: int) -> bytes:

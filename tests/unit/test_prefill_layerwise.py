@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from disagg_helpers import tiny_model_and_head, worker_config
-from tandem.deploy.worker_config import aux_buffer, kv_layout
 from tandem.engine import SamplingParams
 from tandem.kvtransfer import Destination, ErrorKind, TransferError, TransferState
 from tandem.prefill_node.layerwise import LayerwisePusher
 from tandem.spec import SpecConfig, SpecEngine
+from tandem.worker import aux_buffer, kv_layout
 
 
 class RecordingSender:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tandem.deploy.loop import WorkerLoop
+from tandem.worker import WorkerLoop
 
 
 class Stepper:

@@ -24,9 +24,6 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tandem.messages import FirstToken
-
-__all__ = ["EventChannels", "FirstToken"]
 # A channel nobody has read for this long is dropped (its router is gone).
 IDLE_DROP_S = 120.0
 # An open stream yields an empty batch after this long without events: the router learns that

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.deploy.ranks import PerRank, RankSync
+from tandem.worker.ranks import PerRank, RankSync
 
 log = logging.getLogger(__name__)
 
