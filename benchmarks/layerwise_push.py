@@ -22,12 +22,11 @@ import threading
 import time
 
 from tandem.decode_node.worker import DecodeWorker
-from tandem.deploy.loop import WorkerLoop
-from tandem.deploy.worker_config import WorkerConfig
 from tandem.engine import EngineConfig, SamplingParams
 from tandem.kvtransfer import EndpointConfig, Received
 from tandem.prefill_node.worker import PrefillWorker
 from tandem.spec import SpecConfig
+from tandem.worker import WorkerConfig, WorkerLoop
 
 
 def worker_cfg(name: str, args: argparse.Namespace, layerwise: bool) -> WorkerConfig:
