@@ -1,0 +1,155 @@
+"""`tandem serve`: the gRPC API over one colocated engine, or over Ray workers (--config)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from tandem.cli.common import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:  # the router imports gRPC: loaded only when the command runs
+    from tandem.router import RouterConfig
+    from tandem.router.server import ServerConfig
+
+
+def add_parser(subparsers) -> None:
+    from tandem.router.policy import POLICIES
+
+    p = subparsers.add_parser(
+        "serve", help="Serve the gRPC API (router + a colocated engine worker).",
+        description="Load the model into one colocated worker (prefill and decode in one engine) "
+                    "and serve the tandem.v1.Router gRPC API, the grpc.health.v1 health service "
+                    "and server reflection until Ctrl-C / SIGTERM.")
+    p.add_argument("--config", default=None,
+                   help="Deployment YAML (deploy/*.yaml): start prefill and decode workers as "
+                        "Ray actors on the cluster at --ray-address (or a local one) and serve "
+                        "them disaggregated; engine flags below are then ignored")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to use with --config (default: $RAY_ADDRESS, else local)")
+    p.add_argument("--transfer", choices=["mooncake", "nixl"], default=None,
+                   help="With --config: the KV transfer backend, instead of the config's "
+                        "transfer_backend")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="Address to bind (0.0.0.0 for all interfaces). Default: %(default)s")
+    p.add_argument("--port", type=int, default=50051, help="Default: %(default)s")
+    p.add_argument("--served-model-name", default=None,
+                   help="Model name in the API (default: --model, or its directory name)")
+    p.add_argument("--speculative", action="store_true",
+                   help="Decode with EAGLE speculative decoding (off by default)")
+    p.add_argument("--draft-model", default=None,
+                   help="EAGLE head directory (with --speculative; default: the shipped head)")
+    p.add_argument("--num-draft-steps", type=int, default=4, help="Default: %(default)s")
+    p.add_argument("--draft-topk", type=int, default=1, help="1 = chain. Default: %(default)s")
+    p.add_argument("--auth-token-file", default=None, metavar="PATH",
+                   help="Require 'authorization: Bearer TOKEN' metadata on every call, TOKEN "
+                        "being the file's first line (default: $TANDEM_AUTH_TOKEN; unset = no "
+                        "auth)")
+    p.add_argument("--auth-token", default=None,
+                   help="The token itself (works, but shows in the process list: prefer "
+                        "--auth-token-file or $TANDEM_AUTH_TOKEN)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+    p.add_argument("--max-message-mib", type=int, default=4,
+                   help="Largest request accepted (RESOURCE_EXHAUSTED above). Default: %(default)s")
+    p.add_argument("--max-request-s", type=float, default=None,
+                   help="Deadline for requests whose client sets none (default: none)")
+    p.add_argument("--default-max-tokens", type=int, default=128,
+                   help="max_tokens when a request sets none. Default: %(default)s")
+    p.add_argument("--tokenize-threads", type=int, default=1,
+                   help="Threads that tokenize long prompts (the most cores tokenizing takes). "
+                        "Default: %(default)s")
+    p.add_argument("--prefill-policy", choices=sorted(POLICIES), default="least-load",
+                   help="Default: %(default)s")
+    p.add_argument("--decode-policy", choices=sorted(POLICIES), default="power-of-two",
+                   help="Default: %(default)s")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from tandem.router import RouterConfig
+    from tandem.router.app import build_colocated_router, serve
+    from tandem.router.auth import resolve_auth_token
+    from tandem.router.server import ServerConfig
+
+    token = resolve_auth_token(value=args.auth_token, file=args.auth_token_file)
+    server_cfg = ServerConfig(
+        host=args.host, port=args.port, auth_token=token,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        max_message_bytes=args.max_message_mib << 20)
+    router_cfg = RouterConfig(default_max_tokens=args.default_max_tokens,
+                              max_request_s=args.max_request_s,
+                              tokenize_threads=args.tokenize_threads,
+                              prefill_policy=args.prefill_policy, decode_policy=args.decode_policy)
+    if args.config:
+        return _serve_disaggregated(args, server_cfg, router_cfg)
+    engine_cfg = engine_config_from_args(args)
+    t0 = time.perf_counter()
+    if args.speculative:
+        from tandem.spec import SpecConfig, SpecEngine
+
+        engine = SpecEngine.from_config(engine_cfg, SpecConfig(
+            draft_model=args.draft_model, num_steps=args.num_draft_steps, topk=args.draft_topk))
+    else:
+        from tandem.engine import LLMEngine
+
+        engine = LLMEngine.from_config(engine_cfg)
+    model = args.served_model_name or _served_model_name(args.model)
+    router = build_colocated_router(engine, model=model, cfg=router_cfg)
+
+    def ready(server) -> None:
+        mode = "speculative" if args.speculative else "target only"
+        print(f"tandem serve: model '{model}' ({mode}) loaded in {time.perf_counter() - t0:.1f} s; "
+              f"listening on {args.host}:{server.port} ({'TLS' if server_cfg.tls else 'plaintext'}"
+              f"{', token auth' if server_cfg.auth_token else ''}). Ctrl-C stops.", flush=True)
+
+    try:
+        asyncio.run(serve(router, server_cfg, on_ready=ready))
+    except OSError as exc:  # the port is taken, the certificate unreadable, ...
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
+        asyncio.run(router.close())
+        return 1
+    return 0
+
+
+def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
+                         router_cfg: RouterConfig) -> int:
+    """`tandem serve --config FILE`: prefill and decode workers as Ray actors."""
+    import asyncio
+
+    from tandem.deploy.config import load_deploy
+    from tandem.deploy.launcher import init_ray
+    from tandem.deploy.serve import launch_and_build
+    from tandem.router.app import serve
+
+    cfg = load_deploy(args.config)
+    if args.transfer:
+        cfg = dataclasses.replace(cfg, transfer_backend=args.transfer)
+    t0 = time.perf_counter()
+    init_ray(args.ray_address)
+    print(f"tandem serve: starting {cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
+          f"workers ({cfg.transfer_backend}) ...", flush=True)
+    dep, router = launch_and_build(cfg, router_cfg)
+
+    def ready(server) -> None:
+        print(f"tandem serve: model '{cfg.model_name}' up in {time.perf_counter() - t0:.1f} s; "
+              f"listening on {args.host}:{server.port}. Ctrl-C stops.", flush=True)
+
+    try:
+        asyncio.run(serve(router, server_cfg, on_ready=ready))
+    finally:
+        dep.shutdown()
+    return 0
+
+
+def _served_model_name(model: str) -> str:
+    from pathlib import Path
+
+    return Path(model).name if ("/" in model or Path(model).is_dir()) else model
