@@ -13,13 +13,8 @@ from tandem.spec.extend import (
     draft_prefill,
     make_extend_input,
 )
-from tandem.spec.head import (
-    DraftHeadConfig,
-    DraftHeadError,
-    EagleHead,
-    dummy_head,
-    load_head,
-)
+from tandem.spec.head import EagleHead, dummy_head, load_head
+from tandem.spec.head_config import DraftHeadConfig, DraftHeadError
 from tandem.spec.phases import DraftExtendInput, DraftInput, DraftSeed, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
 
