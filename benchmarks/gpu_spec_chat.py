@@ -12,7 +12,7 @@ Per engine (plain; speculative chain k=4 over the same model object):
   time of the first) / (tokens - 1), summed over prompts (prefill excluded);
 - all prompts at once (continuous batching): output tokens per second, prefill included;
 - tau and P(draft j accepted) of each phase; answers identical to plain (bf16: the two may part
-  at near-ties, DESIGN §3; float32 exactness is tested elsewhere).
+  at near-ties, docs/architecture.md "Lossless"; float32 exactness is tested elsewhere).
 Writes $OUT/gpu_spec_chat.json and prints a table.
 """
 

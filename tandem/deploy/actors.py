@@ -46,7 +46,8 @@ from tandem.worker import (EventChannels, GroupLoop, PerRank, RankInfo, WorkerCo
 
 log = logging.getLogger(__name__)
 
-# Quiet transfer libraries and keep UCX on loopback-capable transports (NOTES.md).
+# Quiet the transfer libraries' logging (NIXL prints INFO lines to stdout otherwise) and fold
+# repeated Ray log lines. (Which interface UCX listens on is set per endpoint: kvtransfer/bind.py.)
 QUIET_ENV = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "RAY_DEDUP_LOGS": "1"}
 # How long a Ray caller waits, after a call's connection broke, for the cluster to confirm that
 # the actor died before the call fails. Ray's default (1 s) made a kill -9 reach the router ~1 s

@@ -1,5 +1,6 @@
-"""`CompatInfo`: what prefill and decode must agree on before any request moves (DESIGN §3
-"Compatibility at handshake"), its digest, and the field-by-field check that names every difference.
+"""`CompatInfo`: what prefill and decode must agree on before any request moves
+(docs/architecture.md, "Compatibility at handshake"), its digest, and the field-by-field check
+that names every difference.
 
 The check raises `TransferError(HANDSHAKE)` (imported lazily from contract to avoid a cycle). A
 differing `tp_size` alone is a valid deployment when the KV heads re-slice (reslice.py): both sides

@@ -14,7 +14,7 @@ State machine of one transfer (one `room`), the same on both sides:
 - TRANSFERRING: decode granted the writer (GO); prefill may post writes. The receiver now knows
   exactly which peer can write into the pages.
 - DONE: all groups' pages and the aux slot landed, the completion notification arrived after them,
-  and the slot's room matched (DESIGN §3 "Transfer completeness").
+  and the slot's room matched (docs/architecture.md, "Transfer completeness").
 - FAILED / ABORTED: terminal. A terminal state says nothing about whether the writer has stopped:
   pages are returned only when the writer quiesced or was fenced (see `leases.ReceiveTable`).
 

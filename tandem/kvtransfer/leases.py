@@ -1,8 +1,9 @@
 """`ReceiveTable`: the decode side's claims on KV pages and aux slots while a transfer may write
 into them, and the one place that gives them back.
 
-Invariant (DESIGN §3 "No leaks", §2 step 5): for every reserved room, `release(Release)` is called
-exactly once, and only when no transfer can still write into its pages or slot, i.e. when
+Invariant (docs/architecture.md, "No leaks", and step 9 of "One request's path"): for every
+reserved room, `release(Release)` is called exactly once, and only when no transfer can still
+write into its pages or slot, i.e. when
   (a) no writer was ever granted (the room never left RESERVED: nobody was told GO), or
   (b) every granted writer gave its final word (FINAL, or the completion notification): a sender
       sends it only after every write it posted has finished or was cancelled, or

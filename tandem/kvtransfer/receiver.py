@@ -8,8 +8,8 @@ A room is `Received` only if: the granted writer's FINAL(done) arrived (after al
 so did the DATA notification of each page write it counts (a backend with cheap notifications
 posts the aux write without waiting for the page writes, so FINAL may come first), it wrote
 exactly the pages it announced, its byte count equals pages x (every layer of every group) and
-the DATA bytes add up to it, and the aux slot decodes (magic, checksum) to the same room (DESIGN
-§3 "Transfer completeness").
+the DATA bytes add up to it, and the aux slot decodes (magic, checksum) to the same room
+(docs/architecture.md, "Transfer completeness").
 
 With different TP sizes (reslice.py) a room has one writer per prefill rank holding some of this
 rank's KV heads: each is granted on its BEGIN, each FINAL(done) is checked against the bytes of

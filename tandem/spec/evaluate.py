@@ -52,7 +52,7 @@ class PartingGap:
 def parting_gap(engine: LLMEngine, context: Sequence[int], pair: tuple[int, int]) -> PartingGap:
     """After `context` the runs chose the tokens of `pair`. In bf16 a verify over N tokens and a
     1-token decode round differently, so greedy runs may part where the gap is a small fraction
-    of the logit scale (DESIGN §3); anything else is a bug."""
+    of the logit scale (docs/architecture.md, "Lossless"); anything else is a bug."""
     top = engine.next_token_logits(context).topk(2)
     gap = float(top.values[0] - top.values[1]) / max(1.0, float(top.values[0].abs()))
     return PartingGap(rel_gap=gap, both_in_top2=set(pair) <= set(top.indices.tolist()))

@@ -1,4 +1,5 @@
-"""The phases of one speculative round, as frozen values (DESIGN §3 "Phases are values").
+"""The phases of one speculative round, as frozen values (docs/architecture.md, "Phases are
+values").
 
     DraftInput --propose--> VerifyInput --target forward + accept--> VerifyResult
         --make_extend_input--> DraftExtendInput --draft forward--> DraftInput (next round)

@@ -3,10 +3,11 @@
 Level 1 of the tree is the seed's top-k. Draft forward m (m = 1 .. num_steps - 1) runs the K
 frontier nodes of level m: node b consumes (its parent's draft hidden, its token) at draft
 position num_cached + m - 1, writes its KV into scratch slot num_cached + (m-1)*K + b, and
-attends to the prefix plus the slots of its own ancestors -- nothing else (DESIGN §3 "Per-step
-slots"). Its top-k children (K*K per request) are scored by cumulative draft log-probability
-and the best K become level m+1. Finally the best `tree_size - 1` nodes (an ancestor-closed
-set: a child never scores above its parent) form the tree to verify, parents first.
+attends to the prefix plus the slots of its own ancestors -- nothing else (docs/architecture.md,
+"Per-step slots"). Its top-k children (K*K per request) are scored by cumulative draft
+log-probability and the best K become level m+1. Finally the best `tree_size - 1` nodes (an
+ancestor-closed set: a child never scores above its parent) form the tree to verify, parents
+first.
 
 For a chain (K = 1) the masks are plain causal ones and no tree bookkeeping is needed: its
 steps read one page table per round and derive each step's positions, slots and key counts on

@@ -1,9 +1,9 @@
 """The per-forward sequence slices of a speculative round, as pure functions of plain ints.
 
 Eager phases and their CUDA graphs build their metadata from these same functions, so a graph
-replay attends to and writes exactly what the eager forward would (DESIGN §3 "Per-step
-slots", "Positions", "Metadata per step"). Padding rows (graph batch buckets) live on the
-reserved scratch page and never touch a real request's pages.
+replay attends to and writes exactly what the eager forward would (docs/architecture.md,
+"Per-step slots", "Positions", "Metadata per step"). Padding rows (graph batch buckets) live on
+the reserved scratch page and never touch a real request's pages.
 """
 
 from __future__ import annotations
@@ -139,12 +139,12 @@ def extend_rows(spec_num_steps: int, tree_size: int) -> int:
 def extend_slices(page_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
                   rows: int) -> list[SeqSlice]:
     """The fixed-shape draft-extend: every request runs `rows` tokens at draft positions
-    num_cached .. num_cached + rows - 1, causally. Row j < a + 1 carries the accepted path
-    (root feature with the first accepted token, ..., last accepted feature with the bonus);
-    rows past a + 1 are filler whose outputs nobody reads. Causality keeps the real rows
-    exact: row j attends to num_cached + j + 1 keys, all of them accepted ones (DESIGN §3 "Seq
-    lens after rejection"). The filler rows' K/V land in slots >= num_cached + a + 1, past
-    the next round's cache, which every later forward writes before it reads them (the
-    next draft step writes its slot first; the next verify and extend write theirs)."""
+    num_cached .. num_cached + rows - 1, causally. Row j < a + 1 carries the accepted path (root
+    feature with the first accepted token, ..., last accepted feature with the bonus); rows past
+    a + 1 are filler whose outputs nobody reads. Causality keeps the real rows exact: row j
+    attends to num_cached + j + 1 keys, all of them accepted ones (docs/architecture.md, "Seq
+    lens after rejection"). The filler rows' K/V land in slots >= num_cached + a + 1, past the
+    next round's cache, which every later forward writes before it reads them (the next draft
+    step writes its slot first; the next verify and extend write theirs)."""
     return [SeqSlice(page_ids=p, num_cached=nc, num_new=rows)
             for p, nc in zip(page_ids, num_cached)]

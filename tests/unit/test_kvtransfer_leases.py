@@ -1,5 +1,5 @@
 """ReceiveTable: pages/slots come back exactly once, and never while a granted writer may still
-write (DESIGN §3 "No leaks", §2 step 5). Pure bookkeeping with a fake clock."""
+write (docs/architecture.md, "No leaks"). Pure bookkeeping with a fake clock."""
 
 from __future__ import annotations
 

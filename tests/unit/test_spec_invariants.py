@@ -1,7 +1,8 @@
-"""One regression test per drafting invariant of DESIGN §3. Each comes from a real bug in a
-production engine; each test here spies on the metadata of every forward (or on the phase
-values) and fails if the invariant breaks -- output equality alone cannot see most of them,
-because a wrong draft only lowers acceptance, it never changes greedy output.
+"""One regression test per drafting invariant (docs/architecture.md, "Drafting invariants").
+Each comes from a real bug in a production engine; each test here spies on the metadata of every
+forward (or on the phase values) and fails if the invariant breaks -- output equality alone
+cannot see most of them, because a wrong draft only lowers acceptance, it never changes greedy
+output.
 
 - seq lens after rejection  - per-step slots  - positions  - metadata per step
 - phases are values (frozen, inputs never modified in place)

@@ -1,7 +1,8 @@
-"""Lossless speculative decoding (DESIGN §3 "Lossless"): at temperature 0 the SpecEngine emits
-exactly the non-speculative engine's tokens, in float32, for every batch size, chain and tree,
-EAGLE and EAGLE-3 heads, and every acceptance pattern -- the natural ones of a random head on a
-target restricted to a few live tokens, and forced ones from scripted drafts."""
+"""Lossless speculative decoding (docs/architecture.md, "Lossless"): at temperature 0 the
+SpecEngine emits exactly the non-speculative engine's tokens, in float32, for every batch size,
+chain and tree, EAGLE and EAGLE-3 heads, and every acceptance pattern -- the natural ones of a
+random head on a target restricted to a few live tokens, and forced ones from scripted
+drafts."""
 
 from __future__ import annotations
 

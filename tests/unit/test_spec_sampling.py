@@ -1,6 +1,6 @@
-"""Sampling fidelity of verification (DESIGN §3 "Lossless", with sampling): on a toy vocabulary,
-the tokens `accept` emits follow the target distribution `target_probs` -- the first emitted
-token, and each later one conditioned on the path so far -- for chains and trees, with
+"""Sampling fidelity of verification (docs/architecture.md, "Lossless", with sampling): on a toy
+vocabulary, the tokens `accept` emits follow the target distribution `target_probs` -- the first
+emitted token, and each later one conditioned on the path so far -- for chains and trees, with
 temperature / top-k / top-p / min-p, including drafts the target gives probability 0.
 
 Chi-square goodness of fit with a fixed seed. `test_the_check_catches_wrong_rules` runs the

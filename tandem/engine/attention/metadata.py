@@ -1,9 +1,9 @@
 """Attention metadata: what one forward's attention needs to know, built by pure functions.
 
 Every forward (prefill chunk, decode, verify, each draft step, draft-extend) gets fresh
-metadata from `build_metadata`; nothing is patched in place afterwards (DESIGN §3 "Metadata
-per step"). The layout is FlashInfer's paged one (CSR page tables), so the GPU backend plans
-from the very same object the torch reference backend reads.
+metadata from `build_metadata`; nothing is patched in place afterwards (docs/architecture.md,
+"Metadata per step"). The layout is FlashInfer's paged one (CSR page tables), so the GPU
+backend plans from the very same object the torch reference backend reads.
 
 A forward batch is a list of sequences; sequence i already holds `num_cached` tokens in its
 pages and computes `num_new` new tokens in this forward. Its new K/V are written at positions
