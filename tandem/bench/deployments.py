@@ -24,7 +24,9 @@ from tandem.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 MEASURE_TIMEOUT_S = 180.0
-ROUTER_CPUS = 1  # the disaggregated router's actor
+# The disaggregated router's actor asks for no CPU: a helper (its work is network I/O and
+# light), it must never wait for a CPU the workers hold (deploy/resources.py).
+ROUTER_CPUS = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,18 +108,32 @@ def start(spec: DeploymentSpec, startup_timeout_s: float = 900.0) -> StartedTarg
 
 def _start_colocated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedTarget:
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from tandem.deploy.colocated import ColocatedServer, ColocatedServerConfig
+    from tandem.colocated_node import ColocatedServer, ColocatedServerConfig
     from tandem.deploy.launcher import actor_runtime_env
+    from tandem.deploy.resources import Need, check_cluster, group_bundle, wait_placed
 
     dep, group = spec.deploy, spec.deploy.decode
     cfg = ColocatedServerConfig(model_name=dep.model_name, engine=dep.engine,
                                 spec=dep.spec if spec.speculative else None,
                                 torch_threads=group.torch_threads)
+    # The server's resources (the config's `decode` group) in a placement group of its own:
+    # checked against the cluster first, then placed within placement.timeout_s or released.
+    need = Need(who="colocated server", role="decode", bundle=group_bundle(group))
+    check_cluster([need], dep.placement.check)
+    pg = ray.util.placement_group([dict(need.bundle)], strategy="STRICT_PACK",
+                                  name="tandem-colocated")
+    try:
+        wait_placed([(need.who, pg)], dep.placement.timeout_s)
+    except Exception:
+        ray.util.remove_placement_group(pg)
+        raise
     return _serving_actor(lambda: ray.remote(ColocatedServer).options(
         name=None, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
-        resources=group.resources or None, max_restarts=0,
-        runtime_env=actor_runtime_env()).remote(cfg), startup_timeout_s)
+        resources=group.resources or None, max_restarts=0, runtime_env=actor_runtime_env(),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg)).remote(cfg),
+        startup_timeout_s, also_stop=lambda: ray.util.remove_placement_group(pg))
 
 
 def _start_disaggregated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedTarget:

@@ -22,6 +22,7 @@ from tandem.bench.floors import Bandwidth, ModelFloors
 from tandem.bench.metrics import summarize
 from tandem.bench.workload import build_requests
 from tandem.engine import trace
+from tandem.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,11 @@ def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOpti
             _bench_levels(settings, driver, floors, run.name, entry["levels"], out,
                           opts.trace if run.deployment is not None else None)
         except Exception as exc:  # noqa: BLE001 -- recorded; the next run still goes
-            log.exception("%s failed", run.name)
+            if isinstance(exc, ConfigError):  # e.g. the cluster cannot hold it: the message says
+                log.error("%s failed: %s", run.name, exc)
+                out.write(f"{run.name}: failed: {exc}\n")
+            else:
+                log.exception("%s failed", run.name)
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry.setdefault("floors", no_floors("run failed before measuring").to_json())
         finally:

@@ -73,6 +73,26 @@ class GroupConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PlacementConfig:
+    """How a deployment is placed on the Ray cluster (YAML `placement:`; deploy/resources.py)."""
+
+    # Before placing anything, compare what every worker and helper actor asks for with the
+    # cluster's nodes and refuse at once if it cannot fit. Off for an autoscaling cluster
+    # whose nodes come on demand (then raise timeout_s to cover a node's start).
+    check: bool = True
+    # Placement groups (every worker, the colocated server) not placed within this many
+    # seconds fail the launch, naming what is missing, and release what was reserved.
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.check, bool):
+            raise ConfigError(f"check: must be true or false, got {self.check!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or (
+                self.timeout_s <= 0):
+            raise ConfigError(f"timeout_s: must be a number > 0, got {self.timeout_s!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DeployConfig:
     model_name: str = "default"  # what clients put in `model`
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -85,6 +105,7 @@ class DeployConfig:
     # The router's bound on requests (YAML `router: {max_running: N, max_queued: M}`):
     # at most max_running dispatched at once, max_queued waiting; beyond, RESOURCE_EXHAUSTED.
     router: AdmissionConfig = field(default_factory=AdmissionConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -139,6 +160,7 @@ def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
         prefill=_build(GroupConfig, raw.get("prefill"), "prefill"),
         decode=_build(GroupConfig, raw.get("decode"), "decode"),
         router=_build(AdmissionConfig, raw.get("router"), "router"),
+        placement=_build(PlacementConfig, raw.get("placement"), "placement"),
     )
 
 

@@ -13,10 +13,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from tandem.deploy.actors import FAST_DEATH_ENV, QUIET_ENV, DecodeActor, PrefillActor
+from tandem.deploy.actors import FAST_DEATH_ENV, DecodeActor, PrefillActor
 from tandem.deploy.config import DeployConfig, GroupConfig
+from tandem.deploy.resources import (PlacementError, check_cluster, deployment_needs,
+                                     group_bundle, wait_placed)
 from tandem.engine.config import ConfigError
-from tandem.worker import WorkerConfig
+from tandem.worker import QUIET_ENV, WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,17 @@ class Deployment:
                 ray.get(handle.shutdown.remote(), timeout=15)
             except Exception:  # already dead: nothing to stop
                 pass
+            ray.kill(handle, no_restart=True)
+        for pg in self.placement_groups:
+            ray.util.remove_placement_group(pg)
+
+    def release(self) -> None:
+        """Kill every actor and remove every placement group at once: for a launch whose
+        workers were never placed (asking them to shut down would wait on actors that do not
+        exist yet)."""
+        import ray
+
+        for handle in [*self.prefill.values(), *self.decode.values(), *self.followers]:
             ray.kill(handle, no_restart=True)
         for pg in self.placement_groups:
             ray.util.remove_placement_group(pg)
@@ -103,9 +116,7 @@ def _start(cls: type, role: str, name: str, group: GroupConfig, wcfg: WorkerConf
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle: dict[str, float] = {"CPU": group.num_cpus, **group.resources}
-    if group.num_gpus:
-        bundle["GPU"] = group.num_gpus
+    bundle = group_bundle(group)
     pg = ray.util.placement_group([dict(bundle) for _ in range(group.world_size)],
                                   strategy="STRICT_PACK", name=f"tandem-{name}")
     pgs.append(pg)
@@ -160,10 +171,16 @@ def check_kv_reslice(prefill_endpoint: bytes, decode_endpoint: bytes) -> None:
 
 
 def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
-    """Start every worker and wait until all answer; raises with the failing worker's error."""
+    """Start every worker and wait until all answer; raises with the failing worker's error.
+    A deployment the cluster cannot hold is refused before anything is placed, and workers
+    not placed within `cfg.placement.timeout_s` fail the launch (resources.py); either way
+    nothing stays reserved."""
     import ray
 
+    # Refuse at once what cannot fit the cluster (nothing is reserved yet).
+    check_cluster(deployment_needs(cfg), cfg.placement.check)
     pgs: list[object] = []
+    named: list[tuple[str, object]] = []  # (worker, its placement group)
     prefill, decode = {}, {}
 
     def worker_cfg(name: str, group: GroupConfig) -> WorkerConfig:
@@ -180,11 +197,17 @@ def launch(cfg: DeployConfig, startup_timeout_s: float = 300.0) -> Deployment:
         for i in range(group.replicas):
             name = f"{role}-{i}"
             ranks = _start(cls, role, name, group, worker_cfg(name, group), pgs)
+            named.append((name, pgs[-1]))
             (prefill if role == "prefill" else decode)[name] = ranks[0]
             followers += ranks[1:]
             started.append(ranks)
     dep = Deployment(cfg=cfg, prefill=prefill, decode=decode, placement_groups=pgs, endpoints={},
                      followers=followers)
+    try:
+        wait_placed(named, cfg.placement.timeout_s)
+    except PlacementError:
+        dep.release()
+        raise
     try:
         _join(started, startup_timeout_s)
         names = [*prefill, *decode]
