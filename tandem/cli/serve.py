@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tandem.router import RouterConfig
-    from tandem.router.app import build_colocated_router, serve
+    from tandem.colocated_node import build_colocated_router
+    from tandem.router.app import serve
     from tandem.router.auth import resolve_auth_token
     from tandem.router.server import ServerConfig
 

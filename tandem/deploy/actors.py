@@ -29,7 +29,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import sys
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -41,14 +40,12 @@ from tandem.engine.sampling import SamplingParams
 from tandem.messages import FirstToken
 from tandem.prefill_node.worker import PrefillResult, PrefillWorker
 from tandem.worker import (EventChannels, GroupLoop, PerRank, RankInfo, WorkerConfig, WorkerLoop,
-                           encode_dp_destination, encode_per_rank, join_group, leave_group,
-                           rendezvous_address, route_to_decode)
+                           encode_dp_destination, encode_per_rank, in_ray_actor, join_group,
+                           leave_group, node_id, rendezvous_address, route_to_decode,
+                           tune_process)
 
 log = logging.getLogger(__name__)
 
-# Quiet the transfer libraries' logging (NIXL prints INFO lines to stdout otherwise) and fold
-# repeated Ray log lines. (Which interface UCX listens on is set per endpoint: kvtransfer/bind.py.)
-QUIET_ENV = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "RAY_DEDUP_LOGS": "1"}
 # How long a Ray caller waits, after a call's connection broke, for the cluster to confirm that
 # the actor died before the call fails. Ray's default (1 s) made a kill -9 reach the router ~1 s
 # late (1.9 s with the reconnect); 100 ms still 0.9 s with a busy actor; 0 fails the call at
@@ -56,28 +53,6 @@ QUIET_ENV = {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "RAY_DEDUP_LOG
 # it fails that worker's requests and reconnects. Read when a process's Ray core worker starts:
 # the launcher sets it for the driver (router) and every actor of the job.
 FAST_DEATH_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0"}
-
-# A worker process runs two Python threads that both want the GIL: the loop thread, which holds
-# it for long stretches while it steps (and spins while a transfer is pending), and the actor's
-# event loop (Ray calls, stream items). CPython hands the GIL over only once per switch interval,
-# 5 ms by default -- a Ray call or a first token could wait that long. Workers use 0.5 ms unless
-# TANDEM_GIL_SWITCH_S says otherwise (seconds; Python's default is 0.005).
-GIL_SWITCH_INTERVAL_S = 0.0005
-GIL_SWITCH_ENV = "TANDEM_GIL_SWITCH_S"
-
-
-def tune_process() -> None:
-    """Process settings every worker process applies first (quiet logs, GIL hand-over)."""
-    for k, v in QUIET_ENV.items():
-        os.environ.setdefault(k, v)
-    raw = os.environ.get(GIL_SWITCH_ENV, "")
-    try:
-        interval = float(raw) if raw else GIL_SWITCH_INTERVAL_S
-    except ValueError:
-        log.warning("%s=%r is not a number of seconds: using %g", GIL_SWITCH_ENV, raw,
-                    GIL_SWITCH_INTERVAL_S)
-        interval = GIL_SWITCH_INTERVAL_S
-    sys.setswitchinterval(interval if interval > 0 else GIL_SWITCH_INTERVAL_S)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,27 +73,6 @@ class WorkerHealth:
     num_slots: int = 0
     incarnation: str = ""  # new each time the actor (re)starts: a restart means new endpoints
     pid: int = 0  # the worker's process (what an operator or a fault test signals)
-
-
-def _in_ray_actor() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    except Exception:  # noqa: BLE001 -- no Ray, or no actor context
-        return False
-
-
-def _node_id() -> str:
-    """The Ray node this actor runs on (hostname outside Ray)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.get_runtime_context().get_node_id()
-    except ImportError:
-        pass
-    return os.uname().nodename
 
 
 class _ActorBase:
@@ -146,7 +100,7 @@ class _ActorBase:
         """The loop thread stopped on a failed step. Inside a Ray actor the process exits, so
         Ray restarts the worker (its requests end with UNAVAILABLE at the router, whose event
         stream breaks); in-process the worker stays down and reports unhealthy."""
-        if _in_ray_actor():
+        if in_ray_actor():
             log.critical("worker %s: step failed (%r); exiting so that Ray restarts it",
                          self.cfg.name, exc)
             logging.shutdown()
@@ -223,7 +177,7 @@ class _ActorBase:
             name=self.cfg.name, role=self.role, healthy=self.loop.error is None, error=err,
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             num_free_pages=eng.allocator.num_free, num_pages=eng.allocator.num_usable,
-            node=_node_id(), incarnation=self.incarnation, pid=os.getpid(), **(extra or {}))
+            node=node_id(), incarnation=self.incarnation, pid=os.getpid(), **(extra or {}))
 
 
 @dataclass(slots=True, eq=False)

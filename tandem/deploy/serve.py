@@ -54,10 +54,9 @@ class RouterActor:
 
     def __init__(self, cfg: DeployConfig, prefill: dict[str, object], decode: dict[str, object],
                  endpoints: dict[str, bytes], host: str = "0.0.0.0") -> None:
-        from tandem.deploy.actors import tune_process
-        from tandem.deploy.colocated import node_ip
         from tandem.router.app import BackgroundServer
         from tandem.router.server import ServerConfig
+        from tandem.worker import node_ip, tune_process
 
         tune_process()
         router = router_for(cfg, prefill, decode, endpoints)

@@ -3,11 +3,10 @@ request lifecycle (request ids, rooms, streaming, abort, deadlines), and the wor
 
 Public API (other packages import only these names). The gRPC pieces (`RouterServer`,
 `RouterServicer`) live in `tandem.router.server` / `tandem.router.servicer` and are not imported
-here, so the logic can be used without loading grpc. The router imports no torch: the
-colocated dispatcher, which holds engines in this process, loads on first use (PEP 562).
+here, so the logic can be used without loading grpc. The router imports no torch: the colocated
+dispatcher, which holds engines in the router's process, is the colocated node's
+(`tandem.colocated_node`).
 """
-
-from typing import Any
 
 
 from tandem.router.dispatch import (
@@ -50,19 +49,11 @@ from tandem.router.router import (
 from tandem.router.validate import GenerateInput, SamplingInput
 
 __all__ = [
-    "POLICIES", "CapacityExceeded", "Code", "ColocatedDispatcher", "ColocatedWorker",
-    "DeadlineExceeded", "DispatchError", "Dispatcher", "DispatcherStats", "GenerateInput",
-    "GenerateOutput", "LeastLoad", "ModelInfo", "Placement", "PlacementQuery", "Policy",
-    "PowerOfTwo", "PrefixCacheAware", "RequestFailed", "RequestRejected", "RoundRobin",
-    "RoutedRequest", "Router", "RouterConfig", "RouterError", "RouterStats", "SamplingInput",
-    "SpecAcceptance", "TokenChunk", "Usage", "WorkerInfo", "WorkerRegistry", "WorkerRole",
-    "WorkerState", "WorkerUnavailable", "make_policy",
+    "POLICIES", "CapacityExceeded", "Code", "DeadlineExceeded", "DispatchError", "Dispatcher",
+    "DispatcherStats", "GenerateInput", "GenerateOutput", "LeastLoad", "ModelInfo",
+    "Placement", "PlacementQuery", "Policy", "PowerOfTwo", "PrefixCacheAware", "RequestFailed",
+    "RequestRejected", "RoundRobin", "RoutedRequest", "Router", "RouterConfig", "RouterError",
+    "RouterStats", "SamplingInput", "SpecAcceptance", "TokenChunk", "Usage", "WorkerInfo",
+    "WorkerRegistry", "WorkerRole", "WorkerState", "WorkerUnavailable", "make_policy",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in ("ColocatedDispatcher", "ColocatedWorker"):
-        from tandem.router import colocated
-
-        return getattr(colocated, name)
-    raise AttributeError(f"module 'tandem.router' has no attribute '{name}'")

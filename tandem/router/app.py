@@ -1,6 +1,7 @@
-"""Assembling and running a router: engine -> `ColocatedDispatcher` -> `Router` -> `RouterServer`,
-served until SIGINT/SIGTERM and then stopped gracefully (what `tandem serve` runs), or in a
-background thread (`BackgroundServer`: tests, an in-process demo)."""
+"""Running a router: `Router` -> `RouterServer`, served until SIGINT/SIGTERM and then stopped
+gracefully (what `tandem serve` runs), or in a background thread (`BackgroundServer`: tests, an
+in-process demo, the colocated and router actors). Building the router over its workers is the
+caller's part (colocated_node.build_colocated_router, deploy/serve.py)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,13 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-from tandem.router.colocated import ColocatedDispatcher
-from tandem.router.router import Router, RouterConfig
+from tandem.router.router import Router
 from tandem.router.server import RouterServer, ServerConfig
 
 if TYPE_CHECKING:
     from typing import Self
 
 T = TypeVar("T")
-
-
-def build_colocated_router(engine, model: str = "default", worker: str = "colocated-0",
-                           cfg: RouterConfig | None = None) -> Router:
-    """One colocated worker running `engine` (its loop thread starts here)."""
-    dispatcher = ColocatedDispatcher.from_engine(engine, name=worker, model=model)
-    return Router(dispatcher, {model: engine.tokenizer}, cfg or RouterConfig())
 
 
 async def serve(router: Router, cfg: ServerConfig,

@@ -2,8 +2,8 @@
 values that cross it, and the errors it may raise.
 
 Owns no state. Two implementations are meant to sit behind it:
-- `ColocatedDispatcher` (router/colocated.py): prefill and decode in one engine per worker.
-- the disaggregated dispatcher (next): decode reserves pages for the request and answers with
+- `ColocatedDispatcher` (colocated_node/dispatcher.py): prefill and decode in one engine per worker.
+- `DisaggregatedDispatcher` (router/disagg.py): decode reserves pages for the request and answers with
   its KV destination; prefill gets the request plus that destination and pushes target KV,
   draft KV and the EAGLE seed over Mooncake/NIXL; workers are Ray actors. It receives the same
   `RoutedRequest` (the `room` is the transfer's bootstrap room, `placement` names both

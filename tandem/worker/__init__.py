@@ -8,7 +8,8 @@ Ray actors of deploy/ drive them with.
 - how the ranks of one worker join and agree (`RankInfo`, `RankSync`, `join_group`), and the
   per-rank values that cross the router as one blob (`encode_per_rank`, `route_to_decode`):
   ranks.py;
-- the worker side of the router-worker event stream (`EventChannels`): channels.py.
+- the worker side of the router-worker event stream (`EventChannels`): channels.py;
+- the process a worker runs in (`tune_process`, `node_ip`): process.py.
 
 The kit imports no node and no deploy module: nodes depend on it, never the other way round.
 """
@@ -24,6 +25,7 @@ from tandem.worker.config import (
 )
 from tandem.worker.group_loop import GroupLoop
 from tandem.worker.loop import SteppedWorker, WorkerLoop
+from tandem.worker.process import QUIET_ENV, in_ray_actor, node_id, node_ip, tune_process
 from tandem.worker.ranks import (
     SOLO,
     PerRank,
@@ -42,9 +44,10 @@ from tandem.worker.ranks import (
 )
 
 __all__ = [
-    "SOLO", "TRANSFER_BACKENDS", "EventChannels", "GroupLoop", "PerRank", "PrefillRoute",
-    "RankInfo", "RankSync", "SoloSync", "SteppedWorker", "TorchSync", "WorkerConfig",
-    "WorkerLoop", "aux_buffer", "build_engine", "compat_info", "decode_per_rank",
-    "encode_dp_destination", "encode_per_rank", "join_group", "kv_layout", "leave_group",
-    "rendezvous_address", "route_to_decode",
+    "QUIET_ENV", "SOLO", "TRANSFER_BACKENDS", "EventChannels", "GroupLoop", "PerRank",
+    "PrefillRoute", "RankInfo", "RankSync", "SoloSync", "SteppedWorker", "TorchSync",
+    "WorkerConfig", "WorkerLoop", "aux_buffer", "build_engine", "compat_info",
+    "decode_per_rank", "encode_dp_destination", "encode_per_rank", "in_ray_actor", "join_group",
+    "kv_layout", "leave_group", "node_id", "node_ip", "rendezvous_address", "route_to_decode",
+    "tune_process",
 ]

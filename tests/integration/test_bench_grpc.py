@@ -10,8 +10,9 @@ import json
 import pytest
 
 from tandem.bench.results import validate
+from tandem.colocated_node import build_colocated_router
 from tandem.engine import EngineConfig
-from tandem.router.app import BackgroundServer, build_colocated_router
+from tandem.router.app import BackgroundServer
 from tandem.router.server import ServerConfig
 from tandem.spec import SpecConfig, SpecEngine
 

@@ -23,10 +23,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.colocated_node import build_colocated_router
 from tandem.engine import EngineConfig, LLMEngine
 from tandem.proto import router_pb2 as pb
 from tandem.proto import router_pb2_grpc as pb_grpc
-from tandem.router.app import BackgroundServer, build_colocated_router
+from tandem.router.app import BackgroundServer
 from tandem.router.server import ServerConfig
 
 pytestmark = pytest.mark.slow

@@ -18,11 +18,11 @@ from spec_helpers import (
     tiny_target,
 )
 
+from tandem.colocated_node import ColocatedDispatcher
 from tandem.engine import LLMEngine, SamplingParams
 from tandem.engine.request import FinishReason
 from tandem.router import (
     CapacityExceeded,
-    ColocatedDispatcher,
     DeadlineExceeded,
     GenerateInput,
     Placement,

@@ -32,6 +32,7 @@ from spec_helpers import (
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
+from tandem.colocated_node import ColocatedDispatcher
 from tandem.engine import (
     GREEDY_TEMPERATURE,
     FinishReason,
@@ -42,7 +43,7 @@ from tandem.engine import (
     target_probs,
 )
 from tandem.engine.tokenizer import Tokenizer
-from tandem.router import ColocatedDispatcher, Placement, RequestFailed, RoutedRequest
+from tandem.router import Placement, RequestFailed, RoutedRequest
 from tandem.router.errors import Code, from_dispatch_error
 from tandem.spec import SpecConfig, SpecEngine, VerifyInput, accept
 

@@ -1,22 +1,32 @@
-"""A colocated deployment on Ray: one actor that holds one engine (prefill and decode in the same
-process, no KV transfer) and serves the gRPC router API itself. `tandem bench --config` starts it
-to compare against the disaggregated layout of the same model on the same cluster.
+"""A colocated server: one engine (prefill and decode in the same process, no KV transfer) behind
+its own router and gRPC server. `tandem serve` without a deployment config runs the same thing
+in the foreground (`build_colocated_router`); `tandem bench --config` starts `ColocatedServer` as
+a Ray actor to compare against the disaggregated layout of the same model on the same cluster.
 
-The actor class is plain Python (the caller wraps it with `ray.remote`); it converts and
+`ColocatedServer` is plain Python (the caller wraps it with `ray.remote`); it converts and
 delegates to `build_colocated_router` and `BackgroundServer`.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from dataclasses import dataclass
 
+from tandem.colocated_node.dispatcher import ColocatedDispatcher
 from tandem.engine.config import EngineConfig
+from tandem.router import Router, RouterConfig
 from tandem.spec.config import SpecConfig
+from tandem.worker import node_ip, tune_process
 
 log = logging.getLogger(__name__)
+
+
+def build_colocated_router(engine, model: str = "default", worker: str = "colocated-0",
+                           cfg: RouterConfig | None = None) -> Router:
+    """One colocated worker running `engine` (its loop thread starts here)."""
+    dispatcher = ColocatedDispatcher.from_engine(engine, name=worker, model=model)
+    return Router(dispatcher, {model: engine.tokenizer}, cfg or RouterConfig())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,8 +42,8 @@ class ColocatedServer:
     """Owns one engine, its router and the gRPC server in front of them."""
 
     def __init__(self, cfg: ColocatedServerConfig) -> None:
-        from tandem.deploy.actors import tune_process
-        from tandem.router.app import BackgroundServer, build_colocated_router
+        # grpc loads when a server starts, not with this module
+        from tandem.router.app import BackgroundServer
         from tandem.router.server import ServerConfig
 
         tune_process()  # the same process settings as the disaggregated workers
@@ -61,14 +71,3 @@ class ColocatedServer:
 
     def shutdown(self) -> None:
         self._server.stop()
-
-
-def node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())

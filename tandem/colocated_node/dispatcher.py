@@ -1,5 +1,5 @@
-"""`ColocatedDispatcher`: each worker is one engine (prefill and decode together) run by an
-`EngineLoop` in this process.
+"""`ColocatedDispatcher`: the router's `Dispatcher` when each worker is one engine (prefill and
+decode together) run by an `EngineLoop` in the router's process.
 
 Owns its `EngineLoop`s (starts and stops them) and the map request id -> worker of the requests
 in flight. The engines themselves are owned by their loops. Per-request acceptance stats are
