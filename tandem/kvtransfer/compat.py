@@ -2,9 +2,9 @@
 (docs/architecture.md, "Compatibility at handshake"), its digest, and the field-by-field check
 that names every difference.
 
-The check raises `TransferError(HANDSHAKE)` (imported lazily from contract to avoid a cycle). A
-differing `tp_size` alone is a valid deployment when the KV heads re-slice (reslice.py): both sides
-name the model's `num_kv_heads` and each side's heads split (or replicate) evenly over its ranks.
+The check raises `TransferError(HANDSHAKE)` (errors.py). A differing `tp_size` alone is a valid
+deployment when the KV heads re-slice (reslice.py): both sides name the model's `num_kv_heads` and
+each side's heads split (or replicate) evenly over its ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+
+from tandem.kvtransfer.errors import ErrorKind, TransferError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,8 +67,6 @@ def check_compat(
 ) -> None:
     """Raise unless `local` and `remote` may exchange KV. The message names each differing field
     with both values, e.g. "dtype: prefill='bfloat16' decode='float16'"."""
-    from tandem.kvtransfer.contract import ErrorKind, TransferError
-
     if local.digest() == remote.digest():
         return
     diffs = local.differences(remote)

@@ -1,6 +1,7 @@
-"""The transfer contract both workers use: error type, per-transfer state machine, the values that
-cross worker boundaries (`EndpointInfo`, `Destination`, receive events) and the two Protocols
-(`KVSender` on prefill, `KVReceiver` on decode). Compatibility checking lives in `compat.py`.
+"""The transfer contract both workers use: error type (defined in errors.py), per-transfer state
+machine, the values that cross worker boundaries (`EndpointInfo`, `Destination`, receive events)
+and the two Protocols (`KVSender` on prefill, `KVReceiver` on decode). Compatibility checking
+lives in `compat.py`.
 
 State machine of one transfer (one `room`), the same on both sides:
 
@@ -31,44 +32,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.kvtransfer.compat import CompatInfo
+from tandem.kvtransfer.errors import ErrorKind, TransferError
 
-# ---------------------------------------------------------------------------------------------
-# Errors
-
-
-class ErrorKind(enum.Enum):
-    """Why a transfer (or a connection) failed. One `TransferError` type carries one of these."""
-
-    HANDSHAKE = "handshake"  # incompatible peers, or connect() protocol failure
-    TIMEOUT = "timeout"  # a deadline passed (frozen peer, slow link, lost notification)
-    PEER_DEAD = "peer_dead"  # the peer process/connection is gone, or it was fenced
-    ABORTED = "aborted"  # either side aborted the request
-    REFUSED = "refused"  # decode refused the writer (unknown/expired room, too many pages)
-    BACKEND = "backend"  # the library reported failure (Mooncake rc < 0, NIXL "ERR")
-    CORRUPT = "corrupt"  # aux slot magic/checksum/room/byte count did not match
-    INVALID = "invalid"  # caller error: page id out of range, unknown group, double push
-
-
-class TransferError(Exception):
-    """The only exception kvtransfer raises for backend/peer/transfer failures."""
-
-    def __init__(self, kind: ErrorKind, message: str, *, room: int | None = None):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.room = room
-
-    def __str__(self) -> str:
-        where = f" (room {self.room})" if self.room is not None else ""
-        return f"[{self.kind.value}]{where} {self.message}"
-
-    def __reduce__(self):  # survive pickling through Ray / multiprocessing
-        return (_rebuild_error, (self.kind.value, self.message, self.room))
-
-
-def _rebuild_error(kind: str, message: str, room: int | None) -> TransferError:
-    return TransferError(ErrorKind(kind), message, room=room)
-
+__all__ = [
+    "Destination", "EndpointInfo", "ErrorKind", "IllegalTransition", "KVReceiver", "KVSender",
+    "ReceiveEvent", "ReceiveFailed", "Received", "SendOutcome", "TransferError", "TransferState",
+    "advance",
+]
 
 # ---------------------------------------------------------------------------------------------
 # State machine
