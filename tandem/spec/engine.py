@@ -3,10 +3,12 @@ process). It is the reference the disaggregated workers must equal.
 
 A step runs (1) one chunked-prefill forward for requests without a draft seed -- target, then
 the draft over the same chunk, and a seed for each request whose prompt completed -- and
-(2) one speculative round for every request with a seed:
+(2) one speculative round for every request with a seed (`_spec_round`, phase values only):
 
-    propose -> verify (one target forward) -> accept -> compact -> draft-extend -> commit
+    draft -> verify (one target forward) -> accept -> compact -> draft-extend
 
+The scheduling around the round is the `SpecScheduler`'s (spec/scheduler.py): which requests
+run it, their pages (reserved before, preempting under pressure) and their seeds (kept after).
 Committing appends the accepted tokens one by one through the same stop checks as plain
 decoding, so an EOS or stop string inside an accepted run ends the request right there.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +43,9 @@ from tandem.spec.extend import (
 )
 from tandem.spec.handoff import PrefillHandoff
 from tandem.spec.head import EagleHead
-from tandem.spec.phases import DraftInput, DraftSeed, VerifyInput, VerifyResult
+from tandem.spec.phases import DraftInput, DraftSeed, RoundInput, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
+from tandem.spec.scheduler import SpecScheduler
 from tandem.spec.slices import verify_layout
 
 log = logging.getLogger(__name__)
@@ -102,7 +105,7 @@ class SpecEngine(LLMEngine):
         self.spec, self.head = spec, head
         self.draft = DraftRunner(head, self.kv_pool, self.runner.backend,
                                  max_kv_len=self.max_model_len + spec.slots_per_round)
-        self.seeds: dict[str, DraftSeed] = {}  # owned here: one per decoding request
+        self.spec_scheduler = SpecScheduler(self.scheduler, spec, self.max_model_len)
         self.handoff_only: set[str] = set()  # prefill-only requests still prefilling
         self.handoffs: dict[str, PrefillHandoff] = {}  # prefilled, waiting to be taken
         # Set by a prefill worker for layer-wise KV push: given the chunks of prefill-only
@@ -147,15 +150,20 @@ class SpecEngine(LLMEngine):
             tokenizer = Tokenizer.from_dir(path)
         return SpecEngine(engine_cfg, spec, model, head, tokenizer)
 
+    @property
+    def seeds(self) -> Mapping[str, DraftSeed]:
+        """req_id -> draft seed of each request decoding by rounds (the SpecScheduler's)."""
+        return self.spec_scheduler.seeds
+
     def abort(self, req_id: str) -> bool:
-        self.seeds.pop(req_id, None)
+        self.spec_scheduler.drop_seed(req_id)
         self.handoff_only.discard(req_id)
         return super().abort(req_id)
 
     def _fail_request(self, req: Request, error: str) -> RequestOutput:
         """As LLMEngine's; a prefill-only request that fails is never handed off: a prefill
         worker learns of it from this step's ERROR output."""
-        self.seeds.pop(req.req_id, None)
+        self.spec_scheduler.drop_seed(req.req_id)
         self.handoff_only.discard(req.req_id)
         return super()._fail_request(req, error)
 
@@ -164,33 +172,17 @@ class SpecEngine(LLMEngine):
     @torch.inference_mode()  # as LLMEngine.step
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        self._drop_stale_seeds()
-        self._drop_seeds_near_context_end()
-        plan = self.scheduler.schedule(exclude=frozenset(self.seeds))
+        spec_sched = self.spec_scheduler
+        spec_sched.drop_unrunnable()
+        plan = self.scheduler.schedule(exclude=frozenset(spec_sched.seeds))
         if self.dp_join(bool(plan.chunks)):  # DP attention: idle ranks join (engine/llm.py)
             outputs += self._prefill_step(plan)
-        self._drop_stale_seeds()
-        prefilled_now = {c.req_id for c in plan.chunks}  # they decode from the next step on
-        decoding = [r for r in self.scheduler.running if r.req_id in self.seeds
-                    and r.req_id not in prefilled_now]
-        if decoding or self.model.par.dp.size > 1:  # DP: every rank reaches the verify join
-            outputs += self._spec_round([r.req_id for r in decoding])
+        # Pages for the round (may preempt); a prompt completed in this step decodes next step.
+        reqs = spec_sched.reserve(exclude=frozenset(c.req_id for c in plan.chunks))
+        if self.dp_join(bool(reqs)):  # DP: a rank without a round runs an empty verify
+            result, nxt = self._spec_round(spec_sched.round_input(reqs))
+            outputs += self._commit(reqs, result, nxt)
         return outputs
-
-    def _drop_stale_seeds(self) -> None:
-        """A preempted request lost its KV: it is prefilled again and gets a new seed."""
-        running = {r.req_id for r in self.scheduler.running}
-        for rid in [rid for rid in self.seeds if rid not in running]:
-            del self.seeds[rid]
-
-    def _drop_seeds_near_context_end(self) -> None:
-        """A round writes rope positions up to num_cached + num_steps (its deepest verify node),
-        but the rope table and the context end at max_model_len: past it the forward indexes
-        out of bounds. A request that close to the end finishes with plain decode steps (the
-        scheduler runs a seedless request like any other), which never look past their token."""
-        for rid in [rid for rid, s in self.seeds.items()
-                    if s.num_cached + self.spec.num_steps >= self.max_model_len]:
-            del self.seeds[rid]
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
         batch = self._build_batch(plan, len(plan.chunks))  # eager: no graph padding
@@ -254,7 +246,7 @@ class SpecEngine(LLMEngine):
         if req.req_id in self.handoff_only:
             self._hand_off(req, seed, result)
         elif not result.finished:
-            self.seeds[req.req_id] = seed
+            self.spec_scheduler.set_seed(req.req_id, seed)
         return result
 
     # ---- disaggregation: prefill-only requests out, prefilled requests in ---------------------
@@ -327,59 +319,52 @@ class SpecEngine(LLMEngine):
             self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
         out = self._append_row(req, first_token)  # a failure ends this request (pages freed)
         if not out.finished:
-            self.seeds[req_id] = seed
+            self.spec_scheduler.set_seed(req_id, seed)
         return out
 
-    def _spec_round(self, req_ids: list[str]) -> list[RequestOutput]:
-        # Pages for everything this round may write past the committed tokens. Requests are
-        # served in admission order; under pressure the latest ones are preempted (and are
-        # prefilled again later), never one already served this round.
-        served: set[str] = set()
-        for rid in req_ids:
-            req = self.scheduler.requests.get(rid)
-            if req is None or req not in self.scheduler.running:
-                continue
-            ok, _ = self.scheduler.reserve(req, req.num_computed + self.spec.slots_per_round,
-                                           served)
-            if ok:
-                served.add(rid)
-        self._drop_stale_seeds()
-        req_ids = [rid for rid in req_ids if rid in served and rid in self.seeds]
-        if not self.dp_join(bool(req_ids)):  # DP: a rank without rounds runs an empty verify
-            return []
-        reqs = [self.scheduler.requests[rid] for rid in req_ids]
-        inp = DraftInput.from_seeds([self.seeds[rid] for rid in req_ids],
-                                    [r.page_ids for r in reqs])
-        verify = self._propose(req_ids, inp)
+    def _spec_round(self, inp: RoundInput) -> tuple[VerifyResult, DraftInput]:
+        """One speculative round, phase value to phase value: draft -> verify -> accept ->
+        draft-extend. Returns what the target accepted per request and the next round's draft
+        input; committing the tokens is the caller's (`_commit`), and so was the scheduling
+        (pages for every slot written here, DP join: `step`). For a request, x_L is its last
+        committed token (the root, not yet in the target KV) and p_j the target's distribution
+        for the token after node j, given x_0 .. x_L and the path down to j."""
+        # Draft: from its seed the draft guesses ahead, num_steps deep; a chain (topk = 1) or a
+        # tree of topk children per node. A node at depth d guesses x_{L+d}; node 0 is x_L.
+        verify = self._propose(list(inp.req_ids), inp.draft)
+        # Verify: ONE target forward over all the nodes, each attending to the cache and its own
+        # ancestors only, gives p_j for every node j at once (and writes their target KV).
         out = self._verify_forward(verify)
-        params = [r.params for r in reqs]
-        graphs = self.spec_graphs
-        if graphs is not None and all(p.greedy for p in params) and graphs.can_extend(verify):
-            result, nxt = self._accept_and_extend_on_device(verify, out, graphs, req_ids)
-        else:
-            result = accept(verify, out.logits, params, [r.generator for r in reqs], req_ids,
-                            self.cfg.sampling_fault)
-            compact_accepted_path(self.kv_pool, "target", verify, result)
-            nxt = draft_extend(self.draft, make_extend_input(verify, result,
-                                                             target_features(out, self.head)),
-                               self.spec.topk)
-        return self._commit(reqs, result, nxt)
-
-    def _accept_and_extend_on_device(self, verify: VerifyInput, out: ForwardOutput,
-                                     graphs: SpecGraphRunner, req_ids: list[str]
-                                     ) -> tuple[VerifyResult, DraftInput]:
-        """Greedy acceptance and the draft-extend graph, queued back to back before the
-        round's one host read: the host then waits only for acceptance, and commits while the
-        GPU runs the extend (the same tokens and draft inputs as the eager path)."""
-        pending = launch_greedy_accept(verify, out.logits)
-        ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
-                            target_features(out, self.head))
-        result = pending.result()  # the round's one host read (SYNC inside)
-        result = with_row_faults(result, req_ids, self.cfg.sampling_fault)
-        compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV only
-        nxt = next_draft_input(verify, result, ext.hidden, ext.topk_ids, ext.topk_logp,
-                               ext.last_tokens)
-        return result, nxt
+        features = target_features(out, self.head)  # [bs * N, F] what draft-extend reads
+        # Accept (spec/accept.py), walking down from the root:
+        # - greedy: step to the child whose token is argmax p_j; the bonus is argmax p at the
+        #   last node reached: token for token what plain greedy decoding emits;
+        # - sampling: try the children in draft order, accepting child t with probability
+        #   p_j(t); a rejection sets p_j(t) = 0 and renormalises, and the bonus is drawn from
+        #   what is left, so P(emit t) = p_j(t) -- the target's own distribution, lossless.
+        # a accepted drafts + 1 bonus = a + 1 new tokens, 1 <= a + 1 <= num_steps + 1.
+        graphs, fault = self.spec_graphs, self.cfg.sampling_fault
+        if graphs is not None and all(p.greedy for p in inp.params) and graphs.can_extend(verify):
+            # Greedy on the device: the acceptance kernel and the draft-extend graph are queued
+            # back to back before the round's one host read, so the GPU extends while the host
+            # commits (the same tokens and draft inputs as the path below).
+            pending = launch_greedy_accept(verify, out.logits)
+            ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
+                                features)
+            result = with_row_faults(pending.result(), inp.req_ids, fault)  # SYNC inside
+            compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV
+            return result, next_draft_input(verify, result, ext.hidden, ext.topk_ids,
+                                            ext.topk_logp, ext.last_tokens)
+        result = accept(verify, out.logits, inp.params, inp.generators, inp.req_ids,
+                        fault)  # SYNC inside: the round's one host read
+        # Compact: a tree's accepted nodes sit anywhere among its verify slots; their target
+        # K/V moves right after the root, so the cache holds x_0 .. x_{L+a} in order.
+        compact_accepted_path(self.kv_pool, "target", verify, result)
+        # Draft-extend: the draft runs over the a + 1 new tokens, paired with the target features
+        # of the root and the accepted nodes, so its KV follows the accepted path; the last row
+        # (the bonus token's) proposes the next round's first level.
+        ext_in = make_extend_input(verify, result, features)
+        return result, draft_extend(self.draft, ext_in, self.spec.topk)
 
     def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
         """Drafting. A seam for tests that force acceptance patterns with scripted drafts."""
@@ -418,18 +403,13 @@ class SpecEngine(LLMEngine):
         # tau measures the draft: it counts what verification accepted, even when a stop
         # condition then ends the request inside the accepted run.
         self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
-        # The target KV now holds the root and the accepted drafts.
-        req.num_computed = seed.num_cached
         parts = []
-        for tok in toks:
+        for tok in toks:  # an EOS or stop string ends the request at its token
             parts.append(self._append(req, tok))
             if parts[-1].finished:
                 break
         last = parts[-1]
-        if last.finished:
-            self.seeds.pop(req.req_id, None)
-        else:
-            self.seeds[req.req_id] = seed
+        self.spec_scheduler.commit_round(req, None if last.finished else seed)
         return RequestOutput(
             req_id=req.req_id, new_token_ids=tuple(t for o in parts for t in o.new_token_ids),
             text_delta="".join(o.text_delta for o in parts), finished=last.finished,

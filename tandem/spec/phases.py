@@ -1,6 +1,7 @@
 """The phases of one speculative round, as frozen values (docs/architecture.md, "Phases are
 values").
 
+    RoundInput (planned by the SpecScheduler) = DraftInput + how each request samples
     DraftInput --propose--> VerifyInput --target forward + accept--> VerifyResult
         --make_extend_input--> DraftExtendInput --draft forward--> DraftInput (next round)
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.h2d import tensor as h2d_tensor
+from tandem.messages import SamplingParams
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -75,6 +77,18 @@ class DraftInput:
         return [DraftSeed(num_cached=self.num_cached[i], last_token=last[i],
                           topk_ids=self.topk_ids[i], topk_logp=self.topk_logp[i],
                           hidden=self.hidden[i]) for i in range(self.batch_size)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RoundInput:
+    """Everything one speculative round needs, and nothing of the scheduling around it: the
+    `SpecScheduler` builds it for requests that already hold pages for every KV slot the round
+    may write (num_cached + SpecConfig.slots_per_round)."""
+
+    req_ids: tuple[str, ...]  # [bs] row order of every phase of the round
+    params: tuple[SamplingParams, ...]  # [bs] how the target's token is chosen (acceptance)
+    generators: tuple[torch.Generator | None, ...]  # [bs] a seeded row's own RNG, else None
+    draft: DraftInput  # [bs] the requests' seeds with their page tables
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -41,6 +41,7 @@ from tandem.spec import (
     DraftExtendInput,
     DraftInput,
     DraftSeed,
+    RoundInput,
     SpecConfig,
     SpecEngine,
     VerifyInput,
@@ -297,7 +298,7 @@ def test_fresh_metadata_for_every_forward(spec, monkeypatch):
 
 # ---- phases are values ------------------------------------------------------------------------
 
-PHASES = (DraftSeed, DraftInput, VerifyInput, VerifyResult, DraftExtendInput)
+PHASES = (DraftSeed, RoundInput, DraftInput, VerifyInput, VerifyResult, DraftExtendInput)
 
 
 @pytest.mark.parametrize("cls", PHASES, ids=lambda c: c.__name__)
@@ -383,10 +384,10 @@ def test_phase_functions_never_modify_their_inputs(spec, monkeypatch):
     eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle3", live=None))
     orig_round = eng._spec_round
 
-    def spec_round(req_ids):  # the seeds a round consumes stay as they were
-        snap = _Snapshot(*(eng.seeds[r] for r in req_ids))
-        out = orig_round(req_ids)
-        snap.assert_unchanged("a speculative round (its input seeds)")
+    def spec_round(inp):  # the round's input, and the seeds it was built from, stay as they were
+        snap = _Snapshot(inp, *(eng.seeds[r] for r in inp.req_ids))
+        out = orig_round(inp)
+        snap.assert_unchanged("a speculative round (its input and seeds)")
         return out
 
     monkeypatch.setattr(eng, "_spec_round", spec_round)

@@ -1,0 +1,108 @@
+"""`SpecScheduler`: the scheduling side of speculative decoding. It picks the requests a round
+advances, gets them the pages the round may write, and keeps what a round leaves behind -- each
+request's draft seed -- so that the round itself (`SpecEngine._spec_round`) only computes: it
+takes a `RoundInput` and returns what the target accepted.
+
+A step of the speculative engine, with the parts that are this module's marked *:
+
+    drop_unrunnable* -> Scheduler.schedule(seeded requests excluded) -> prefill (set_seed*)
+    -> reserve* -> DP join -> round_input* -> round -> stop checks -> commit_round*
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+from tandem.engine.request import Request
+from tandem.engine.scheduler import Scheduler
+from tandem.spec.config import SpecConfig
+from tandem.spec.phases import DraftInput, DraftSeed, RoundInput
+
+
+class SpecScheduler:
+    """Owns the draft seeds: one `DraftSeed` per request that decodes by speculative rounds.
+
+    Invariants, between steps: a seeded request is running in the engine's `Scheduler`, with
+    seed.num_cached == req.num_computed == req.num_tokens - 1 (its last committed token is
+    the next round's root, not yet in the target KV); a request that stops running (finished,
+    aborted, failed, preempted, handed off) loses its seed. Pages stay the `Scheduler`'s: a
+    round's reservation goes through `Scheduler.reserve`, which may preempt.
+    """
+
+    def __init__(self, scheduler: Scheduler, spec: SpecConfig, max_model_len: int) -> None:
+        self.scheduler, self.spec, self.max_model_len = scheduler, spec, max_model_len
+        self._seeds: dict[str, DraftSeed] = {}
+
+    @property
+    def seeds(self) -> Mapping[str, DraftSeed]:
+        """req_id -> its seed (read-only: `set_seed`, `drop_seed` and `commit_round` write)."""
+        return MappingProxyType(self._seeds)
+
+    def set_seed(self, req_id: str, seed: DraftSeed) -> None:
+        """`req_id`'s prompt is in the KV (prefilled here, or handed in by a prefill worker)
+        and its first token committed: it decodes by rounds from the next step on."""
+        self._seeds[req_id] = seed
+
+    def drop_seed(self, req_id: str) -> None:
+        self._seeds.pop(req_id, None)
+
+    def drop_unrunnable(self) -> None:
+        """Before a step, drop the seeds no round may use:
+        - a preempted request lost its KV: it is prefilled again and gets a new seed;
+        - a round writes rope positions up to num_cached + num_steps (its deepest verify node),
+          but the rope table and the context end at max_model_len: past it the forward
+          indexes out of bounds. A request that close to the end finishes with plain decode
+          steps (the scheduler runs a seedless request like any other), which never look past
+          their token."""
+        self._drop_stale()
+        limit = self.max_model_len - self.spec.num_steps
+        for rid in [rid for rid, s in self._seeds.items() if s.num_cached >= limit]:
+            del self._seeds[rid]
+
+    def reserve(self, exclude: frozenset[str]) -> list[Request]:
+        """The requests this step's round advances, in admission order: the seeded running
+        ones except `exclude` (their prompt completed in this step: they decode from the next),
+        each now holding pages for every KV slot the round may write. Under page pressure the
+        latest requests are preempted (and are prefilled again later; their seeds go), never
+        one already served this round -- down to the request asking, if need be."""
+        candidates = [r for r in self.scheduler.running
+                      if r.req_id in self._seeds and r.req_id not in exclude]
+        served: list[Request] = []
+        protected: set[str] = set()
+        for req in candidates:
+            if req not in self.scheduler.running:
+                continue  # preempted to make room for an earlier request of this round
+            ok, _ = self.scheduler.reserve(req, req.num_computed + self.spec.slots_per_round,
+                                           protected)
+            if ok:
+                served.append(req)
+                protected.add(req.req_id)
+        self._drop_stale()
+        return served
+
+    def round_input(self, reqs: Sequence[Request]) -> RoundInput:
+        """The round over `reqs` (as `reserve` returned them): their seeds batched with their
+        page tables, and how each samples."""
+        return RoundInput(
+            req_ids=tuple(r.req_id for r in reqs), params=tuple(r.params for r in reqs),
+            generators=tuple(r.generator for r in reqs),
+            draft=DraftInput.from_seeds([self._seeds[r.req_id] for r in reqs],
+                                        [r.page_ids for r in reqs]))
+
+    def commit_round(self, req: Request, seed: DraftSeed | None) -> None:
+        """A round's tokens went through `req`'s stop checks. Still running (`seed` given): the
+        target KV now holds the old root and the accepted drafts (num_computed =
+        seed.num_cached) and `seed` -- the draft-extend's last row -- drafts its next round.
+        `seed` None: the request finished inside the round (its pages are back already)."""
+        if seed is None:
+            self._seeds.pop(req.req_id, None)
+            return
+        req.num_computed = seed.num_cached
+        self._seeds[req.req_id] = seed
+
+    def _drop_stale(self) -> None:
+        """A request no longer running (preempted: its KV is gone) keeps no seed."""
+        running = {r.req_id for r in self.scheduler.running}
+        for rid in [rid for rid in self._seeds if rid not in running]:
+            del self._seeds[rid]
