@@ -1,16 +1,14 @@
 """`PrefillSender`: the prefill rank's side of the contract (`KVSender`), over any backend.
 
-Owns: its backend instance, the aux staging slots (its own `layout.aux`, host memory), the table
-of active sends, and the memory of recently finished rooms. Single-threaded; `poll()` progresses.
+Owns: its backend instance, the table of active sends (one `SendLeg` per room and decode
+endpoint, send_leg.py), and the memory of recently finished rooms; its `LegWriter` layer
+(leg_writer.py) owns the aux staging slots and posts the writes. Single-threaded; `poll()`
+progresses.
 
 Per room: `start` sends BEGIN and waits (without blocking) for GO; `push_layers` queues page
 batches, posted once GO arrived; `finish` stages the aux seed; the aux write goes out carrying
-FINAL(done) as its notification - so decode sees the completion only after all bytes. Where
-the backend's notifications are cheap (`notify_per_write`: NIXL, fake) every page write carries
-DATA(bytes) and the aux write is posted as soon as every layer of every group is posted: FINAL
-counts the DATA writes and decode completes the room once all of them arrived (no completion
-round trip between the last page write and the aux write). Otherwise (Mooncake) the aux write
-waits until every page write completed. The room is DONE on this side when every write of it
+FINAL(done) as its notification - so decode sees the completion only after all bytes (when the
+aux write may go: leg_writer.py). The room is DONE on this side when every write of it
 completed. On any failure the room turns terminal at once (the caller
 learns), but the decode side is told FINAL only after every posted write finished or was
 cancelled (its pages stay leased until then); if writes hang past `drain_timeout_s`, the peer is
@@ -18,7 +16,7 @@ fenced (disconnected) instead. Every ABORT from decode is answered with a final 
 already retired answers from the recent outcomes). A room that ends here before it was begun for
 a destination (`decline`) gets FINAL without BEGIN, so decode need not wait for its deadline.
 
-Different TP sizes (reslice.py): one room may go to several decode ranks, one leg (`_Send`) per
+Different TP sizes (reslice.py): one room may go to several decode ranks, one leg (`SendLeg`) per
 decode endpoint, each started with its own Destination; `push_layers`/`finish`/`abort`/`state`
 act on every leg of the room, and the room's outcome is reported once every leg is terminal (a
 failed leg aborts its siblings). A leg carries its head slice; only the decode rank's primary
@@ -28,77 +26,27 @@ all of its writes completed - the same ordering the aux write relies on.
 
 from __future__ import annotations
 
-import ctypes
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from tandem.kvtransfer import coalesce
-from tandem.kvtransfer.aux_slot import HEADER_BYTES, encode_aux
+from tandem.kvtransfer.aux_slot import HEADER_BYTES
 from tandem.kvtransfer.backend import BackendOptions, PeerEvent, TransferBackend, WriteStatus
 from tandem.kvtransfer.compat import CompatInfo, check_compat
 from tandem.kvtransfer.contract import (Destination, EndpointInfo, ErrorKind, SendOutcome,
                                         TransferError, TransferState, advance)
-from tandem.kvtransfer.endpoint import EndpointBase, EndpointConfig
+from tandem.kvtransfer.endpoint import EndpointConfig
 from tandem.kvtransfer.faults import FailureInjection, FaultDice, FaultKind
-from tandem.kvtransfer.layout import (CopyBatch, KVLayout, layout_mismatches, plan_layers,
-                                      split_batches, validate_pages)
-from tandem.kvtransfer.reslice import HeadSlice, geometry, plan_slice_entries, slice_for_peer
+from tandem.kvtransfer.layout import (KVLayout, layout_mismatches, plan_layers, split_batches,
+                                      validate_pages)
+from tandem.kvtransfer.leg_writer import LegWriter
+from tandem.kvtransfer.reslice import geometry, plan_slice_entries, slice_for_peer
+from tandem.kvtransfer.send_leg import DecodePeer, SendLeg
 from tandem.kvtransfer.wire import Message, MsgKind, decode_message
 
 
-@dataclass(slots=True)
-class _Peer:
-    peer_id: str
-    session: int
-    layout: KVLayout  # the receiver's (base pointers included)
-    compat: CompatInfo  # the receiver's (its TP size and rank pick the head slice)
-    alive: bool = True
-
-
-@dataclass(slots=True)
-class _Ready:
-    """A write built ahead (`backend.prepare_write`) while the room waited for GO."""
-
-    prepared: object  # the backend's unposted write: post_prepared or drop_prepared it, once
-    nbytes: int
-
-
-@dataclass(slots=True)
-class _Send:
-    room: int
-    dest: Destination
-    peer: _Peer
-    runs: np.ndarray  # [R, 3] int64 coalesced (src page, dst page, count), coalesce.page_runs
-    num_pages: int  # source pages; they land in dest.page_ids[:num_pages]
-    deadline: float  # monotonic s: terminal by then (Destination.timeout_s after start)
-    started_at: float  # monotonic s
-    fault: FaultKind | None  # injected misbehaviour of this transfer (tests only)
-    piece: HeadSlice | None  # heads this leg moves (different TP sizes); None: every head
-    state: TransferState = TransferState.RESERVED
-    pushed: dict[str, set[int]] = field(default_factory=dict)  # group -> layers queued
-    queued: deque[CopyBatch | _Ready] = field(default_factory=deque)  # waiting for GO / DELAY
-    ready: dict[str, list[_Ready]] = field(default_factory=dict)  # group -> writes of all layers
-    ready_final: tuple[_Ready, int, str] | None = None  # (aux write, staging slot, its FINAL)
-    inflight: list[tuple[object, int]] = field(default_factory=list)  # (write handle, bytes)
-    post_after: float = 0.0  # monotonic s: writes wait until then (DELAY fault)
-    aux_payload: bytes | None = None
-    staging_slot: int | None = None
-    final_handle: object | None = None  # the aux write carrying FINAL(done)
-    final_bytes: int = 0
-    final_landed: bool = False  # the aux write completed; DONE once the page writes did too
-    kv_bytes: int = 0  # bytes of page writes that completed
-    posted_bytes: int = 0  # bytes of page writes posted
-    num_data: int = 0  # page writes posted with a DATA notification
-    error: TransferError | None = None
-    drain_deadline: float = float("inf")  # monotonic s: stop waiting for posted writes
-    final_said: bool = False  # decode got (or can no longer get) our final word
-
-
-class PrefillSender(EndpointBase):
+class PrefillSender(LegWriter):
     """KVSender for one prefill TP rank. Invariant: a room is FINAL-ed to decode only when none
     of its writes can land any more (completed, cancelled, or peer fenced)."""
 
@@ -110,19 +58,14 @@ class PrefillSender(EndpointBase):
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(backend, layout, compat, config=config, options=options, clock=clock)
         self._dice = FaultDice(faults)
-        self._peers: dict[int, _Peer] = {}  # receiver session -> peer
+        self._peers: dict[int, DecodePeer] = {}  # receiver session -> peer
         self._hello: dict[str, Message] = {}  # peer id -> WELCOME/REFUSE awaiting connect()
-        self._sends: dict[tuple[int, int], _Send] = {}  # (room, decode session) -> live leg
-        self._rooms: dict[int, list[_Send]] = {}  # room -> every leg, until all retired
+        self._sends: dict[tuple[int, int], SendLeg] = {}  # (room, decode session) -> live leg
+        self._rooms: dict[int, list[SendLeg]] = {}  # room -> every leg, until all retired
         self._room_error: dict[int, TransferError] = {}  # room -> its first leg failure
         self._reported: set[int] = set()  # rooms whose outcome went out
         self._recent: OrderedDict[int, tuple[TransferState, TransferError | None]] = OrderedDict()
-        self._free_staging = list(range(layout.aux.num_slots))
         self._outcomes: list[SendOutcome] = []
-        # Cheap notifications: page writes carry DATA and the aux write need not wait for them.
-        self._notify_per_write = bool(getattr(self.backend, "notify_per_write", False))
-        # Writes built while a room waits for GO (_build_ahead): only where they need no wait.
-        self._can_prepare = self._notify_per_write and hasattr(self.backend, "prepare_write")
 
     # -- handshake ----------------------------------------------------------------------------
     def connect(self, receiver: EndpointInfo, *, timeout_s: float | None = None) -> None:
@@ -150,7 +93,7 @@ class PrefillSender(EndpointBase):
             slice_for_peer(self.compat, self.layout, receiver.compat, remote)
         except ValueError as e:
             raise TransferError(ErrorKind.HANDSHAKE, str(e)) from e
-        self._peers[receiver.session] = _Peer(peer_id=peer_id, session=receiver.session,
+        self._peers[receiver.session] = DecodePeer(peer_id=peer_id, session=receiver.session,
                                               layout=remote, compat=receiver.compat)
         prepare = getattr(self.backend, "prepare_regions", None)
         if prepare is not None:  # optional: NIXL prepares descriptor lists once per peer
@@ -173,7 +116,7 @@ class PrefillSender(EndpointBase):
             raise TransferError(ErrorKind.INVALID, "room already being sent", room=dest.room)
         validate_pages(self.layout, peer.layout, src_page_ids, dest.page_ids, room=dest.room)
         now = self.clock()
-        s = _Send(room=dest.room, dest=dest, peer=peer, num_pages=len(src_page_ids),
+        s = SendLeg(room=dest.room, dest=dest, peer=peer, num_pages=len(src_page_ids),
                   runs=coalesce.page_runs(src_page_ids, dest.page_ids), deadline=now + dest.timeout_s,
                   started_at=now, fault=self._dice.draw(),
                   piece=slice_for_peer(self.compat, self.layout, peer.compat, peer.layout))
@@ -186,76 +129,6 @@ class PrefillSender(EndpointBase):
         if whole_groups:
             self._build_ahead(s)  # while BEGIN -> GO makes its round trip
         self._pump()
-
-    def _build_ahead(self, s: _Send) -> None:
-        """Build the room's writes before GO, on backends with `prepare_write` (NIXL, fake):
-        each group's page writes for a push of all its layers (what `send` and the prefill
-        worker's push-after-prefill do; `start(whole_groups=False)` skips it for layer-wise
-        pushes) and the aux write that carries FINAL, so that from GO on only the posts are
-        left (descriptor planning and the library's transfer set-up cost as much as the 64 MiB
-        write itself on a GPU host). A push of part of a group drops that group's built writes
-        and the built aux write (FINAL's counts change) and plans as before; writes already
-        queued, and other groups' built writes, still go. Not for head slices or injected
-        faults, and the aux write only while two staging slots or more are free: the plain path
-        keeps one, so a room without a built aux write never waits on rooms that hold theirs."""
-        if not self._can_prepare or s.piece is not None or s.fault is not None:
-            return
-        nbytes = count = 0
-        for region in self.layout.regions:
-            items = s.ready.setdefault(region.name, [])
-            for batch in plan_layers(region, s.peer.layout.region(region.name), s.runs,
-                                     range(region.num_layers), max_entries=self.max_batch_entries):
-                data = Message(kind=MsgKind.DATA, room=s.room, nbytes=batch.nbytes).encode()
-                prepared = self.backend.prepare_write(s.peer.peer_id, batch, data)  # type: ignore[attr-defined]
-                if prepared is None:
-                    self._drop_ready(s)
-                    return
-                items.append(_Ready(prepared, batch.nbytes))
-                nbytes += batch.nbytes
-                count += 1
-        if len(self._free_staging) < 2:
-            return
-        slot = self._free_staging.pop()
-        final = self._final_done(s, nbytes, count)
-        prepared = self.backend.prepare_write(s.peer.peer_id, self._aux_batch(s, slot), final)  # type: ignore[attr-defined]
-        if prepared is None:
-            self._free_staging.append(slot)
-            return
-        s.ready_final = (_Ready(prepared, self.layout.aux.slot_bytes), slot, final)
-
-    def _drop_ready(self, s: _Send) -> None:
-        """Release every write built ahead and not posted, queued or not (the leg ended)."""
-        queued = [b for b in s.queued if isinstance(b, _Ready)]
-        if queued:
-            s.queued = deque(b for b in s.queued if not isinstance(b, _Ready))
-        self._drop_built(queued + [r for items in s.ready.values() for r in items])
-        s.ready.clear()
-        self._drop_built_final(s)
-
-    def _drop_built(self, items: list[_Ready]) -> None:
-        for r in items:
-            self.backend.drop_prepared(r.prepared)  # type: ignore[attr-defined]
-
-    def _drop_built_final(self, s: _Send) -> None:
-        """Release the built aux write and give its staging slot back."""
-        if s.ready_final is not None:
-            self._drop_built([s.ready_final[0]])
-            self._free_staging.append(s.ready_final[1])
-            s.ready_final = None
-
-    @staticmethod
-    def _final_done(s: _Send, nbytes: int, count: int) -> str:
-        """FINAL(done) for `s`: `count` page writes of `nbytes` in all were posted."""
-        return Message(kind=MsgKind.FINAL, room=s.room, outcome="done", num_pages=s.num_pages,
-                       nbytes=nbytes, count=count).encode()
-
-    def _aux_batch(self, s: _Send, slot: int) -> CopyBatch:
-        """The write of a whole staging slot into the room's aux slot at decode (the bytes after
-        the seed are stale and never read): one whole block, which a backend may have
-        prepared (prepare_regions)."""
-        return split_batches([(self.layout.aux.slot_addr(slot),
-                               s.peer.layout.aux.slot_addr(s.dest.aux_slot),
-                               self.layout.aux.slot_bytes)], "cpu", "cpu")[0]
 
     def push_layers(self, room: int, group: str, layers: range) -> None:
         for s in self._live(room):
@@ -395,7 +268,7 @@ class PrefillSender(EndpointBase):
                 if s.state is TransferState.TRANSFERRING:
                     self._maybe_post_final(s)
 
-    def _live(self, room: int) -> list[_Send]:
+    def _live(self, room: int) -> list[SendLeg]:
         legs = self._rooms.get(room)
         if not legs:
             raise TransferError(ErrorKind.INVALID, "unknown room: start() first", room=room)
@@ -419,7 +292,7 @@ class PrefillSender(EndpointBase):
             return TransferState.RESERVED, None
         return TransferState.TRANSFERRING, None
 
-    def _leg_terminal(self, s: _Send) -> None:
+    def _leg_terminal(self, s: SendLeg) -> None:
         """A leg reached a terminal state: a failure aborts the sibling legs; the room's outcome
         goes out once, when every leg is terminal."""
         if s.error is not None and s.room not in self._room_error:
@@ -471,7 +344,7 @@ class PrefillSender(EndpointBase):
             if s.peer.peer_id == peer_id and not s.state.terminal:
                 self._terminate(s, TransferError(error.kind, error.message, room=s.room))
 
-    def _progress(self, s: _Send) -> None:
+    def _progress(self, s: SendLeg) -> None:
         now = self.clock()
         if not s.state.terminal and now >= s.deadline:
             self._terminate(s, TransferError(ErrorKind.TIMEOUT, f"not done within "
@@ -511,92 +384,7 @@ class PrefillSender(EndpointBase):
                 s.final_said = True
         if s.state.terminal and s.final_said:
             self._retire(s)
-
-    def _post_queued(self, s: _Send) -> None:
-        while s.queued and not s.state.terminal:
-            batch = s.queued.popleft()
-            if isinstance(batch, _Ready):  # built ahead: one post (no fault was drawn for it)
-                try:
-                    h = self.backend.post_prepared(batch.prepared)  # type: ignore[attr-defined]
-                except TransferError as e:
-                    self._terminate(s, TransferError(e.kind, e.message, room=s.room))
-                    return
-                s.inflight.append((h, batch.nbytes))
-                s.posted_bytes += batch.nbytes
-                s.num_data += 1
-                continue
-            if s.fault is FaultKind.FAIL_TRANSFER:
-                self._terminate(s, TransferError(ErrorKind.BACKEND, "injected failure",
-                                                 room=s.room))
-                return
-            data = (Message(kind=MsgKind.DATA, room=s.room, nbytes=batch.nbytes).encode()
-                    if self._notify_per_write else None)
-            try:
-                h = self.backend.post_write(s.peer.peer_id, batch, data)
-            except TransferError as e:
-                self._terminate(s, TransferError(e.kind, e.message, room=s.room))
-                return
-            s.inflight.append((h, batch.nbytes))
-            s.posted_bytes += batch.nbytes
-            s.num_data += data is not None
-
-    def _maybe_post_final(self, s: _Send) -> None:
-        if s.aux_payload is None or s.queued or s.final_handle is not None or s.final_landed:
-            return
-        if s.inflight and (not self._notify_per_write or (s.piece is not None
-                                                          and not s.piece.primary)):
-            return  # FINAL must follow the page writes' bytes: wait for their completion
-        layers_missing = any(len(s.pushed.get(r.name, ())) < r.num_layers
-                             for r in self.layout.regions)
-        if layers_missing or self.clock() < s.post_after:
-            return  # layers still to come: the final word waits for every one of them
-        if s.piece is not None and not s.piece.primary:
-            # Not this decode rank's aux writer: every write of ours completed, so FINAL(done)
-            # as a message arrives after our data, as the aux write's notification would.
-            self.backend.send_message(s.peer.peer_id,
-                                      self._final_done(s, s.posted_bytes, s.num_data))
-            self._done(s)  # final_bytes is 0: no aux write
-            return
-        final = self._final_done(s, s.posted_bytes, s.num_data)
-        if s.ready_final is not None and s.ready_final[2] != final:  # pushed otherwise than
-            self._drop_built_final(s)                                  # planned at start()
-        built, s.ready_final = s.ready_final, None
-        if built is None and not self._free_staging:
-            return  # every staging slot is busy with another final write: try next poll
-        s.staging_slot = built[1] if built is not None else self._free_staging.pop()
-        room_in_slot = s.room ^ 1 if s.fault is FaultKind.WRONG_ROOM else s.room
-        blob = bytearray(encode_aux(room_in_slot, s.aux_payload))
-        if s.fault is FaultKind.CORRUPT_AUX:
-            blob[-1 if s.aux_payload else HEADER_BYTES - 1] ^= 0xFF
-        ctypes.memmove(self.layout.aux.slot_addr(s.staging_slot), bytes(blob), len(blob))
-        notify = None if s.fault is FaultKind.DROP_NOTIFICATION else final
-        try:
-            if built is not None:  # the seed is in its slot now: post the write built ahead
-                s.final_handle = self.backend.post_prepared(built[0].prepared)  # type: ignore[attr-defined]
-            else:
-                s.final_handle = self.backend.post_write(
-                    s.peer.peer_id, self._aux_batch(s, s.staging_slot), notify)
-        except TransferError as e:
-            self._free_staging.append(s.staging_slot)
-            s.staging_slot = None
-            self._terminate(s, TransferError(e.kind, e.message, room=s.room))
-            return
-        s.final_bytes = len(blob)  # the seed, as decode counts it (not the slot's stale tail)
-
-    def _poll_final(self, s: _Send) -> None:
-        r = self.backend.poll_write(s.final_handle)
-        if r.status is WriteStatus.PENDING:
-            return
-        s.final_handle = None
-        self._free_staging.append(s.staging_slot)  # type: ignore[arg-type]
-        s.staging_slot = None
-        if r.status is WriteStatus.DONE and not s.state.terminal:
-            s.final_landed = True  # DONE once every page write completed too (_progress)
-        elif r.status is WriteStatus.FAILED and not s.state.terminal:
-            assert r.error is not None
-            self._terminate(s, TransferError(r.error.kind, r.error.message, room=s.room))
-
-    def _done(self, s: _Send) -> None:
+    def _done(self, s: SendLeg) -> None:
         """Every write of the leg completed (with FINAL(done) on the aux write, or sent as a
         message by a non-primary leg)."""
         s.state = advance(s.state, TransferState.DONE, room=s.room)
@@ -604,7 +392,7 @@ class PrefillSender(EndpointBase):
         self._metrics.record_done(s.kv_bytes + s.final_bytes, self.clock() - s.started_at)
         self._leg_terminal(s)
 
-    def _terminate(self, s: _Send, error: TransferError) -> None:
+    def _terminate(self, s: SendLeg, error: TransferError) -> None:
         target = TransferState.ABORTED if error.kind is ErrorKind.ABORTED else TransferState.FAILED
         s.state = advance(s.state, target, room=s.room)
         s.error = error
@@ -631,7 +419,7 @@ class PrefillSender(EndpointBase):
         self.backend.send_message(peer_id, Message(kind=MsgKind.FINAL, room=room, outcome=outcome,
                                                    session=session, reason=reason[:200]).encode())
 
-    def _retire(self, s: _Send) -> None:
+    def _retire(self, s: SendLeg) -> None:
         self._drop_ready(s)  # nothing is left on a terminal leg; kept as a guard
         del self._sends[(s.room, s.peer.session)]
         if any((leg.room, leg.peer.session) in self._sends for leg in self._rooms[s.room]):
@@ -642,4 +430,3 @@ class PrefillSender(EndpointBase):
         self._reported.discard(s.room)
         while len(self._recent) > self.config.recent_outcomes:
             self._recent.popitem(last=False)
-
