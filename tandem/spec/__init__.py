@@ -6,7 +6,7 @@ from tandem.spec.accept import accept
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner
 from tandem.spec.draft_runner import DRAFT_GROUP, DraftRunner, draft_kv_group
-from tandem.spec.engine import SpecEngine, SpecStats, target_features
+from tandem.spec.engine import SpecEngine, target_features
 from tandem.spec.extend import (
     compact_accepted_path,
     draft_extend,
@@ -25,6 +25,7 @@ from tandem.spec.phases import (
 )
 from tandem.spec.propose import propose
 from tandem.spec.scheduler import SpecScheduler
+from tandem.spec.stats import SpecStats
 
 __all__ = [
     "DRAFT_GROUP", "DraftExtendInput", "DraftHeadConfig", "DraftHeadError", "DraftInput",
