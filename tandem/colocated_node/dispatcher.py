@@ -170,10 +170,10 @@ def _dispatch_error(worker: str, request_id: str, error: LoopError) -> DispatchE
         return DeadlineExceeded(error.message)
     if error.kind is LoopErrorKind.REQUEST_FAILED:  # this request only: the worker serves on
         return RequestFailed(error.message, request_id=request_id)
-    if error.kind is LoopErrorKind.REJECTED:
+    if error.kind is LoopErrorKind.CAPACITY:
         # The engine's only capacity refusal: prompt + max_new_tokens needs more pages than
         # the pool has (the router checks this first; this is the backstop).
-        if "KV pages" in error.message:
-            return CapacityExceeded(error.message)
+        return CapacityExceeded(error.message)
+    if error.kind is LoopErrorKind.REJECTED:
         return RequestRejected(error.message)
     return WorkerUnavailable(worker, error.message)

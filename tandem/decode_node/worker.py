@@ -40,7 +40,9 @@ from tandem.engine.llm import validate_prompt
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import DecodeReceiver, Received, ReceiveFailed, Release, TransferState
-from tandem.messages import OutOfCapacity  # raised by `reserve`; the router matches it by type
+# OutOfCapacity: raised by `reserve`; the router matches it by type
+from tandem.messages import (Abort, DecodeOutput, DecodeWorkerCommand, GetEndpoint, OutOfCapacity,
+                             ReserveRoom)
 from tandem.spec.engine import SpecStats
 from tandem.spec.handoff import decode_seed
 from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
@@ -48,29 +50,13 @@ from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DecodeOutput:
-    """New tokens of one request (or its failure)."""
-
-    room: int
-    token_ids: tuple[int, ...]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str = ""
-    # With finish_reason "error": "request" when this request's own work failed on the worker
-    # (its sampling, stop checks or detokenizer raised; the worker ended it, freed its pages
-    # and serves the others on), "" for a KV transfer / seed failure.
-    error_kind: str = ""
-
-    @staticmethod
-    def of(o: RequestOutput) -> DecodeOutput:
-        """An engine output of request `o.req_id` (the room, as a string)."""
-        failed = o.finish_reason is FinishReason.ERROR
-        return DecodeOutput(
-            room=int(o.req_id), token_ids=o.new_token_ids, text_delta=o.text_delta,
-            finished=o.finished, finish_reason=o.finish_reason.value if o.finish_reason else None,
-            error=o.error, error_kind="request" if failed else "")
+def output_of(o: RequestOutput) -> DecodeOutput:
+    """The event of an engine output of request `o.req_id` (the room, as a string)."""
+    failed = o.finish_reason is FinishReason.ERROR
+    return DecodeOutput(
+        room=int(o.req_id), token_ids=o.new_token_ids, text_delta=o.text_delta,
+        finished=o.finished, finish_reason=o.finish_reason.value if o.finish_reason else None,
+        error=o.error, error_kind="request" if failed else "")
 
 
 @dataclass(slots=True)
@@ -194,6 +180,17 @@ class DecodeWorker:
         self._group_load: PoolLoad | None = None  # DP: every rank's load after the last step
         self._group_spec: SpecTotals | None = None  # DP: every rank's acceptance, summed
 
+    def apply(self, cmd: DecodeWorkerCommand) -> bytes | None:
+        """A command from the worker's front (messages/commands.py), between two steps."""
+        match cmd:
+            case ReserveRoom():
+                return self.reserve(cmd.room, list(cmd.prompt_ids), cmd.params)
+            case Abort():
+                return self.abort(cmd.room)
+            case GetEndpoint():
+                return self.endpoint()
+        raise TypeError(f"decode worker: no command {type(cmd).__name__}")
+
     def endpoint(self) -> bytes:
         return self.receiver.info().encode()
 
@@ -275,7 +272,7 @@ class DecodeWorker:
             # control channel: no device sync.
             has_work = any(self._dp_sync.all_gather(has_work))
         if has_work:
-            self._outputs += [DecodeOutput.of(o) for o in self.engine.step()]
+            self._outputs += [output_of(o) for o in self.engine.step()]
         out, self._outputs = self._outputs, []
         if self._dp_sync.size > 1:  # rank 0 streams every rank's outputs
             reports = self._dp_sync.all_gather(
@@ -387,7 +384,7 @@ class DecodeWorker:
                                               error=f"seed: {exc}"))
             return False
         trace.mark(room, "decode.admitted")
-        self._outputs.append(DecodeOutput.of(first))  # a failed first token: error "request"
+        self._outputs.append(output_of(first))  # a failed first token: error "request"
         return True
 
     def num_free_pages(self) -> int:

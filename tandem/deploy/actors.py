@@ -1,9 +1,10 @@
 """The Ray actor edges of the two worker kinds. They convert and delegate: each owns one
 worker (plain Python, see prefill_node/ and decode_node/) driven by a `WorkerLoop` thread, and
 turns its outputs into events on its routers' channels (worker/channels.py): a request costs
-the router a short submission call (`PrefillActor.submit`, `DecodeActor.reserve`), never an
-actor call slot for its whole life, so control calls (health, abort, route) are never queued
-behind requests.
+the router a short command (`StartPrefill` to prefill, `Reserve` to decode: messages/commands.py),
+never an actor call slot for its whole life, so control calls (health, abort, route) are never
+queued behind requests. The router's commands arrive by one method, `command`, and are told
+apart by type; the worker's, on every rank, by `worker.apply` (the same way).
 
 Supervision: a worker whose loop crashed (a whole forward failed; one request's failure only
 fails that request) exits its process when it runs as a Ray actor, so that Ray restarts it
@@ -11,8 +12,8 @@ fails that request) exits its process when it runs as a Ray actor, so that Ray r
 endpoints, which the router picks up from its health answers.
 
 A worker of `tp` ranks (or a decode worker of `dp` DP-attention ranks) is that many actors.
-Rank 0 (the leader, the decode group's front) is the one the router calls; it hands every call
-to its `GroupLoop`, which applies it on every rank (worker/group_loop.py). The others only join
+Rank 0 (the leader, the decode group's front) is the one the router calls; it hands every
+worker command to its `GroupLoop`, which applies it on every rank (worker/group_loop.py). The others only join
 the process group and follow. Values that differ per rank (endpoints, destinations) cross the
 router as one blob (`ranks.encode_per_rank`), also when tp is 1; with DP, a reserve's blob
 names the one DP rank that took the request (`ranks.encode_dp_destination`), and the prefill
@@ -34,12 +35,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from tandem.decode_node.worker import DecodeOutput, DecodeWorker
+from tandem.decode_node.worker import DecodeWorker
 from tandem.engine import trace
-from tandem.engine.sampling import SamplingParams
-from tandem.messages import FirstToken
-from tandem.prefill_node.worker import PrefillResult, PrefillWorker
-from tandem.worker import (EventChannels, GroupLoop, PerRank, RankInfo, WorkerConfig, WorkerLoop,
+from tandem.kvtransfer import ErrorKind, TransferError
+from tandem.messages import (Abort, Connect, DecodeCommand, DecodeOutput, FirstToken, GetEndpoint,
+                             PerRank, PrefillCommand, PrefillResult, Reserve, ReserveRoom, Route,
+                             RoutePrompt, StartPrefill, SubmitPrompt, WorkerHealth)
+from tandem.prefill_node.worker import PrefillWorker
+from tandem.worker import (EventChannels, GroupLoop, RankInfo, WorkerConfig, WorkerLoop,
                            encode_dp_destination, encode_per_rank, in_ray_actor, join_group,
                            leave_group, node_id, rendezvous_address, route_to_decode,
                            tune_process)
@@ -53,26 +56,6 @@ log = logging.getLogger(__name__)
 # it fails that worker's requests and reconnects. Read when a process's Ray core worker starts:
 # the launcher sets it for the driver (router) and every actor of the job.
 FAST_DEATH_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0"}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerHealth:
-    name: str
-    role: str  # "prefill" | "decode"
-    healthy: bool
-    error: str
-    num_running: int
-    num_waiting: int
-    num_free_pages: int
-    num_pages: int
-    node: str  # Ray node id / hostname the actor runs on
-    mean_acceptance_length: float = 0.0
-    per_position: tuple[float, ...] = ()
-    num_rounds: int = 0
-    num_free_slots: int = 0  # decode: seed slots free / in all (this rank, or summed over DP)
-    num_slots: int = 0
-    incarnation: str = ""  # new each time the actor (re)starts: a restart means new endpoints
-    pid: int = 0  # the worker's process (what an operator or a fault test signals)
 
 
 class _ActorBase:
@@ -127,18 +110,17 @@ class _ActorBase:
 
         await asyncio.to_thread(start)
 
-    async def _call(self, method: str, *args) -> list:
-        """`worker.method(*args)` on every rank between two steps; the per-rank results."""
+    async def _apply(self, cmd) -> list:
+        """`cmd` (a worker command) applied on every rank between two steps; the per-rank
+        results."""
         if isinstance(self.loop, GroupLoop):
-            return await asyncio.wrap_future(self.loop.submit(method, *args))
-        args = tuple(a.values[0] if isinstance(a, PerRank) else a for a in args)
-        fn = getattr(self.worker, method)
-        return [await asyncio.wrap_future(self.loop.submit(fn, *args))]
+            return await asyncio.wrap_future(self.loop.submit(cmd))
+        return [await asyncio.wrap_future(self.loop.submit(self.worker.apply, cmd))]
 
     async def endpoint(self) -> bytes:
         """Every rank's transfer endpoint, as one blob."""
         self._loop()
-        return encode_per_rank(await self._call("endpoint"))
+        return encode_per_rank(await self._apply(GetEndpoint()))
 
     async def events(self, channel: str) -> AsyncIterator[list]:
         """The event stream of router channel `channel`: batches of this worker's events for
@@ -182,13 +164,13 @@ class _ActorBase:
 
 @dataclass(slots=True, eq=False)
 class _Room:
-    """One room's calls on a PrefillActor, made by whichever of `submit`, `route` and `abort`
-    runs first: Ray does not run an async actor's calls in submission order ("asynchronous or
-    threaded actors do not guarantee the task execution order"), so a `route` may overtake its
-    `submit` and must wait for it here rather than be dropped."""
+    """One room's commands on a PrefillActor, made by whichever of `StartPrefill`, `Route` and
+    `Abort` runs first: Ray does not run an async actor's calls in submission order
+    ("asynchronous or threaded actors do not guarantee the task execution order"), so a `Route`
+    may overtake its `StartPrefill` and must wait for it here rather than be dropped."""
 
-    route: asyncio.Future  # (destination, decode endpoint) from `route`; None: aborted
-    result: asyncio.Future | None = None  # the prefill's outcome, from its `submit` on
+    route: asyncio.Future  # the room's `Route` command; None: aborted
+    result: asyncio.Future | None = None  # the prefill's outcome, from its `StartPrefill` on
     aborted: bool = False
 
 
@@ -252,32 +234,44 @@ class PrefillActor(_ActorBase):
         if r is not None and r.result is not None and not r.result.done():
             r.result.set_result(res)
 
-    async def submit(self, channel: str, room: int, prompt_ids: list[int],
-                     params: SamplingParams) -> None:
-        """Start prefilling `room`; returns at once. Its first token (`FirstToken`) and its
-        outcome (`PrefillResult`, once its transfer is terminal) come on `channel`'s events.
-        Decode's destination follows by `route` (concurrent dispatch: the router sends this
-        call first and decode's reserve next; the prompt's forward starts now and the
-        reserve's answer reaches `route` while it runs)."""
+    async def command(self, cmd: PrefillCommand) -> None:
+        """A router's command (messages/commands.py), told apart by type: `StartPrefill`
+        (returns at once), `Route`, `Abort`."""
         self._loop()
-        self.channels.bind(room, channel)
-        task = asyncio.ensure_future(self._run(room, prompt_ids, params))
+        match cmd:
+            case StartPrefill():
+                self._start(cmd)
+            case Route():
+                self._route(cmd)
+            case Abort():
+                await self._abort(cmd.room)
+            case _:
+                raise TypeError(f"prefill worker: no command {type(cmd).__name__}")
+
+    def _start(self, cmd: StartPrefill) -> None:
+        """Start prefilling a room. Its first token (`FirstToken`) and its outcome
+        (`PrefillResult`, once its transfer is terminal) come on the command's channel.
+        Decode's destination follows by `Route` (concurrent dispatch: the router sends this
+        command first and decode's reserve next; the prompt's forward starts now and the
+        reserve's answer reaches `_route` while it runs)."""
+        self.channels.bind(cmd.room, cmd.channel)
+        task = asyncio.ensure_future(self._run(cmd))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, room: int, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def _run(self, cmd: StartPrefill) -> None:
         try:
-            res = await self.prefill(room, prompt_ids, params)
+            res = await self._prefill_room(cmd)
         except Exception as exc:  # noqa: BLE001 -- the room fails, the worker serves on
-            log.exception("prefill of room %d failed", room)
-            res = PrefillResult(room=room, ok=False, error=f"prefill worker: {exc!r}"[:300],
+            log.exception("prefill of room %d failed", cmd.room)
+            res = PrefillResult(room=cmd.room, ok=False, error=f"prefill worker: {exc!r}"[:300],
                                 error_kind="worker")
-        self.channels.emit(room, res, last=True)
+        self.channels.emit(cmd.room, res, last=True)
 
-    async def prefill(self, room: int, prompt_ids: list[int], params: SamplingParams
-                      ) -> PrefillResult:
+    async def _prefill_room(self, cmd: StartPrefill) -> PrefillResult:
         """Prefill and push one request; returns when its transfer reached a terminal state
-        (or the first token already finished it). Decode's destination comes by `route`."""
+        (or the first token already finished it). Decode's destination comes by `Route`."""
+        room = cmd.room
         trace.mark(room, "prefill.call")
         self._ended.pop(room, None)
         r = self._room(room)
@@ -286,66 +280,70 @@ class PrefillActor(_ActorBase):
             if r.aborted:  # its abort ran first
                 return PrefillResult(room=room, ok=False, error="aborted", error_kind="aborted")
             r.result = self._loop().create_future()
-            return await self._prefill(r, room, prompt_ids, params)
+            return await self._prefill(r, cmd)
         finally:
             self._end(room)
 
-    async def _prefill(self, r: _Room, room: int, prompt_ids: list[int], params: SamplingParams
-                       ) -> PrefillResult:
+    async def _prefill(self, r: _Room, cmd: StartPrefill) -> PrefillResult:
+        room = cmd.room
         # Layer-wise push must know its destinations before the forward (its hook starts the
         # legs then): it waits for the route first.
         early = not self.cfg.layerwise_push
         try:
             if early:
-                await self._call("submit", room, prompt_ids, params, None)
-            try:  # a router that died before its `route` must not hold the forward's pages
+                await self._apply(SubmitPrompt(room=room, prompt_ids=cmd.prompt_ids,
+                                               params=cmd.params, destinations=None))
+            try:  # a router that died before its `Route` must not hold the forward's pages
                 got = await asyncio.wait_for(asyncio.shield(r.route), self.route_wait_s)
             except asyncio.TimeoutError:
                 raise RuntimeError(f"no destination from the router within "
                                    f"{self.route_wait_s:g} s") from None
             if got is None:
                 raise RuntimeError("aborted before decode's destination came")
-            destination, decode_endpoint = got
             trace.mark(room, "prefill.dest")
             # Prefill rank p: the decode ranks it feeds (r -> r with equal TP; with different
             # sizes the re-sliced set, possibly none) and their destinations.
-            routes = route_to_decode(decode_endpoint, destination, self.ranks.tp)
+            routes = route_to_decode(got.decode_endpoint, got.destination, self.ranks.tp)
             endpoints = tuple(x.endpoints for x in routes)  # per prefill rank
             if endpoints not in self._connected:  # the handshakes, once per set of endpoints
-                await self._call("connect", PerRank(endpoints))
+                try:
+                    await self._apply(Connect(endpoints=PerRank(endpoints)))
+                except Exception as exc:
+                    raise _HandshakeFailed(str(exc)) from exc
                 self._connected.add(endpoints)
             dests = PerRank(tuple(x.destinations for x in routes))
             if early and isinstance(self.loop, WorkerLoop):
                 # Applied by the loop thread right after the running forward's sync (not after
-                # the whole step, as a call would be); a bad destination fails the room.
-                self.worker.post_route(room, dests.values[0])
+                # the whole step, as a command would be); a bad destination fails the room.
+                self.worker.post_route(room, dests[0])
                 self.loop.wake()
-            elif early:  # TP: every rank applies it at the same point
-                await self._call("route", room, dests)  # ignored if it ended meanwhile
+            elif early:  # TP: every rank applies it at the same point (ignored if it ended)
+                await self._apply(RoutePrompt(room=room, destinations=dests))
             else:
-                await self._call("submit", room, prompt_ids, params, dests)
+                await self._apply(SubmitPrompt(room=room, prompt_ids=cmd.prompt_ids,
+                                               params=cmd.params, destinations=dests))
             trace.mark(room, "prefill.routed")
         except Exception as exc:  # bad request, aborted before its route, handshake
             if early:
-                await self._call("abort", room)  # the forward (or its held pages) goes
+                await self._apply(Abort(room=room))  # the forward (or its held pages) goes
             return PrefillResult(room=room, ok=False, error=str(exc),
-                                 error_kind="handshake" if "handshake" in str(exc) else "invalid")
+                                 error_kind=_failure_kind(exc))
         return await r.result
 
-    async def route(self, room: int, destination: bytes, decode_endpoint: bytes) -> None:
-        """Decode's reserve answer for a room whose `submit` came without one (kept for it if
-        it runs first; ignored once the prefill ended)."""
-        r = self._room(room)
+    def _route(self, cmd: Route) -> None:
+        """Decode's reserve answer for a room (kept for its `StartPrefill` if it comes first;
+        ignored once the prefill ended)."""
+        r = self._room(cmd.room)
         if r is not None and not r.route.done():
-            r.route.set_result((destination, decode_endpoint))
+            r.route.set_result(cmd)
 
-    async def abort(self, room: int) -> None:
+    async def _abort(self, room: int) -> None:
         r = self._room(room)
         if r is not None:
             r.aborted = True  # a prefill yet to run ends at once
             if not r.route.done():  # a prefill waiting for its route stops waiting
                 r.route.set_result(None)
-        await self._call("abort", room)
+        await self._apply(Abort(room=room))
 
     async def health(self) -> WorkerHealth:
         self._loop()
@@ -354,6 +352,21 @@ class PrefillActor(_ActorBase):
 
 # Rooms a PrefillActor remembers as ended (late calls for them are ignored): the newest this many.
 ENDED_ROOMS = 4096
+
+
+class _HandshakeFailed(RuntimeError):
+    """Connecting to a room's decode endpoints failed (whatever the transfer layer raised)."""
+
+
+def _failure_kind(exc: Exception) -> str:
+    """The `error_kind` of a prefill that failed before its transfer: "handshake" when
+    connecting to decode failed (or the transfer layer refused a peer), else "invalid" (a bad
+    request or destination, or aborted before its route)."""
+    if isinstance(exc, _HandshakeFailed):
+        return "handshake"
+    if isinstance(exc, TransferError) and exc.kind is ErrorKind.HANDSHAKE:
+        return "handshake"
+    return "invalid"
 
 
 class DecodeActor(_ActorBase):
@@ -376,18 +389,30 @@ class DecodeActor(_ActorBase):
         for o in outs:
             self.channels.emit(o.room, o, last=o.finished)
 
-    async def reserve(self, channel: str, room: int, prompt_ids: list[int],
-                      params: SamplingParams) -> bytes:
-        """Every rank's encoded Destination, as one blob (with DP: the taking rank's, tagged
-        with its DP rank); the room's outputs (`DecodeOutput`) come on `channel`'s events.
-        Raises ValueError (bad request) or OutOfCapacity."""
-        trace.mark(room, "decode.reserve")
+    async def command(self, cmd: DecodeCommand) -> bytes | None:
+        """A router's command (messages/commands.py), told apart by type: `Reserve` (answers
+        the destination blob), `Abort`."""
         self._loop()
+        match cmd:
+            case Reserve():
+                return await self._reserve(cmd)
+            case Abort():
+                return await self._abort(cmd.room)
+            case _:
+                raise TypeError(f"decode worker: no command {type(cmd).__name__}")
+
+    async def _reserve(self, cmd: Reserve) -> bytes:
+        """Every rank's encoded Destination, as one blob (with DP: the taking rank's, tagged
+        with its DP rank); the room's outputs (`DecodeOutput`) come on the command's channel.
+        Raises ValueError (bad request) or OutOfCapacity."""
+        room = cmd.room
+        trace.mark(room, "decode.reserve")
         if room in self._aborted:
             raise ValueError(f"room: {room} was aborted before its reserve arrived")
-        self.channels.bind(room, channel)
+        self.channels.bind(room, cmd.channel)
         try:
-            per_rank = await self._call("reserve", room, prompt_ids, params)
+            per_rank = await self._apply(ReserveRoom(room=room, prompt_ids=cmd.prompt_ids,
+                                                     params=cmd.params))
             if self.ranks.dp == 1:
                 return encode_per_rank(per_rank)
             (owner,) = [r for r, d in enumerate(per_rank) if d is not None]
@@ -397,11 +422,11 @@ class DecodeActor(_ActorBase):
             self.channels.unbind(room)
             raise
 
-    async def abort(self, room: int) -> None:
+    async def _abort(self, room: int) -> None:
         self._aborted[room] = None
         while len(self._aborted) > 4096:
             self._aborted.popitem(last=False)
-        await self._call("abort", room)
+        await self._apply(Abort(room=room))
         # A reserved request that never started still ends its stream (a started one's abort
         # output follows from the loop and finds the room unbound: dropped).
         self.channels.emit(room, DecodeOutput(room=room, token_ids=(), text_delta="",

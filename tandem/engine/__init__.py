@@ -1,8 +1,9 @@
 """The engine: one model on one device group with a paged KV cache.
 
 Public API (other packages import only these names). The names load on first use (PEP 562):
-`tandem.engine.params`, `trace` and `tokenizer` -- the request vocabulary the router shares --
-import no torch, and importing one of them must not load the model code through this file.
+`trace` and `tokenizer` -- which the router shares -- import no torch, and importing one of them
+must not load the model code through this file. The request vocabulary (`SamplingParams`,
+`FinishReason`) is defined in `tandem.messages` and offered here too.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _WHERE = {  # public name -> the module that defines it
     "OutOfPages": "tandem.engine.kv_cache",
     "PageAllocator": "tandem.engine.kv_cache",
     "PageError": "tandem.engine.kv_cache",
+    "PoolTooSmall": "tandem.engine.llm",
     "ParallelContext": "tandem.engine.parallel",
     "ParallelGroup": "tandem.engine.parallel",
     "PrefixCache": "tandem.engine.prefix_cache",
@@ -56,7 +58,7 @@ __all__ = [
     "DecoderLM", "EngineConfig", "FinishReason", "ForwardBatch", "ForwardOutput",
     "InjectedFault", "KVGroupSpec", "KVPool", "KVRegionInfo", "LLMEngine", "ModelConfig",
     "ModelRunner", "OutOfPages", "PageAllocator", "PageError", "ParallelContext",
-    "ParallelGroup", "PrefixCache", "RequestOutput", "SampleOutput", "Sampler",
+    "ParallelGroup", "PoolTooSmall", "PrefixCache", "RequestOutput", "SampleOutput", "Sampler",
     "SamplingFault", "SamplingParams", "SeqSlice", "WeightLoadError", "build_metadata",
     "build_model", "causal_mask", "create_backend", "resolve_model", "target_probs",
     "tree_mask", "validate_prompt",

@@ -27,6 +27,7 @@ from enum import Enum
 
 import torch
 
+from tandem.engine.llm import PoolTooSmall
 from tandem.engine.request import FinishReason, RequestOutput
 from tandem.engine.sampling import SamplingParams
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 class LoopErrorKind(str, Enum):
     REJECTED = "rejected"  # the engine refused the request (message names the field)
+    CAPACITY = "capacity"  # the request needs more KV pages than the engine's pool has
     DEADLINE = "deadline"  # the request's deadline passed; it was aborted
     ENGINE_FAILED = "engine_failed"  # a step raised; the engine serves nothing more
     REQUEST_FAILED = "request_failed"  # this request's own row failed; the engine serves on
@@ -287,6 +289,8 @@ class EngineLoop:
         else:
             try:
                 self.engine.add_request(list(req.prompt_ids), req.params, req.req_id)
+            except PoolTooSmall as exc:
+                error = LoopError(kind=LoopErrorKind.CAPACITY, message=str(exc))
             except ValueError as exc:  # the engine's validation (message names the field)
                 error = LoopError(kind=LoopErrorKind.REJECTED, message=str(exc))
             except Exception as exc:  # anything else: this request fails, the loop lives on

@@ -37,6 +37,11 @@ from tandem.engine.scheduler import Scheduler, StepPlan
 log = logging.getLogger(__name__)
 
 
+class PoolTooSmall(ValueError):
+    """The request needs more KV pages (prompt + max_new_tokens) than the whole pool has: it
+    can never run on this engine, however long it waits."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStats:
     num_pages: int
@@ -145,7 +150,7 @@ class LLMEngine:
         max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         need = self.scheduler.pages_needed(max_total)
         if need > self.allocator.num_usable:
-            raise ValueError(
+            raise PoolTooSmall(
                 f"max_new_tokens: prompt + max_new_tokens needs {need} KV pages; the pool has "
                 f"{self.allocator.num_usable}"
             )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.params import FinishReason, SamplingParams  # noqa: F401 -- re-exported
+from tandem.messages import FinishReason, SamplingParams  # noqa: F401 -- re-exported
 
 
 @dataclass(slots=True, eq=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.config import SamplingFault
-from tandem.engine.params import GREEDY_TEMPERATURE, SamplingParams  # noqa: F401 -- re-exported
+from tandem.messages import GREEDY_TEMPERATURE, SamplingParams  # noqa: F401 -- re-exported
 
 log = logging.getLogger(__name__)
 

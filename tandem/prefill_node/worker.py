@@ -32,6 +32,8 @@ from tandem.engine import FinishReason, trace
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
+from tandem.messages import (Abort, Connect, GetEndpoint, PrefillResult, PrefillWorkerCommand,
+                             RoutePrompt, SubmitPrompt)
 from tandem.prefill_node.layerwise import LayerwisePusher
 from tandem.spec.handoff import PrefillHandoff
 from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
@@ -41,23 +43,6 @@ log = logging.getLogger(__name__)
 # Rooms ended before their destination came, remembered (the newest this many) so that a route
 # arriving afterwards still tells decode to release what it reserved.
 ENDED_UNROUTED = 4096
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefillResult:
-    """The end of a request's life on the prefill worker."""
-
-    room: int
-    ok: bool  # False: prefill or transfer failed (see error)
-    first_token: int | None = None
-    first_text: str = ""
-    finished: bool = False  # the first token ended the request; nothing was transferred
-    finish_reason: str | None = None
-    error: str = ""
-    # TransferError kind, "aborted", "invalid", or "request": this request's own work failed
-    # in the prefill forward's step (its sampling or stop checks raised); the worker ended it,
-    # freed its pages, transferred nothing and serves the others on.
-    error_kind: str = ""
 
 
 @dataclass(slots=True)
@@ -106,6 +91,24 @@ class PrefillWorker:
         # forward completes a prompt that goes on to decode, before its KV is pushed: the
         # router streams the first token from here instead of waiting for decode's admission.
         self.on_first: Callable[[int, int, str], None] | None = None
+
+    def apply(self, cmd: PrefillWorkerCommand) -> bytes | None:
+        """A command from the worker's front (messages/commands.py), between two steps; fields
+        that differ per rank are read at this rank."""
+        rank = self.sync.rank
+        match cmd:
+            case SubmitPrompt():
+                dests = None if cmd.destinations is None else cmd.destinations[rank]
+                return self.submit(cmd.room, list(cmd.prompt_ids), cmd.params, dests)
+            case RoutePrompt():
+                return self.route(cmd.room, cmd.destinations[rank])
+            case Abort():
+                return self.abort(cmd.room)
+            case Connect():
+                return self.connect(cmd.endpoints[rank])
+            case GetEndpoint():
+                return self.endpoint()
+        raise TypeError(f"prefill worker: no command {type(cmd).__name__}")
 
     def endpoint(self) -> bytes:
         return self.sender.info().encode()

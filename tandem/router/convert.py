@@ -3,7 +3,7 @@ knows the generated `router_pb2` types (the servicer and the client use it)."""
 
 from __future__ import annotations
 
-from tandem.engine.params import FinishReason
+from tandem.messages import FinishReason
 from tandem.engine.tokenizer import ChatMessage
 from tandem.proto import router_pb2 as pb
 from tandem.router.dispatch import SpecAcceptance, WorkerRole

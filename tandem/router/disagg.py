@@ -3,10 +3,12 @@
 Per request (the orchestration of the request path lives here, in one place):
   1. admission: the request takes a running slot (router/admission.py), or waits for one, or
      is refused at once with RESOURCE_EXHAUSTED when the queue is full too;
-  2. the prefill worker gets the request (`submit`, a short call) and starts its forward; at the
-     same time the decode worker reserves pages + a seed slot (`reserve`) and answers with the KV
-     destination, which goes on to the prefill worker (`route`) while the forward runs; a
-     decode worker out of pages sends the request back to wait for capacity (step 1's queue);
+  2. the prefill worker gets the request (`StartPrefill`, a short call) and starts its forward;
+     at the same time the decode worker reserves pages + a seed slot (`Reserve`) and answers
+     with the KV destination, which goes on to the prefill worker (`Route`) while the forward
+     runs; a decode worker out of pages sends the request back to wait for capacity (step 1's
+     queue). Every call to a worker is one typed command (messages/commands.py) through the
+     actor's `command` method;
   3. everything the workers say about the request comes on their event channels
      (router/worker_channel.py, one stream per worker for all requests): the prefill worker's
      first token as soon as its forward is over (streamed to the client at once), its outcome
@@ -35,8 +37,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 from tandem.engine import trace
-from tandem.engine.params import FinishReason
-from tandem.messages import FirstToken, OutOfCapacity
+from tandem.messages import (Abort, DecodeOutput, FinishReason, FirstToken, OutOfCapacity,
+                             PrefillResult, Reserve, Route, StartPrefill)
 from tandem.router.admission import Admission, AdmissionConfig
 from tandem.router.dispatch import (
     CapacityExceeded,
@@ -58,7 +60,7 @@ from tandem.router.worker_health import HEALTH_PERIOD_S, WorkerHealthTable
 
 log = logging.getLogger(__name__)
 
-# Short calls (submit, reserve's answer aside, route, abort, endpoint) answer within this.
+# Short calls (StartPrefill, Reserve's answer aside, Route, Abort, endpoint) answer within this.
 CALL_TIMEOUT_S = 10.0
 # How long a request whose prefill worker died waits for one that answers (restarts of a CPU
 # worker take ~5 s) before it gets UNAVAILABLE.
@@ -202,13 +204,15 @@ class DisaggregatedDispatcher:
                 dch.open(room, events)
                 # Concurrent dispatch: the prefill goes first (the prompt's forward starts at
                 # once), decode's reserve next, and the reserve's answer follows to prefill by
-                # `route` while the forward runs. A request that found decode full before
+                # `Route` while the forward runs. A request that found decode full before
                 # reserves first, so that waiting for pages costs no prefill forwards.
-                submit = (lambda: prefill.submit.remote(
-                    self._channel_id, room, list(request.prompt_ids), request.params))
-                submitted = submit() if not retried else None
-                reserved = decode.reserve.remote(self._channel_id, room,
-                                                 list(request.prompt_ids), request.params)
+                prompt_ids = tuple(request.prompt_ids)
+                start = StartPrefill(channel=self._channel_id, room=room, prompt_ids=prompt_ids,
+                                     params=request.params)
+                submitted = prefill.command.remote(start) if not retried else None
+                reserved = decode.command.remote(Reserve(
+                    channel=self._channel_id, room=room, prompt_ids=prompt_ids,
+                    params=request.params))
                 trace.mark(room, "router.reserve_sent")
                 try:
                     dest = await self._call(dname, reserved, request)
@@ -225,10 +229,11 @@ class DisaggregatedDispatcher:
                     self._in_flight[rid] = (pname, dname, room)
                     continue
                 if submitted is None:
-                    submitted = submit()
+                    submitted = prefill.command.remote(start)
                 break
             trace.mark(room, "router.reserved")
-            prefill.route.remote(room, dest, self.table.endpoint(dname))  # outcome: its events
+            prefill.command.remote(Route(room=room, destination=dest,  # outcome: its events
+                                         decode_endpoint=self.table.endpoint(dname)))
             await self._call(pname, submitted, request)  # answered long ago, normally
             progress = _Progress()
             async for chunk in self._follow(request, room, pname, dname, events, progress):
@@ -273,13 +278,13 @@ class DisaggregatedDispatcher:
                 self.table.down(worker, f"its event stream broke: {ev.error}"[:300])
                 raise WorkerUnavailable(worker, f"{side} worker '{worker}' became unavailable "
                                                 f"while serving this request: {ev.error}")
-            if worker == pname and isinstance(ev, FirstToken):
+            if isinstance(ev, FirstToken):
                 if outputs == 0 and early is None:
                     early = (ev.token, ev.text)
                     trace.mark(room, "router.first")
                     yield TokenChunk(request_id=rid, token_ids=(ev.token,), text_delta=ev.text)
                 continue
-            if worker == pname:  # the prefill's outcome (a PrefillResult)
+            if isinstance(ev, PrefillResult):  # the prefill's outcome
                 prefill_over = True
                 if rid in self._aborted:  # abort() raced the prefill: end as aborted
                     yield _aborted_chunk(rid)
@@ -295,7 +300,7 @@ class DisaggregatedDispatcher:
                                      finish_reason=_FINISH.get(ev.finish_reason or "stop"))
                     return
                 continue
-            # a decode output
+            # a DecodeOutput (what is left on the two channels)
             if ev.finish_reason == "error":
                 raise self._decode_failure(rid, pname, dname, ev)
             tokens, text = tuple(ev.token_ids), ev.text_delta
@@ -316,9 +321,9 @@ class DisaggregatedDispatcher:
                 return
 
     @staticmethod
-    def _prefill_failure(rid: str, pname: str, dname: str, res) -> Exception:
+    def _prefill_failure(rid: str, pname: str, dname: str, res: PrefillResult) -> Exception:
         """The error of a request whose prefill side failed (a PrefillResult with ok False)."""
-        kind = getattr(res, "error_kind", "")
+        kind = res.error_kind
         if kind == "aborted":
             return TransferFailed(pname, f"prefill worker '{pname}' aborted the request: "
                                          f"{res.error}")
@@ -329,8 +334,8 @@ class DisaggregatedDispatcher:
                                      f"({kind or 'error'}): {res.error}")
 
     @staticmethod
-    def _decode_failure(rid: str, pname: str, dname: str, out) -> Exception:
-        if getattr(out, "error_kind", "") == "request":
+    def _decode_failure(rid: str, pname: str, dname: str, out: DecodeOutput) -> Exception:
+        if out.error_kind == "request":
             return RequestFailed(f"decode worker '{dname}': {out.error}", request_id=rid)
         return TransferFailed(dname, f"KV transfer from prefill worker '{pname}' to decode "
                                      f"worker '{dname}' failed on the decode side: {out.error}")
@@ -359,7 +364,8 @@ class DisaggregatedDispatcher:
 
     async def _abort_one(self, name: str, handle, room: int) -> None:
         try:
-            await asyncio.wait_for(_await_ref(handle.abort.remote(room)), timeout=CALL_TIMEOUT_S)
+            await asyncio.wait_for(_await_ref(handle.command.remote(Abort(room=room))),
+                                   timeout=CALL_TIMEOUT_S)
         except Exception as exc:  # a dead worker has nothing left to abort
             log.warning("abort of room %d on %s failed: %r", room, name, exc)
 

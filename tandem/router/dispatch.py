@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from tandem.engine.params import FinishReason
-from tandem.engine.params import SamplingParams
+from tandem.messages import FinishReason, SamplingParams
 
 
 class WorkerRole(str, Enum):

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from tandem.engine.params import FinishReason
+from tandem.messages import FinishReason
 from tandem.engine.tokenizer import Tokenizer
 from tandem.router.dispatch import (
     DeadlineExceeded,

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.engine.params import SamplingParams
+from tandem.messages import SamplingParams
 from tandem.engine.tokenizer import ALLOWED_ROLES, ChatMessage, Tokenizer
 from tandem.router.dispatch import ModelInfo
 from tandem.router.errors import Code, RouterError, invalid

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from tandem.messages import WorkerHealth
 from tandem.router.dispatch import SpecAcceptance, WorkerInfo, WorkerRole
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,13 @@ class WorkerHealthTable:
         handle, role = self._handles[name], self._roles[name]
         t0 = time.perf_counter()
         try:
-            h = await _await_ref(handle.health.remote())
+            h: WorkerHealth = await _await_ref(handle.health.remote())
         except Exception as exc:  # noqa: BLE001 -- dead or restarting
             self.down(name, f"unreachable: {exc!r}"[:300])
             return
         self._heard[name] = time.monotonic()
         self._rtt_ms[name].append((time.perf_counter() - t0) * 1e3)
-        incarnation = getattr(h, "incarnation", "")
+        incarnation = h.incarnation
         if incarnation != self._incarnation.get(name, incarnation):
             log.warning("worker %s restarted (incarnation %s)", name, incarnation[:8])
             if role is WorkerRole.DECODE and not await self._refresh_endpoint(name):

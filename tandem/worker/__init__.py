@@ -23,12 +23,11 @@ from tandem.worker.config import (
     compat_info,
     kv_layout,
 )
-from tandem.worker.group_loop import GroupLoop
+from tandem.worker.group_loop import CommandedWorker, GroupLoop
 from tandem.worker.loop import SteppedWorker, WorkerLoop
 from tandem.worker.process import QUIET_ENV, in_ray_actor, node_id, node_ip, tune_process
 from tandem.worker.ranks import (
     SOLO,
-    PerRank,
     PrefillRoute,
     RankInfo,
     RankSync,
@@ -44,10 +43,10 @@ from tandem.worker.ranks import (
 )
 
 __all__ = [
-    "QUIET_ENV", "SOLO", "TRANSFER_BACKENDS", "EventChannels", "GroupLoop", "PerRank",
+    "QUIET_ENV", "SOLO", "TRANSFER_BACKENDS", "CommandedWorker", "EventChannels", "GroupLoop",
     "PrefillRoute", "RankInfo", "RankSync", "SoloSync", "SteppedWorker", "TorchSync",
     "WorkerConfig", "WorkerLoop", "aux_buffer", "build_engine", "compat_info",
-    "decode_per_rank", "encode_dp_destination", "encode_per_rank", "in_ray_actor", "join_group",
-    "kv_layout", "leave_group", "node_id", "node_ip", "rendezvous_address", "route_to_decode",
-    "tune_process",
+    "decode_per_rank", "encode_dp_destination", "encode_per_rank", "in_ray_actor",
+    "join_group", "kv_layout", "leave_group", "node_id", "node_ip", "rendezvous_address",
+    "route_to_decode", "tune_process",
 ]

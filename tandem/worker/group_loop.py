@@ -6,10 +6,11 @@ splitting that into a plan that followers replay would duplicate the engine's co
 Instead every rank runs the whole worker, and we make sure its inputs are identical:
 
   each iteration, on every rank:
-    1. rank 0 broadcasts the calls that arrived since the last iteration (reserve, submit,
-       abort, connect, ...) plus whether to step and whether to stop;
-    2. every rank applies those calls, in order, to its own worker; the per-rank results are
-       all-gathered so rank 0 can answer its caller (e.g. one Destination per rank);
+    1. rank 0 broadcasts the commands that arrived since the last iteration (messages/
+       commands.py: reserve, submit, abort, connect, ...) plus whether to stop;
+    2. every rank applies those commands, in order, to its own worker (`worker.apply`); the
+       per-rank results are all-gathered so rank 0 can answer its caller (e.g. one Destination
+       per rank);
     3. every rank runs `worker.step()` (which agrees on transfer events internally) -- also when
        idle, as `WorkerLoop` does: an idle step still polls the transfer endpoint, which must
        answer handshakes from prefill workers.
@@ -27,31 +28,38 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from tandem.worker.ranks import PerRank, RankSync
+from tandem.worker.loop import SteppedWorker
+from tandem.worker.ranks import RankSync
 
 log = logging.getLogger(__name__)
+
+
+class CommandedWorker(SteppedWorker, Protocol):
+    def apply(self, cmd: Any) -> Any:
+        """Apply one command (a frozen value of messages/commands.py) between two steps; fields
+        that differ per rank (`PerRank`) are read at this rank."""
 
 
 @dataclass(frozen=True, slots=True)
 class _Tick:
     """What rank 0 broadcasts each iteration."""
 
-    calls: tuple[tuple[str, tuple[Any, ...]], ...]  # (worker method, args) in arrival order
+    commands: tuple[Any, ...]  # in arrival order
     stop: bool  # leave the loop (shutdown)
 
 
 class GroupLoop:
     """Owns the loop thread of one rank. On rank 0, `call()` is the only way in from outside."""
 
-    def __init__(self, worker: Any, sync: RankSync,
+    def __init__(self, worker: CommandedWorker, sync: RankSync,
                  on_outputs: Callable[[list[Any]], None] | None,
                  idle_sleep_s: float = 0.005, name: str = "group-loop") -> None:
         self.worker, self.sync, self._on_outputs = worker, sync, on_outputs
         self._idle = idle_sleep_s
         self._lock = threading.Lock()  # guards _pending and _stopping
-        self._pending: list[tuple[str, tuple[Any, ...], Future]] = []
+        self._pending: list[tuple[Any, Future]] = []  # (command, its Future)
         self._stopping = False
         self.error: BaseException | None = None  # set if an iteration raised: the loop stops
         self._done = threading.Event()
@@ -63,12 +71,12 @@ class GroupLoop:
     def is_leader(self) -> bool:
         return self.sync.rank == 0
 
-    def call(self, method: str, *args: Any) -> list[Any]:
-        """Rank 0: apply `worker.method(*args)` on every rank between two steps; returns the
-        per-rank results, or raises rank 0's exception (else the first rank's)."""
-        return self.submit(method, *args).result()
+    def call(self, cmd: Any) -> list[Any]:
+        """Rank 0: apply `cmd` on every rank between two steps; returns the per-rank results,
+        or raises rank 0's exception (else the first rank's)."""
+        return self.submit(cmd).result()
 
-    def submit(self, method: str, *args: Any) -> Future:
+    def submit(self, cmd: Any) -> Future:
         """Rank 0: queue `call`'s work; the Future of its per-rank results."""
         if not self.is_leader:
             raise RuntimeError("GroupLoop.call: only rank 0 takes calls")
@@ -78,7 +86,7 @@ class GroupLoop:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("worker loop is shutting down")
-            self._pending.append((method, args, fut))
+            self._pending.append((cmd, fut))
         self._wake.set()
         return fut
 
@@ -88,12 +96,11 @@ class GroupLoop:
         with self._lock:
             pending, self._pending = self._pending, []
             stop = self._stopping
-        return _Tick(tuple((m, a) for m, a, _ in pending), stop), [f for _, _, f in pending]
+        return _Tick(tuple(c for c, _ in pending), stop), [f for _, f in pending]
 
-    def _apply(self, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
-        args = tuple(a.values[self.sync.rank] if isinstance(a, PerRank) else a for a in args)
+    def _apply(self, cmd: Any) -> tuple[bool, Any]:
         try:
-            return True, getattr(self.worker, method)(*args)
+            return True, self.worker.apply(cmd)
         except Exception as exc:  # the caller gets it; the loop goes on
             return False, exc
 
@@ -106,8 +113,8 @@ class GroupLoop:
                 tick = self.sync.broadcast(tick)  # followers block here until rank 0 speaks
                 if tick.stop:
                     break
-                if tick.calls:
-                    local = [self._apply(m, a) for m, a in tick.calls]
+                if tick.commands:
+                    local = [self._apply(c) for c in tick.commands]
                     per_rank = self.sync.all_gather(local)
                     for i, fut in enumerate(futures):
                         _resolve(fut, [r[i] for r in per_rank])
@@ -131,7 +138,7 @@ class GroupLoop:
         with self._lock:
             pending, self._pending = self._pending, []
             self._stopping = True
-        for _, _, fut in pending:
+        for _, fut in pending:
             fut.set_exception(RuntimeError("worker loop stopped"))
 
     def close(self, timeout_s: float = 10.0) -> None:

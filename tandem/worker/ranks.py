@@ -215,10 +215,3 @@ def route_to_decode(decode_endpoint: bytes, destination: bytes, tp: int) -> list
         endpoints=tuple(endpoints[s.decode_rank] for s in pieces),
         destinations=tuple(dests[s.decode_rank] for s in pieces))
         for pieces in (slices_from_prefill(p, tp, len(dests), num_kv_heads) for p in range(tp))]
-
-
-@dataclass(frozen=True, slots=True)
-class PerRank:
-    """A call argument that differs per rank: rank r receives `values[r]`."""
-
-    values: tuple[Any, ...]

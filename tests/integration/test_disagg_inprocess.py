@@ -273,21 +273,25 @@ def test_decode_actor_refuses_a_reserve_after_its_abort_and_ends_an_unstarted_ro
     abort output on its router's channel and is unbound (DecodeActor outside Ray: the same
     object the actor runs)."""
     from tandem.deploy.actors import DecodeActor
+    from tandem.messages import Abort, Reserve
 
     model_dir, head_dir = dirs
     actor = DecodeActor(worker_config("decode-0", model_dir, head_dir, "fake",
                                       SpecConfig(num_steps=3)))
-    prompt, sp = [4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompt, sp = (4, 5, 6), SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    def reserve(room: int) -> Reserve:
+        return Reserve(channel="r1", room=room, prompt_ids=prompt, params=sp)
 
     async def scenario():
         events = actor.events("r1").__aiter__()
-        await actor.abort(5)  # the abort overtook the reserve
+        await actor.command(Abort(room=5))  # the abort overtook the reserve
         with pytest.raises(ValueError, match="aborted before its reserve"):
-            await actor.reserve("r1", 5, prompt, sp)
+            await actor.command(reserve(5))
         assert not actor.channels.bound(5)
-        await actor.reserve("r1", 6, prompt, sp)
+        await actor.command(reserve(6))
         assert actor.channels.bound(6)
-        await actor.abort(6)  # reserved, aborted, never started
+        await actor.command(Abort(room=6))  # reserved, aborted, never started
         batch = await asyncio.wait_for(events.__anext__(), timeout=5)
         while not batch:  # keep-alives
             batch = await asyncio.wait_for(events.__anext__(), timeout=5)
@@ -299,21 +303,27 @@ def test_decode_actor_refuses_a_reserve_after_its_abort_and_ends_an_unstarted_ro
 
 
 def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted(dirs):
-    """Concurrent dispatch: the router submits the prefill first and decode's destination
-    later by `route`. If no route comes (the router died), the prefill ends with an error after
+    """Concurrent dispatch: the router starts the prefill first and sends decode's destination
+    later by `Route`. If no route comes (the router died), the prefill ends with an error after
     `route_wait_s` and gives its pages back; an abort while it waits ends it at once. Ray runs
-    an async actor's calls out of order, so a `route` or `abort` may run before its room's
-    `submit`: the route is kept for it (a bad one fails it at once, not after the wait), the
-    abort ends it at once. Outcomes and first tokens come on the router's channel
+    an async actor's calls out of order, so a `Route` or `Abort` may run before its room's
+    `StartPrefill`: the route is kept for it (a bad one fails it at once, not after the wait),
+    the abort ends it at once. Outcomes and first tokens come on the router's channel
     (PrefillActor outside Ray)."""
     from tandem.deploy.actors import PrefillActor
-    from tandem.messages import FirstToken
+    from tandem.messages import Abort, FirstToken, Route, StartPrefill
 
     model_dir, head_dir = dirs
     actor = PrefillActor(worker_config("prefill-0", model_dir, head_dir, "fake",
                                        SpecConfig(num_steps=3)))
     actor.route_wait_s = 0.5
-    prompt, sp = [4, 5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompt, sp = (4, 5, 6, 7), SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    def start(room: int) -> StartPrefill:
+        return StartPrefill(channel="r1", room=room, prompt_ids=prompt, params=sp)
+
+    def route(room: int, destination: bytes) -> Route:
+        return Route(room=room, destination=destination, decode_endpoint=b"")
 
     async def scenario():
         stream = actor.events("r1").__aiter__()
@@ -326,31 +336,31 @@ def test_prefill_actor_ends_a_request_whose_route_never_comes_or_that_is_aborted
                     return ev
                 seen.extend(await asyncio.wait_for(stream.__anext__(), timeout=30))
 
-        await actor.submit("r1", 1, prompt, sp)  # returns at once
+        await actor.command(start(1))  # returns at once
         res = await outcome(1)
         assert not res.ok and "no destination from the router" in res.error
-        await actor.submit("r1", 2, prompt, sp)
+        await actor.command(start(2))
         await asyncio.sleep(0.05)
-        await actor.abort(2)
+        await actor.command(Abort(room=2))
         res = await outcome(2)
         assert not res.ok and "aborted" in res.error
-        await actor.route(3, b"not a destination", b"")  # ran before its submit: kept
+        await actor.command(route(3, b"not a destination"))  # ran before its start: kept
         assert actor._rooms[3].route.done() and actor._rooms[3].result is None
         t0 = time.monotonic()
-        await actor.submit("r1", 3, prompt, sp)
+        await actor.command(start(3))
         res = await outcome(3)
         assert not res.ok and "no destination from the router" not in res.error  # it used it
         assert time.monotonic() - t0 < actor.route_wait_s and 3 not in actor._rooms
-        await actor.abort(4)  # ran before its submit
-        await actor.submit("r1", 4, prompt, sp)
+        await actor.command(Abort(room=4))  # ran before its start
+        await actor.command(start(4))
         res = await outcome(4)
         assert not res.ok and res.error_kind == "aborted"
-        await actor.submit("r1", 5, prompt, sp)  # no route: the forward runs, then it waits
+        await actor.command(start(5))  # no route: the forward runs, then it waits
         res = await outcome(5)
         firsts = [e for e in seen if isinstance(e, FirstToken) and e.room == 5]
         assert not res.ok and len(firsts) == 1 and isinstance(firsts[0].token, int)
         assert seen.index(firsts[0]) < seen.index(res)  # the first token came first
-        await actor.route(1, b"late", b"")  # a route after its prefill ended: not kept
+        await actor.command(route(1, b"late"))  # a route after its prefill ended: not kept
         assert 1 not in actor._rooms and actor.channels.num_rooms() == 0
         await stream.aclose()
 

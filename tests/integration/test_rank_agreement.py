@@ -18,9 +18,10 @@ from disagg_helpers import tiny_model_and_head, worker_config
 from tandem.decode_node.worker import DecodeWorker
 from tandem.engine import SamplingParams
 from tandem.kvtransfer import FailureInjection, FaultKind
+from tandem.messages import Connect, GetEndpoint, PerRank, ReserveRoom, SubmitPrompt
 from tandem.prefill_node.worker import PrefillWorker
 from tandem.spec import SpecConfig, SpecEngine
-from tandem.worker import GroupLoop, PerRank
+from tandem.worker import GroupLoop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,10 +75,11 @@ def test_ranks_agree_on_asymmetric_transfer_failures(tmp_path):
                         (lambda outs: [events.put(("d", o)) for o in outs]) if r == 0 else None)
               for r in range(2)]
     try:
-        ploops[0].call("connect", PerRank(tuple(dloops[0].call("endpoint"))))
+        ploops[0].call(Connect(endpoints=PerRank(tuple(dloops[0].call(GetEndpoint())))))
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            dests = dloops[0].call("reserve", 500 + i, p, sp)
-            ploops[0].call("submit", 500 + i, p, sp, PerRank(tuple(dests)))
+            dests = dloops[0].call(ReserveRoom(room=500 + i, prompt_ids=tuple(p), params=sp))
+            ploops[0].call(SubmitPrompt(room=500 + i, prompt_ids=tuple(p), params=sp,
+                                        destinations=PerRank(tuple(dests))))
         tokens = {500 + i: [] for i in range(len(prompts))}
         prefill_ok: dict[int, bool] = {}
         errors: set[int] = set()

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tandem.messages import WorkerHealth
 from tandem.router import worker_health
 from tandem.router.worker_health import WorkerHealthTable
 
@@ -31,8 +32,8 @@ class FakeHandle:
             await asyncio.sleep(0.05)
         if self.mode == "dead":
             raise RuntimeError("actor died")
-        return SimpleNamespace(healthy=True, error="", node="n0", num_running=0, num_waiting=0,
-                               num_free_pages=10, num_pages=10)
+        return WorkerHealth(name="prefill-0", role="prefill", healthy=True, error="", node="n0",
+                            num_running=0, num_waiting=0, num_free_pages=10, num_pages=10)
 
 
 @pytest.fixture

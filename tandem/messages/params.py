@@ -1,7 +1,7 @@
 """The request vocabulary every process shares -- sampling parameters and finish reasons --
 without torch: the router (often a small CPU machine in front of the cluster) imports these, and
-so do the engine and the workers (`tandem.engine.sampling` and `tandem.engine.request`
-re-export them)."""
+so do the engine and the workers (the engine's face offers them too: `tandem.engine.sampling`
+and `tandem.engine.request` re-export them)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""What a worker tells its router: the events of its requests, which travel in batches on the
+router's event channel (worker/channels.py, router/worker_channel.py), and its health answer.
+
+A prefill worker's channel carries `FirstToken`s and `PrefillResult`s, a decode worker's
+`DecodeOutput`s; the router tells them apart by type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FirstToken:
+    """A prefill worker's first token of a room, as soon as its forward is over (before the
+    KV moves): the router streams it to the client at once."""
+
+    room: int
+    token: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillResult:
+    """The end of a request's life on the prefill worker."""
+
+    room: int
+    ok: bool  # False: prefill or transfer failed (see error)
+    first_token: int | None = None
+    first_text: str = ""
+    finished: bool = False  # the first token ended the request; nothing was transferred
+    finish_reason: str | None = None
+    error: str = ""
+    # TransferError kind, "aborted", "invalid", "handshake", "worker" (the prefill worker
+    # failed the room), or "request": this request's own work failed in the prefill forward's
+    # step (its sampling or stop checks raised); the worker ended it, freed its pages,
+    # transferred nothing and serves the others on.
+    error_kind: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeOutput:
+    """New tokens of one request on the decode worker (or its failure)."""
+
+    room: int
+    token_ids: tuple[int, ...]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str = ""
+    # With finish_reason "error": "request" when this request's own work failed on the worker
+    # (its sampling, stop checks or detokenizer raised; the worker ended it, freed its pages
+    # and serves the others on), "" for a KV transfer / seed failure.
+    error_kind: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerHealth:
+    """A worker's answer to the router's health poll."""
+
+    name: str
+    role: str  # "prefill" | "decode"
+    healthy: bool
+    error: str
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_pages: int
+    node: str  # Ray node id / hostname the actor runs on
+    mean_acceptance_length: float = 0.0
+    per_position: tuple[float, ...] = ()
+    num_rounds: int = 0
+    num_free_slots: int = 0  # decode: seed slots free / in all (this rank, or summed over DP)
+    num_slots: int = 0
+    incarnation: str = ""  # new each time the actor (re)starts: a restart means new endpoints
+    pid: int = 0  # the worker's process (what an operator or a fault test signals)
