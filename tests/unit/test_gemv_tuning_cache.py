@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tandem.engine.kernels import triton_gemv as tg  # noqa: E402
+from tandem.engine.kernels import gemv_tuning as tg  # noqa: E402
 
 KEY = (6144, 4096, "torch.bfloat16", True, False, False, "torch.bfloat16", 5)
 CANDIDATES = (tg.RowsConfig(32, 256, 4, 4), tg.RowsConfig(64, 256, 4, 3, True), tg.UNFUSED)

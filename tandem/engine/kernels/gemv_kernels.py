@@ -1,0 +1,146 @@
+"""The Triton kernels behind `triton_gemv.gemv` (which picks and launches them): `gemv_kernel`
+for one row of x, `rows_kernel` for 2..8 rows (each weight tile read once for all rows), and the
+fused neighbours they share - the weight tile load, the SiLU-and-mul prologue and the residual
+epilogue, each rounded like its torch twin (see triton_gemv's docstring for the fusions)."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# The interpreter (CPU tests) runs these kernels too: its bf16 dot multiplies raw bits, so
+# rows_kernel takes F32_DOT there, and tuning takes the first candidate untimed.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at (rows, cols), streamed once (evict first)."""
+    if EVEN:
+        w = tl.load(row_ptr + cols[None, :], eviction_policy="evict_first")
+    else:
+        wmask = (rows[:, None] < n_rows) & kmask[None, :]
+        w = tl.load(row_ptr + cols[None, :], mask=wmask, other=0.0,
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    """float32 silu(gate) * up, rounded to the input dtype after each op as
+    `torch_ops.silu_and_mul` does (any shape)."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _add_residual(out, res):
+    """out (float32) + residual, rounded like the twin: product to the model dtype, then a
+    model-dtype add."""
+    return (out.to(res.dtype).to(tl.float32) + res.to(tl.float32)).to(res.dtype)
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, ITERS: tl.constexpr,
+    EVEN: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
+):
+    """out[n] = sum_k w[n, k] * x'[k] (+ residual[n]). Program p streams the row blocks
+    p, p + grid, ... (ITERS of them): one block each, or a persistent grid that balances
+    blocks over the SMs. Loop bounds are constants (the interpreter needs them)."""
+    for it in range(ITERS):
+        _gemv_rows(
+            x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,
+            tl.program_id(0) + it * tl.num_programs(0), BLOCK_N, BLOCK_K, NUM_K, EVEN, NORM,
+            SILU_MUL, RESIDUAL,
+        )
+
+
+@triton.jit
+def _gemv_rows(
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps, block,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, EVEN: tl.constexpr,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
+):
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for i in range(NUM_K):  # NUM_K = cdiv(n_cols, BLOCK_K), a constant per weight shape
+        cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = cols < n_cols
+        w = _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN)
+        x = tl.load(x_ptr + cols, mask=kmask, other=0.0)
+        if SILU_MUL:  # x_ptr holds [gate | up], n_cols = len(gate)
+            xf = _silu_mul(x, tl.load(x_ptr + n_cols + cols, mask=kmask, other=0.0))
+        else:
+            xf = x.to(tl.float32)
+        if NORM:
+            sq += xf * xf
+            xf = xf * tl.load(norm_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
+    out = tl.sum(acc, axis=1)
+    if NORM:
+        out = out / tl.sqrt(tl.sum(sq, axis=0) / n_cols + eps)
+    rmask = rows < n_rows
+    if RESIDUAL:
+        out = _add_residual(out, tl.load(res_ptr + rows, mask=rmask, other=0.0))
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def rows_kernel(
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, num_x_rows, n_rows, n_cols, stride_w, eps,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    EVEN: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    """out[m, n] = sum_k w[n, k] * x'[m, k] (+ residual[m, n]) for the num_x_rows <= M_PAD
+    rows of x. Program p streams weight rows [p * BLOCK_N, (p + 1) * BLOCK_N) once over K and
+    multiplies each [BLOCK_N, BLOCK_K] tile against every row of x on the tensor cores, as
+    out^T = W @ x'^T ("swap AB": the weight tile is the MMA's tall A operand as stored, the
+    few x rows, zero-padded to M_PAD, its narrow B operand; Triton pads a dot to the MMA
+    shape, so M_PAD = 8 costs no more than 2). The loop over K is software-pipelined
+    (num_stages), which keeps enough weight bytes in flight per SM without the huge BLOCK_K
+    the one-row kernel needs.
+
+    Rounding: like `gemv_kernel` per row, except that the MMA takes its x operand in the
+    weight dtype, so the RMSNorm prologue rounds norm_weight * x to bf16 (the twin rounds the
+    normed row to bf16 too); plain and SiLU-mul inputs are bf16 values already."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows
+    ms = tl.arange(0, M_PAD)  # [M_PAD] x rows
+    mmask = ms < num_x_rows
+    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+    x_row_ptr = x_ptr + ms[:, None] * (2 * n_cols if SILU_MUL else n_cols)  # [M_PAD, 1]
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)  # out^T
+    sq = tl.zeros([M_PAD, BLOCK_K], dtype=tl.float32)  # each x row's sum of squares (NORM)
+    for i in range(NUM_K):  # NUM_K = cdiv(n_cols, BLOCK_K), a constant per weight shape
+        cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = cols < n_cols
+        w = _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN)
+        xmask = mmask[:, None] & kmask[None, :]  # padding rows load nothing
+        x = tl.load(x_row_ptr + cols[None, :], mask=xmask, other=0.0)  # [M_PAD, BLOCK_K]
+        if SILU_MUL:  # row m of x holds [gate | up], n_cols = len(gate)
+            xf = _silu_mul(x, tl.load(x_row_ptr + n_cols + cols[None, :], mask=xmask,
+                                      other=0.0))
+        else:
+            xf = x.to(tl.float32)
+        if NORM:
+            sq += xf * xf
+            xf = xf * tl.load(norm_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        if F32_DOT:  # float32 weights, or the interpreter (its bf16 dot multiplies raw bits)
+            acc = tl.dot(w.to(tl.float32), tl.trans(xf), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xf.to(w.dtype)), acc)
+    out = acc  # [BLOCK_N, M_PAD]
+    if NORM:
+        out = out / tl.sqrt(tl.sum(sq, axis=1) / n_cols + eps)[None, :]
+    omask = (rows < n_rows)[:, None] & mmask[None, :]
+    offs = ms[None, :].to(tl.int64) * n_rows + rows[:, None]  # [BLOCK_N, M_PAD] into [M, N]
+    if RESIDUAL:
+        out = _add_residual(out, tl.load(res_ptr + offs, mask=omask, other=0.0))
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=omask)

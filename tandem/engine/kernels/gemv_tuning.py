@@ -1,0 +1,206 @@
+"""Which launch configuration each GEMV shape runs: the candidates (`CONFIGS` for one row of x,
+`ROWS_CONFIGS` for 2..8), this process's choices (each timed once, at the first call of its
+shape, the way decode runs it: inside a CUDA graph), and the record of choices that outlives
+the process (`choose`, `tuning_file`).
+
+Owns: this process's choice tables (`tuned_configs` shows them) and the tuning files it read or
+wrote. `triton_gemv` asks `one_row_config` / `rows_config` and launches what they return."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import torch
+import triton
+
+from tandem.engine.cache_root import default_cache_root
+from tandem.engine.kernels.gemv_kernels import INTERPRET
+
+log = logging.getLogger(__name__)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, programs per SM or 0 for one program per row block)
+# candidates; the first call of each shape and variant times them all and keeps the fastest.
+Config = tuple[int, int, int, int]
+# Pruned from a sweep of 17 on an H200 (benchmarks/gpu_micro.py): these won for every Llama-8B
+# site, plain and fused; the small-K ones serve SmolLM2-sized rows.
+CONFIGS: tuple[Config, ...] = (
+    (2, 2048, 4, 0), (4, 2048, 8, 0), (1, 4096, 4, 0), (2, 4096, 8, 0), (8, 512, 4, 0),
+    (16, 512, 8, 0), (8, 512, 4, 4), (16, 256, 4, 0), (4, 1024, 4, 0), (32, 256, 8, 0),
+)
+_best: dict[tuple, Config] = {}  # this process's one-row choices, by shape and variant
+
+
+class RowsConfig(NamedTuple):
+    """A launch of `rows_kernel` (a type of its own: never mistaken for a one-row Config)."""
+
+    block_n: int  # weight rows per program (the grid is cdiv(N, block_n))
+    block_k: int  # K per pipelined step
+    num_warps: int
+    num_stages: int  # software-pipeline depth of the K loop
+    # SiLU-and-mul variants: run SiLU-and-mul once as its own kernel and the product on its
+    # [M, K] output, instead of in the prologue, where every program recomputes it over all
+    # M_PAD rows of the (wide: 14,336 on the 8B shape) input. Ignored by other variants.
+    split_silu: bool = False
+
+
+# The sentinel candidate "run the unfused sequence": cuBLAS F.linear with the Triton RMSNorm /
+# SiLU-mul kernels and a torch add, what M > 1 ran before `rows_kernel` existed.
+UNFUSED: Literal["unfused"] = "unfused"
+RowsChoice = RowsConfig | Literal["unfused"]
+# Candidates for 2..8 rows, timed like CONFIGS at the first call of each shape, variant and
+# row count. The first is the interpreter's; UNFUSED stays in so a shape where cuBLAS wins
+# keeps it. Pruned from a sweep of 44 at M = 5 on an H100 (benchmarks/gpu_micro.py --skinny
+# --sweep): the winners of every Llama-8B site, plain and fused (8 warps never won); the
+# (8, 128) one is for SmolLM2's narrow rows (N = 576).
+ROWS_CONFIGS: tuple[RowsChoice, ...] = (
+    RowsConfig(32, 256, 4, 4), RowsConfig(64, 256, 4, 4), RowsConfig(16, 256, 4, 4),
+    RowsConfig(64, 256, 4, 3), RowsConfig(128, 128, 4, 3), RowsConfig(16, 128, 4, 5),
+    RowsConfig(32, 512, 4, 3), RowsConfig(8, 128, 4, 3),
+    # For the down projection (SiLU-mul + residual), whose prologue is the one site where the
+    # fused kernel lost to UNFUSED on an H100 (58.7 vs 47.6 us at M = 5, while its plain
+    # product took 42.2): the plain winners with SiLU split out. Not yet timed on a GPU.
+    RowsConfig(32, 512, 4, 3, True), RowsConfig(64, 256, 4, 4, True), UNFUSED,
+)
+_best_rows: dict[tuple, RowsChoice] = {}  # ... and multi-row ones (the key adds M)
+
+
+def one_row_config(key: tuple, launch: Callable, weight: torch.Tensor) -> Config:
+    """This process's choice among CONFIGS for one row of x at `key` (timed on first use)."""
+    return _best.get(key) or _tune(key, launch, weight, CONFIGS, _best)
+
+
+def rows_config(key: tuple, launch: Callable, weight: torch.Tensor,
+                candidates: tuple[RowsChoice, ...]) -> RowsChoice:
+    """This process's choice among `candidates` (of ROWS_CONFIGS) for 2..8 rows at `key`."""
+    return _best_rows.get(key) or _tune(key, launch, weight, candidates, _best_rows)
+
+
+def _tune(key: tuple, launch, weight: torch.Tensor, candidates: tuple, best_of: dict):
+    """Time every candidate once per process (the interpreter takes the first) the way decode
+    runs it: back to back inside a CUDA graph, alternating with a second weight so that no
+    call finds its weight in L2. (Timing single calls with do_bench picked configs 10% slower
+    in the model.) Records the winner in `best_of[key]`. A choice an earlier process made on
+    this kind of GPU is taken without timing (`tuning_file`). Syncs the device: warm-up only,
+    never inside a captured graph."""
+    if INTERPRET or weight.device.type != "cuda":
+        best = candidates[0]
+    else:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gemv {key}: not tuned before CUDA graph capture")
+
+        def time_all() -> dict:
+            other = torch.empty_like(weight).normal_(0.0, 0.02)  # [N, K], freed after
+            times = {}
+            for cfg in candidates:
+                try:
+                    times[cfg] = _graph_time(cfg, launch, (weight, other))
+                except triton.runtime.errors.OutOfResources:  # pipeline stages over a
+                    continue  # smaller GPU's shared memory: not a candidate there
+            return times
+
+        best = choose(key, candidates, time_all, tuning_file(weight.device))
+    best_of[key] = best
+    return best
+
+
+# ---- tuning results that outlive the process ---------------------------------------------------
+# Timing picks between near-equal candidates differently from one process to the next, and two
+# configurations round bf16 differently: greedy output could change across restarts at
+# near-ties (it did on an H200, docs/perf.md session 9). So the first process on a kind of GPU
+# records its choices, and later ones (restarts, every worker of the machine) take them.
+TUNING_ENV = "TANDEM_GEMV_TUNING_CACHE"  # a JSON file to use instead; "0": time every process
+_tables: dict[Path, dict[str, object]] = {}  # file -> its choices, as read or written
+
+
+def tuning_file(device: torch.device) -> Path | None:
+    """Where this GPU kind's choices live: $TANDEM_GEMV_TUNING_CACHE, else
+    $TANDEM_CACHE/gemv-tuning/<device name>-triton-<version>.json; None when set to 0."""
+    env = os.environ.get(TUNING_ENV)
+    if env == "0":
+        return None
+    if env:
+        return Path(env).expanduser()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", torch.cuda.get_device_name(device))
+    return default_cache_root() / "gemv-tuning" / f"{name}-triton-{triton.__version__}.json"
+
+
+def _encode(choice: Config | RowsChoice) -> object:
+    return choice if isinstance(choice, str) else list(choice)
+
+
+def _read(path: Path) -> dict[str, object]:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def choose(key: tuple, candidates: tuple, time_all: Callable[[], dict],
+           path: Path | None) -> Config | RowsChoice:
+    """The recorded choice for `key` when `path` has one among `candidates`; else the fastest
+    of `time_all()` (candidate -> ms), recorded in `path`. Writers merge into what the file
+    holds, and a key already there keeps its choice (the first process's word stands)."""
+    def recorded(table: dict[str, object]) -> Config | RowsChoice | None:
+        raw = table.get(repr(key))
+        return next((c for c in candidates if _encode(c) == raw), None)
+
+    if path is not None:
+        if path not in _tables:
+            _tables[path] = _read(path)
+        found = recorded(_tables[path])
+        if found is not None:
+            return found
+    times = time_all()
+    best = min(times, key=times.__getitem__)
+    if path is None:
+        return best
+    table = _read(path)  # what other processes recorded meanwhile
+    _tables[path] = table
+    found = recorded(table)
+    if found is not None:  # another process's word stands
+        return found
+    table[repr(key)] = _encode(best)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=0, sort_keys=True))
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one
+    except OSError as exc:
+        log.warning("gemv tuning: cannot record choices in %s (%s)", path, exc)
+    return best
+
+
+def _graph_time(cfg: Config | RowsChoice, launch, weights: tuple[torch.Tensor, ...],
+                calls: int = 8, reps: int = 5) -> float:
+    """Median ms of one call of `cfg`, from replays of a graph of `calls` calls."""
+    launch(cfg, weights[0])  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            launch(cfg, weights[i % len(weights)])
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[reps // 2]
+
+
+def tuned_configs() -> dict[tuple, Config | RowsChoice]:
+    """Every tuned shape's choice. One-row keys: (N, K, weight dtype, norm, silu_mul,
+    residual, out dtype); multi-row keys add the row count M last, and their choice is a
+    RowsConfig or UNFUSED."""
+    return {**_best, **_best_rows}
