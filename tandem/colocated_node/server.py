@@ -18,6 +18,7 @@ from tandem.engine.config import EngineConfig
 from tandem.router import Router, RouterConfig
 from tandem.spec.config import SpecConfig
 from tandem.worker import node_ip, tune_process
+from tandem.worker.process import serving_host
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,9 @@ class ColocatedServerConfig:
     engine: EngineConfig
     spec: SpecConfig | None  # None: target only (no speculation)
     torch_threads: int = 0  # 0: torch's default
-    host: str = "0.0.0.0"  # bind address; the actor reports its node's IP
+    # Bind address; None: the node's advertised address (worker.process.serving_host). The
+    # wildcard ("0.0.0.0") listens everywhere and reports the node's IP.
+    host: str | None = None
 
 
 class ColocatedServer:
@@ -61,8 +64,9 @@ class ColocatedServer:
 
             engine = LLMEngine.from_config(cfg.engine)
         router = build_colocated_router(engine, model=cfg.model_name)
-        self._server = BackgroundServer(router, ServerConfig(host=cfg.host, port=0)).start()
-        self._host = node_ip() if cfg.host in ("0.0.0.0", "::") else cfg.host
+        host = cfg.host or serving_host()
+        self._server = BackgroundServer(router, ServerConfig(host=host, port=0)).start()
+        self._host = node_ip() if host in ("0.0.0.0", "::") else host
         log.info("colocated server for '%s' up in %.1f s on %s", cfg.model_name,
                  time.perf_counter() - t0, self.address())
 

@@ -53,13 +53,15 @@ class RouterActor:
     (as with `tandem serve`, whose process runs only the router)."""
 
     def __init__(self, cfg: DeployConfig, prefill: dict[str, object], decode: dict[str, object],
-                 endpoints: dict[str, bytes], host: str = "0.0.0.0") -> None:
+                 endpoints: dict[str, bytes], host: str | None = None) -> None:
         from tandem.router.app import BackgroundServer
         from tandem.router.server import ServerConfig
         from tandem.worker import node_ip, tune_process
+        from tandem.worker.process import serving_host
 
         tune_process()
         router = router_for(cfg, prefill, decode, endpoints)
+        host = host or serving_host()  # None: the node's advertised address, not the wildcard
         self._server = BackgroundServer(router, ServerConfig(host=host, port=0)).start()
         self._host = node_ip() if host in ("0.0.0.0", "::") else host
         log.info("router for '%s' on %s", cfg.model_name, self.address())

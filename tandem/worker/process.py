@@ -1,5 +1,5 @@
 """The process a worker runs in: the settings every worker process applies first
-(`tune_process`), and where it runs (`node_ip`, `node_id`, `in_ray_actor`).
+(`tune_process`), and where it runs (`node_ip`, `node_id`, `in_ray_actor`, `serving_host`).
 
 Ray is imported inside the functions: the same code runs in-process (tests, `tandem serve`
 without Ray), where each answers for the local host.
@@ -61,6 +61,16 @@ def node_id() -> str:
     except ImportError:
         pass
     return os.uname().nodename
+
+
+def serving_host() -> str:
+    """Where a server in a Ray actor (the bench's router, the colocated server) listens and what
+    it reports: the address the node's KV endpoints advertise -- `$TANDEM_KV_HOST` (init_ray
+    sets 127.0.0.1 for the workers of a local Ray instance) else this node's IP; never the
+    wildcard, so nothing listens on an interface nobody named."""
+    from tandem.kvtransfer.bind import KV_HOST_ENV
+
+    return os.environ.get(KV_HOST_ENV, "").strip() or node_ip()
 
 
 def node_ip() -> str:
