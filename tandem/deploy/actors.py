@@ -1,20 +1,17 @@
-"""The Ray actor edges of the two worker kinds. They convert and delegate: each owns one
-worker (plain Python, see prefill_node/ and decode_node/) driven by a `WorkerLoop` thread, and
-turns its outputs into events on its routers' channels (worker/channels.py): a request costs
-the router a short command (`StartPrefill` to prefill, `Reserve` to decode: messages/commands.py),
-never an actor call slot for its whole life, so control calls (health, abort, route) are never
-queued behind requests. The router's commands arrive by one method, `command`, and are told
-apart by type; the worker's, on every rank, by `worker.apply` (the same way).
-
-Supervision: a worker whose loop crashed (a whole forward failed; one request's failure only
-fails that request) exits its process when it runs as a Ray actor, so that Ray restarts it
-(`max_restarts` in the launcher); the restarted actor has a new `incarnation` and new transfer
-endpoints, which the router picks up from its health answers.
+"""The Ray actor edges of the two worker kinds. They convert and delegate: each is a
+`WorkerFront` (worker/front.py) over one worker (plain Python, see prefill_node/ and
+decode_node/) driven by a loop thread, and turns its outputs into events on its routers'
+channels (worker/channels.py): a request costs the router a short command (`StartPrefill` to
+prefill, `Reserve` to decode: messages/commands.py), never an actor call slot for its whole
+life, so control calls (health, abort, route) are never queued behind requests. The router's
+commands arrive by one method, `command`, and are told apart by type; the worker's, on every
+rank, by `worker.apply` (the same way). A crashed worker exits for Ray to restart it
+(`max_restarts` in the launcher; see worker/front.py).
 
 A worker of `tp` ranks (or a decode worker of `dp` DP-attention ranks) is that many actors.
 Rank 0 (the leader, the decode group's front) is the one the router calls; it hands every
-worker command to its `GroupLoop`, which applies it on every rank (worker/group_loop.py). The others only join
-the process group and follow. Values that differ per rank (endpoints, destinations) cross the
+worker command to its `GroupLoop`, which applies it on every rank (worker/group_loop.py). The
+others only join the process group and follow. Values that differ per rank (endpoints, destinations) cross the
 router as one blob (`ranks.encode_per_rank`), also when tp is 1; with DP, a reserve's blob
 names the one DP rank that took the request (`ranks.encode_dp_destination`), and the prefill
 worker pushes to that rank (`ranks.route_to_decode`). Prefill and decode TP sizes may differ when
@@ -29,23 +26,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tandem.decode_node.worker import DecodeWorker
 from tandem.engine import trace
 from tandem.kvtransfer import ErrorKind, TransferError
-from tandem.messages import (Abort, Connect, DecodeCommand, DecodeOutput, FirstToken, GetEndpoint,
-                             PerRank, PrefillCommand, PrefillResult, Reserve, ReserveRoom, Route,
+from tandem.messages import (Abort, Connect, DecodeCommand, DecodeOutput, FirstToken, PerRank,
+                             PrefillCommand, PrefillResult, Reserve, ReserveRoom, Route,
                              RoutePrompt, StartPrefill, SubmitPrompt, WorkerHealth)
 from tandem.prefill_node.worker import PrefillWorker
-from tandem.worker import (EventChannels, GroupLoop, RankInfo, WorkerConfig, WorkerLoop,
-                           encode_dp_destination, encode_per_rank, in_ray_actor, join_group,
-                           leave_group, node_id, rendezvous_address, route_to_decode,
-                           tune_process)
+from tandem.worker import (WorkerConfig, WorkerFront, WorkerLoop, encode_dp_destination,
+                           encode_per_rank, route_to_decode)
 
 log = logging.getLogger(__name__)
 
@@ -56,110 +48,6 @@ log = logging.getLogger(__name__)
 # it fails that worker's requests and reconnects. Read when a process's Ray core worker starts:
 # the launcher sets it for the driver (router) and every actor of the job.
 FAST_DEATH_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0"}
-
-
-class _ActorBase:
-    role = ""
-
-    def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
-                 dp: int = 1) -> None:
-        tune_process()
-        self.cfg = cfg
-        self.ranks = RankInfo(rank=rank, tp=tp, ep=ep, dp=dp)
-        self.incarnation = uuid.uuid4().hex
-        self.channels = EventChannels()  # the routers' event streams (used on the event loop)
-        self._aio = None  # the actor's event loop, captured on the first async call
-        self.worker = None
-        self.loop: WorkerLoop | GroupLoop | None = None
-        if self.ranks.world_size == 1:  # a single rank starts at once; others wait for join()
-            self.worker = self._make_worker(None, None)
-            self.loop = WorkerLoop(self.worker, self._on_outputs, name=f"{cfg.name}-loop",
-                                   on_error=self._on_loop_error)
-
-    def _make_worker(self, parallel, sync):
-        raise NotImplementedError
-
-    def _on_loop_error(self, exc: BaseException) -> None:
-        """The loop thread stopped on a failed step. Inside a Ray actor the process exits, so
-        Ray restarts the worker (its requests end with UNAVAILABLE at the router, whose event
-        stream breaks); in-process the worker stays down and reports unhealthy."""
-        if in_ray_actor():
-            log.critical("worker %s: step failed (%r); exiting so that Ray restarts it",
-                         self.cfg.name, exc)
-            logging.shutdown()
-            os._exit(70)
-
-    def _on_outputs(self, outs: list) -> None:
-        raise NotImplementedError
-
-    async def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: where the worker's process group meets."""
-        return rendezvous_address()
-
-    async def join(self, host: str, port: int) -> None:
-        """Ranks of a multi-rank worker: join the process group (returns when every rank joined), build this
-        rank's worker and start its loop."""
-        self._loop()
-
-        def start() -> None:
-            parallel, sync = join_group(self.ranks, host, port, self.cfg.engine.device)
-            self.worker = self._make_worker(parallel, sync)
-            on_outputs = self._on_outputs if self.ranks.rank == 0 else None
-            self.loop = GroupLoop(self.worker, sync, on_outputs,
-                                  name=f"{self.cfg.name}-rank{self.ranks.rank}-loop")
-
-        await asyncio.to_thread(start)
-
-    async def _apply(self, cmd) -> list:
-        """`cmd` (a worker command) applied on every rank between two steps; the per-rank
-        results."""
-        if isinstance(self.loop, GroupLoop):
-            return await asyncio.wrap_future(self.loop.submit(cmd))
-        return [await asyncio.wrap_future(self.loop.submit(self.worker.apply, cmd))]
-
-    async def endpoint(self) -> bytes:
-        """Every rank's transfer endpoint, as one blob."""
-        self._loop()
-        return encode_per_rank(await self._apply(GetEndpoint()))
-
-    async def events(self, channel: str) -> AsyncIterator[list]:
-        """The event stream of router channel `channel`: batches of this worker's events for
-        the rooms submitted with that channel name (an empty batch now and then while idle).
-        A streaming-generator method: the router reads it with `num_returns="streaming"`."""
-        self._loop()
-        async for batch in self.channels.stream(channel):
-            yield batch
-
-    async def shutdown(self) -> None:
-        if self.loop is not None:
-            if isinstance(self.loop, GroupLoop) and self.ranks.rank != 0:
-                # rank 0's close() stops every rank's loop
-                await asyncio.to_thread(self.loop.wait_stopped, 10.0)
-            else:
-                self.loop.close()
-        if self.worker is not None:
-            self.worker.close()
-        if self.ranks.world_size > 1:
-            leave_group()
-
-    def _loop(self) -> asyncio.AbstractEventLoop:
-        if self._aio is None:
-            self._aio = asyncio.get_running_loop()
-        return self._aio
-
-    def _deliver(self, fn, *args) -> None:
-        """From the worker thread onto the actor's event loop."""
-        if self._aio is not None:
-            self._aio.call_soon_threadsafe(fn, *args)
-
-    def _health(self, worker, extra: dict | None = None) -> WorkerHealth:
-        eng = worker.engine
-        err = repr(self.loop.error) if self.loop.error else ""
-        return WorkerHealth(
-            name=self.cfg.name, role=self.role, healthy=self.loop.error is None, error=err,
-            num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
-            num_free_pages=eng.allocator.num_free, num_pages=eng.allocator.num_usable,
-            node=node_id(), incarnation=self.incarnation, pid=os.getpid(), **(extra or {}))
 
 
 @dataclass(slots=True, eq=False)
@@ -174,7 +62,7 @@ class _Room:
     aborted: bool = False
 
 
-class PrefillActor(_ActorBase):
+class PrefillActor(WorkerFront):
     role = "prefill"
     # How long a prefill waits for decode's destination (`route`) -- the router sends it as soon
     # as decode's reserve answers, normally milliseconds later -- and how long a room made by a
@@ -347,7 +235,7 @@ class PrefillActor(_ActorBase):
 
     async def health(self) -> WorkerHealth:
         self._loop()
-        return self._health(self.worker)
+        return self._health()
 
 
 # Rooms a PrefillActor remembers as ended (late calls for them are ignored): the newest this many.
@@ -369,7 +257,7 @@ def _failure_kind(exc: Exception) -> str:
     return "invalid"
 
 
-class DecodeActor(_ActorBase):
+class DecodeActor(WorkerFront):
     role = "decode"
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
@@ -447,9 +335,9 @@ class DecodeActor(_ActorBase):
         front = self.ranks.rank == 0
         st = self.worker.group_spec_totals() if front else self.worker.spec_totals()
         load = self.worker.group_load() if front else self.worker.pool_load()
-        h = self._health(self.worker, {
-            "mean_acceptance_length": st.mean_acceptance_length,
-            "per_position": st.per_position(), "num_rounds": st.num_rounds,
-            "num_free_slots": load.num_free_slots, "num_slots": load.num_slots})
-        return dataclasses.replace(h, num_free_pages=load.num_free_pages,
-                                   num_pages=load.num_pages, num_running=load.num_running)
+        return dataclasses.replace(
+            self._health(), mean_acceptance_length=st.mean_acceptance_length,
+            per_position=st.per_position(), num_rounds=st.num_rounds,
+            num_free_slots=load.num_free_slots, num_slots=load.num_slots,
+            num_free_pages=load.num_free_pages, num_pages=load.num_pages,
+            num_running=load.num_running)

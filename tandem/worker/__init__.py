@@ -9,7 +9,9 @@ Ray actors of deploy/ drive them with.
   per-rank values that cross the router as one blob (`encode_per_rank`, `route_to_decode`):
   ranks.py;
 - the worker side of the router-worker event stream (`EventChannels`): channels.py;
-- the process a worker runs in (`tune_process`, `node_ip`): process.py.
+- the process a worker runs in (`tune_process`, `node_ip`): process.py;
+- what a worker's Ray actor is made of, without Ray (`WorkerFront`: the worker, its loop, the
+  event channels): front.py.
 
 The kit imports no node and no deploy module: nodes depend on it, never the other way round.
 """
@@ -23,6 +25,7 @@ from tandem.worker.config import (
     compat_info,
     kv_layout,
 )
+from tandem.worker.front import WorkerFront
 from tandem.worker.group_loop import CommandedWorker, GroupLoop
 from tandem.worker.loop import SteppedWorker, WorkerLoop
 from tandem.worker.process import QUIET_ENV, in_ray_actor, node_id, node_ip, tune_process
@@ -45,7 +48,7 @@ from tandem.worker.ranks import (
 __all__ = [
     "QUIET_ENV", "SOLO", "TRANSFER_BACKENDS", "CommandedWorker", "EventChannels", "GroupLoop",
     "PrefillRoute", "RankInfo", "RankSync", "SoloSync", "SteppedWorker", "TorchSync",
-    "WorkerConfig", "WorkerLoop", "aux_buffer", "build_engine", "compat_info",
+    "WorkerConfig", "WorkerFront", "WorkerLoop", "aux_buffer", "build_engine", "compat_info",
     "decode_per_rank", "encode_dp_destination", "encode_per_rank", "in_ray_actor",
     "join_group", "kv_layout", "leave_group", "node_id", "node_ip", "rendezvous_address",
     "route_to_decode", "tune_process",
