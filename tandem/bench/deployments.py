@@ -12,7 +12,6 @@ its GPUs are still free).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -94,10 +93,9 @@ def measure_floors(spec: DeploymentSpec, model: ModelConfig | None) -> ModelFloo
 def init(ray_address: str | None) -> None:
     from tandem.deploy.launcher import init_ray
 
-    local = not (ray_address or os.environ.get("RAY_ADDRESS"))
-    # A local Ray instance gets at least 4 CPU slots, as `tandem demo`: the workers' CPU
-    # requests are placement, not a measure of what this machine can run.
-    init_ray(ray_address, num_cpus=max(4, os.cpu_count() or 1) if local else None)
+    # The same defaults as `tandem serve` (init_ray): a local instance of at least 4 CPU
+    # slots, or the cluster at --ray-address / $RAY_ADDRESS (inside a Ray job).
+    init_ray(ray_address)
 
 
 def start(spec: DeploymentSpec, startup_timeout_s: float = 900.0) -> StartedTarget:

@@ -57,6 +57,9 @@ class Deployment:
             ray.util.remove_placement_group(pg)
 
 
+LOCAL_MIN_CPUS = 4  # CPU slots of a local Ray instance at least (init_ray)
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Connect to `address` (or RAY_ADDRESS, or the cluster `ray start` runs on this machine),
     else start a local Ray instance; with Ray token authentication unless RAY_AUTH_MODE=disabled
@@ -79,8 +82,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
     else:
         env["env_vars"][KV_HOST_ENV] = os.environ.get(KV_HOST_ENV) or "127.0.0.1"
-        ray.init(num_cpus=num_cpus, runtime_env=env, include_dashboard=False,
-                 log_to_driver=False)
+        # Ray's CPU count is placement, not a measure of what this machine can run: a local
+        # instance offers at least LOCAL_MIN_CPUS slots, so the bundled configs place on a
+        # small machine as they do on a cluster of that size (serve, bench and demo alike).
+        cpus = num_cpus if num_cpus is not None else max(LOCAL_MIN_CPUS, os.cpu_count() or 1)
+        ray.init(num_cpus=cpus, runtime_env=env, include_dashboard=False, log_to_driver=False)
 
 
 def _bind_shim_env() -> dict[str, str]:

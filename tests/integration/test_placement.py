@@ -7,7 +7,6 @@ tests/integration/test_ray_job.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
