@@ -1,5 +1,5 @@
 """`tandem soak`: the argument parser and runner of the soak (bench/soak.py). One command, one
-module: `cli.py` only registers it."""
+module: `tandem/cli/app.py` only registers it."""
 
 from __future__ import annotations
 
