@@ -20,7 +20,7 @@ sys.path[:0] = [str(ROOT)]
 import torch  # noqa: E402
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from tandem.engine.tokenizer import ChatMessage  # noqa: E402
+from tandem.tokenizer import ChatMessage  # noqa: E402
 
 
 def main() -> None:

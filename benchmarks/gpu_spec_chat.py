@@ -30,10 +30,10 @@ sys.path[:0] = [str(ROOT)]
 import torch  # noqa: E402
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from tandem.engine.tokenizer import ChatMessage  # noqa: E402
 from tandem.spec import SpecConfig, SpecEngine  # noqa: E402
 from tandem.spec.evaluate import parting_gap  # noqa: E402
 from tandem.spec.shipped import SHIPPED_HEADS  # noqa: E402
+from tandem.tokenizer import ChatMessage  # noqa: E402
 
 
 def one_at_a_time(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams

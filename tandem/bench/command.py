@@ -34,7 +34,7 @@ class BenchCommand:
     floor_dtype: str = "bfloat16"
     floor_device: str | None = None  # None: cuda when available, else cpu
     progress: bool = True
-    trace: bool = False  # request stage marks of --config deployments (engine/trace.py)
+    trace: bool = False  # request stage marks of --config deployments (tandem/trace.py)
     argv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

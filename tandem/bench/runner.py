@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from tandem import trace
 from tandem.bench import results
 from tandem.bench.config import BenchSettings, RunSpec
 from tandem.bench.driver import DriverConfig, run_level
 from tandem.bench.floors import Bandwidth, ModelFloors
 from tandem.bench.metrics import summarize
 from tandem.bench.workload import build_requests
-from tandem.engine import trace
 from tandem.engine.config import ConfigError
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tandem.engine import LLMEngine
-    from tandem.engine.tokenizer import ChatMessage
+    from tandem.tokenizer import ChatMessage
 
     engine = LLMEngine.from_config(engine_config_from_args(args))
     if engine.tokenizer is None:

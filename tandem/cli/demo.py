@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _demo_engine_only(args: argparse.Namespace) -> int:
     from tandem.engine import EngineConfig, LLMEngine, SamplingParams
-    from tandem.engine.tokenizer import ChatMessage
+    from tandem.tokenizer import ChatMessage
 
     print("tandem demo: SmolLM2-135M-Instruct on the CPU, engine only (colocated).")
     t_load = time.perf_counter()

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from tandem.engine import trace
+from tandem import trace
 from tandem.engine.engine_loop import (
     EngineLoop,
     LoopError,

@@ -35,7 +35,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from tandem.engine import FinishReason, RequestOutput, trace
+from tandem import trace
+from tandem.engine import FinishReason, RequestOutput
 from tandem.engine.llm import validate_prompt
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams

@@ -29,8 +29,8 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tandem import trace
 from tandem.decode_node.worker import DecodeWorker
-from tandem.engine import trace
 from tandem.kvtransfer import ErrorKind, TransferError
 from tandem.messages import (Abort, Connect, DecodeCommand, DecodeOutput, FirstToken, PerRank,
                              PrefillCommand, PrefillResult, Reserve, ReserveRoom, Route,

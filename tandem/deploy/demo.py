@@ -136,7 +136,7 @@ def _plain_answers(cfg, max_tokens: int):
     """The target alone (no speculation, no transfer), greedy, same dtype: (answers, the
     engine, the prompts)."""
     from tandem.engine import LLMEngine, SamplingParams
-    from tandem.engine.tokenizer import ChatMessage
+    from tandem.tokenizer import ChatMessage
 
     engine = LLMEngine.from_config(cfg.engine)
     tok = engine.tokenizer

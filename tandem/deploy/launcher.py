@@ -102,7 +102,7 @@ def actor_runtime_env() -> dict | None:
     """What every tandem actor's `runtime_env` adds to the job's: the request-trace file when
     this process traces (engine/trace.py). A job's environment is fixed when Ray starts, so a
     bench that turns tracing on in a Ray instance already running passes it per actor."""
-    from tandem.engine import trace
+    from tandem import trace
 
     return {"env_vars": trace.env_vars()} if trace.enabled() else None
 

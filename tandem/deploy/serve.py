@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 def load_tokenizer(cfg: DeployConfig):
     from tandem.engine.loader import resolve_model
-    from tandem.engine.tokenizer import Tokenizer
+    from tandem.tokenizer import Tokenizer
 
     _, path = resolve_model(cfg.engine)
     if path is None or not (path / "tokenizer.json").is_file():

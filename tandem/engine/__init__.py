@@ -1,9 +1,10 @@
 """The engine: one model on one device group with a paged KV cache.
 
-Public API (other packages import only these names). The names load on first use (PEP 562):
-`trace` and `tokenizer` -- which the router shares -- import no torch, and importing one of them
-must not load the model code through this file. The request vocabulary (`SamplingParams`,
-`FinishReason`) is defined in `tandem.messages` and offered here too.
+Public API (other packages import only these names). The names load on first use (PEP 562), so
+that importing one module of the engine does not load the model code through this file. The
+request vocabulary (`SamplingParams`, `FinishReason`) is defined in `tandem.messages` and offered
+here too; the tokenizer (`tandem.tokenizer`) and the request timelines (`tandem.trace`), which
+the router shares, live outside the engine.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ class LLMEngine:
         model = build_model(model_cfg, path, engine_cfg, parallel or ParallelContext(), max_len)
         tokenizer = None
         if path is not None and (path / "tokenizer.json").is_file():
-            from tandem.engine.tokenizer import Tokenizer
+            from tandem.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(path)
         return LLMEngine(engine_cfg, model, tokenizer)
@@ -164,7 +164,7 @@ class LLMEngine:
         self.scheduler.add(Request(req_id=req_id, prompt_ids=prompt_ids, params=params,
                                    max_total_len=max_total, generator=gen))
         if self.tokenizer is not None:
-            from tandem.engine.tokenizer import IncrementalDetokenizer
+            from tandem.tokenizer import IncrementalDetokenizer
 
             self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
         return req_id

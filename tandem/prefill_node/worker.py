@@ -28,7 +28,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tandem.engine import FinishReason, trace
+from tandem import trace
+from tandem.engine import FinishReason
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState

@@ -4,12 +4,12 @@ knows the generated `router_pb2` types (the servicer and the client use it)."""
 from __future__ import annotations
 
 from tandem.messages import FinishReason
-from tandem.engine.tokenizer import ChatMessage
 from tandem.proto import router_pb2 as pb
 from tandem.router.dispatch import SpecAcceptance, WorkerRole
 from tandem.router.policy import WorkerState
 from tandem.router.router import GenerateOutput, RouterStats
 from tandem.router.validate import GenerateInput, SamplingInput
+from tandem.tokenizer import ChatMessage
 
 FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,

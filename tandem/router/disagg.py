@@ -36,7 +36,7 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from tandem.engine import trace
+from tandem import trace
 from tandem.messages import (Abort, DecodeOutput, FinishReason, FirstToken, OutOfCapacity,
                              PrefillResult, Reserve, Route, StartPrefill)
 from tandem.router.admission import Admission, AdmissionConfig

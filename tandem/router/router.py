@@ -39,7 +39,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from tandem.messages import FinishReason
-from tandem.engine.tokenizer import Tokenizer
 from tandem.router.dispatch import (
     DeadlineExceeded,
     Dispatcher,
@@ -61,6 +60,7 @@ from tandem.router.validate import (
     resolve_model,
     validate,
 )
+from tandem.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.messages import SamplingParams
-from tandem.engine.tokenizer import ALLOWED_ROLES, ChatMessage, Tokenizer
 from tandem.router.dispatch import ModelInfo
 from tandem.router.errors import Code, RouterError, invalid
+from tandem.tokenizer import ALLOWED_ROLES, ChatMessage, Tokenizer
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512

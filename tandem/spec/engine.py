@@ -107,7 +107,7 @@ class SpecEngine(LLMEngine):
                              DTYPES[engine_cfg.dtype], torch.device(engine_cfg.device), max_len)
         tokenizer = None
         if path is not None and (path / "tokenizer.json").is_file():
-            from tandem.engine.tokenizer import Tokenizer
+            from tandem.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(path)
         return SpecEngine(engine_cfg, spec, model, head, tokenizer)
@@ -276,7 +276,7 @@ class SpecEngine(LLMEngine):
                       num_computed=len(prompt_ids))
         self.scheduler.add_running(req)
         if self.tokenizer is not None:
-            from tandem.engine.tokenizer import IncrementalDetokenizer
+            from tandem.tokenizer import IncrementalDetokenizer
 
             self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
         out = self._append_row(req, first_token)  # a failure ends this request (pages freed)

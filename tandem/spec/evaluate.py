@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
-from tandem.engine.tokenizer import ChatMessage
 from tandem.spec.config import SpecConfig
 from tandem.spec.engine import SpecEngine
 from tandem.spec.train_data import HELD_OUT_QUESTIONS
+from tandem.tokenizer import ChatMessage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

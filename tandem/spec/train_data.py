@@ -210,7 +210,7 @@ def read_samples(path: Path) -> list[Sample]:
 def prompt_ids(tok, prompt: str) -> list[int]:
     """The token ids a self-distillation sample stores for a user prompt: the chat template
     around one user turn, the last 1,024 tokens."""
-    from tandem.engine.tokenizer import ChatMessage
+    from tandem.tokenizer import ChatMessage
 
     return tok.encode_chat([ChatMessage(role="user", content=prompt)])[-1024:]
 
@@ -288,7 +288,7 @@ class SelfPromptConfig:
 
 def _user_turn_prefix(tok) -> str:
     """The chat template up to where a user message's text begins (system prompt included)."""
-    from tandem.engine.tokenizer import ChatMessage
+    from tandem.tokenizer import ChatMessage
 
     mark = "\x00USER\x00"
     full = tok.apply_chat_template([ChatMessage(role="user", content=mark)],

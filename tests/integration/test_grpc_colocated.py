@@ -20,12 +20,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tandem.colocated_node import build_colocated_router
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
 from tandem.engine.request import Completion
-from tandem.engine.tokenizer import ChatMessage
 from tandem.proto import router_pb2 as pb
 from tandem.proto import router_pb2_grpc as pb_grpc
 from tandem.router.app import BackgroundServer
 from tandem.router.router import Router
 from tandem.router.server import ServerConfig
+from tandem.tokenizer import ChatMessage
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from tandem.engine.model_import import (
     smollm2_gguf_path,
     unpermute_rope_rows,
 )
-from tandem.engine.tokenizer import ChatMessage, Tokenizer
+from tandem.tokenizer import ChatMessage, Tokenizer
 
 
 def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -14,7 +14,6 @@ import pytest
 from test_router_lifecycle import FakeDispatcher
 
 from tandem.engine.request import FinishReason
-from tandem.engine.tokenizer import ChatMessage, Tokenizer
 from tandem.proto import router_pb2 as pb
 from tandem.proto import router_pb2_grpc as pb_grpc
 from tandem.router import (
@@ -31,6 +30,7 @@ from tandem.router import (
 from tandem.router.app import BackgroundServer
 from tandem.router.auth import edge_warnings, is_loopback, resolve_auth_token
 from tandem.router.server import ServerConfig
+from tandem.tokenizer import ChatMessage, Tokenizer
 
 WORKERS = [WorkerInfo(name="c0", role=WorkerRole.COLOCATED, model="smol", num_pages=8,
                       num_free_pages=8)]

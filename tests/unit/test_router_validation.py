@@ -11,12 +11,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_router_lifecycle import FakeDispatcher
 
-from tandem.engine.tokenizer import Tokenizer
 from tandem.proto import router_pb2 as pb
 from tandem.proto import router_pb2_grpc as pb_grpc
 from tandem.router import ModelInfo, Router, WorkerInfo, WorkerRole
 from tandem.router.app import BackgroundServer
 from tandem.router.server import ServerConfig
+from tandem.tokenizer import Tokenizer
 
 VOCAB = 49152
 MODEL = ModelInfo(name="smol", vocab_size=VOCAB, max_model_len=64, max_request_tokens=48)

@@ -42,10 +42,10 @@ from tandem.engine import (
     SamplingParams,
     target_probs,
 )
-from tandem.engine.tokenizer import Tokenizer
 from tandem.router import Placement, RequestFailed, RoutedRequest
 from tandem.router.errors import Code, from_dispatch_error
 from tandem.spec import SpecConfig, SpecEngine, VerifyInput, accept
+from tandem.tokenizer import Tokenizer
 
 LENGTH, ERROR = FinishReason.LENGTH, FinishReason.ERROR
 INF = float("inf")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
-from tandem.engine.tokenizer import ChatMessage, Tokenizer
+from tandem.tokenizer import ChatMessage, Tokenizer
 
 pytestmark = pytest.mark.slow
 

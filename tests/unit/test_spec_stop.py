@@ -26,8 +26,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from tandem.engine import FinishReason, SamplingParams
-from tandem.engine.tokenizer import Tokenizer
 from tandem.spec import SpecConfig, SpecEngine
+from tandem.tokenizer import Tokenizer
 
 K = 4  # drafts per round: after the prefill token, rounds commit tokens 1-5, 6-10, 11-15, ...
 SPEC = SpecConfig(num_steps=K)

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer as HFBackendTokenizer
 
 from tandem.engine.model_import import smollm2_gguf_path
-from tandem.engine.tokenizer import ChatMessage, ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from tandem.tokenizer import ChatMessage, ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:  # transformers is the oracle; import it lazily so collection stays fast
     from transformers import PreTrainedTokenizerBase

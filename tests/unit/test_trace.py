@@ -1,11 +1,11 @@
-"""Request stage marks (engine/trace.py): off by default, one line per mark when on, a report of
+"""Request stage marks (tandem/trace.py): off by default, one line per mark when on, a report of
 the median time to each stage that leaves out warm-up and rooms outside the window."""
 
 from __future__ import annotations
 
 import json
 
-from tandem.engine import trace
+from tandem import trace
 
 
 def test_marks_are_off_unless_the_environment_names_a_file(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Text <-> token ids for the engine: encoding, chat templates and streaming detokenization.
+"""Text <-> token ids for the engine and the router: encoding, chat templates and streaming
+detokenization. Torch-free (the router imports it; a router machine needs no torch).
 
 Owns nothing mutable except an `IncrementalDetokenizer`'s per-request state. Reads any Hugging
 Face checkpoint directory that has `tokenizer.json` + `tokenizer_config.json` (what
