@@ -296,11 +296,14 @@ class LLMEngine:
         p = req.params
         reason: FinishReason | None = None
         visible_end = len(req.text)
+        # A stop string comes first: whatever else this token ends the request by too (EOS, a
+        # stop token, the length), the text ends where the stop string begins and the token
+        # that completed it is not returned (docs/architecture.md, "Request semantics").
         stop_at = find_stop(req.text, prev_len, p.stop)
-        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = FinishReason.STOP
-        elif stop_at is not None:
+        if stop_at is not None:
             reason, visible_end = FinishReason.STOP, stop_at
+        elif (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = FinishReason.STOP
         elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_len:
             reason = FinishReason.LENGTH
         elif p.stop:
@@ -311,11 +314,15 @@ class LLMEngine:
             visible_end = len(req.text)
         delta = req.text[req.num_emitted_chars : visible_end]
         req.num_emitted_chars = visible_end
+        new_token_ids = (token,)
+        if stop_at is not None:  # the token that completed a stop string is not returned
+            req.output_ids.pop()
+            new_token_ids = ()
         if reason is not None:
             req.text = req.text[:visible_end]
             self.scheduler.finish(req, reason)
             self._detok.pop(req.req_id, None)
-        return RequestOutput(req_id=req.req_id, new_token_ids=(token,), text_delta=delta,
+        return RequestOutput(req_id=req.req_id, new_token_ids=new_token_ids, text_delta=delta,
                              finished=reason is not None, finish_reason=reason)
 
     def generate(

@@ -21,6 +21,8 @@ class Request:
     params: SamplingParams
     max_total_len: int  # prompt + outputs never exceed this (context limit)
     generator: torch.Generator | None = None
+    # Tokens generated; when a stop string ended the request, the token that completed it is
+    # not among them (docs/architecture.md, "Request semantics").
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids whose K/V are in the cache

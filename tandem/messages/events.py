@@ -26,6 +26,8 @@ class PrefillResult:
 
     room: int
     ok: bool  # False: prefill or transfer failed (see error)
+    # None when it failed, or when the first token ended the request by completing a stop
+    # string: then the client gets `first_text` (the text before the stop string) but no token.
     first_token: int | None = None
     first_text: str = ""
     finished: bool = False  # the first token ended the request; nothing was transferred

@@ -256,9 +256,7 @@ class PrefillWorker:
             if room in self._awaiting:
                 if h.finished:  # its first token ended it: nothing to send, wherever
                     self._awaiting.discard(room)
-                    self._results.append(PrefillResult(
-                        room=room, ok=True, first_token=h.first_token, first_text=h.first_text,
-                        finished=True, finish_reason=h.finish_reason))
+                    self._results.append(_finished_here(h))
                 else:  # decode's destination still to come (route)
                     self._parked[room] = h
                 continue
@@ -274,9 +272,7 @@ class PrefillWorker:
                     self.engine.free_pages(h.page_ids)
                 continue
             if h.finished:
-                self._results.append(PrefillResult(
-                    room=room, ok=True, first_token=h.first_token, first_text=h.first_text,
-                    finished=True, finish_reason=h.finish_reason))
+                self._results.append(_finished_here(h))
                 continue
             self._hand_off(room, h, dests, early=early, local=local)
         early_outcomes = self.pusher.take_outcomes()
@@ -368,3 +364,11 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.sender.close()
+
+
+def _finished_here(h: PrefillHandoff) -> PrefillResult:
+    """The result of a request its first token ended: no first token for the client when that
+    token completed a stop string (docs/architecture.md, "Request semantics")."""
+    return PrefillResult(room=int(h.req_id), ok=True,
+                         first_token=h.first_token if h.first_token_returned else None,
+                         first_text=h.first_text, finished=True, finish_reason=h.finish_reason)

@@ -295,8 +295,9 @@ class DisaggregatedDispatcher:
                     raise self._prefill_failure(rid, pname, dname, ev)
                 if ev.finished:  # the first token ended the request on prefill
                     progress.ended_on_prefill = True
-                    yield TokenChunk(request_id=rid, token_ids=(ev.first_token,),
-                                     text_delta=ev.first_text,
+                    # No first token when it completed a stop string (only the text before).
+                    first = () if ev.first_token is None else (ev.first_token,)
+                    yield TokenChunk(request_id=rid, token_ids=first, text_delta=ev.first_text,
                                      finish_reason=_FINISH.get(ev.finish_reason or "stop"))
                     return
                 continue

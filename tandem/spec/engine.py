@@ -232,9 +232,9 @@ class SpecEngine(LLMEngine):
             pages = tuple(self.scheduler.detach(req))
             self._detok.pop(req.req_id, None)
         self.handoffs[req.req_id] = PrefillHandoff(
-            req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), first_token=req.output_ids[0],
+            req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), first_token=seed.last_token,
             seed=seed, page_ids=pages, generator_state=gen_state, finished=finished,
-            first_text=first.text_delta,
+            first_text=first.text_delta, first_token_returned=bool(first.new_token_ids),
             finish_reason=first.finish_reason.value if first.finish_reason else None)
 
     def take_handoffs(self) -> list[PrefillHandoff]:

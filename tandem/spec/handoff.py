@@ -83,6 +83,10 @@ class PrefillHandoff:
     generator_state: bytes  # empty when greedy
     finished: bool  # the first token already ended the request (nothing to transfer)
     first_text: str = ""  # the first token's text (what the client sees when finished here)
+    # False when the first token completed a stop string: the request ended here and the client
+    # gets the text before the stop string, but not the token (docs/architecture.md, "Request
+    # semantics").
+    first_token_returned: bool = True
     finish_reason: str | None = None  # "stop" | "length" when finished here
 
     def seed_bytes(self) -> bytes:
