@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tandem import trace
 from tandem.engine.engine_loop import (
+    AcceptanceSnapshot,
     EngineLoop,
     LoopError,
     LoopErrorKind,
@@ -30,10 +31,13 @@ from tandem.router.dispatch import (
     RequestRejected,
     RoutedRequest,
     SpecAcceptance,
+    SpecCounts,
     acceptance_from_rounds,
     TokenChunk,
+    WorkerCounts,
     WorkerInfo,
     WorkerRole,
+    WorkerTotals,
     WorkerUnavailable,
 )
 
@@ -148,21 +152,46 @@ class ColocatedDispatcher:
         return True
 
     def stats(self) -> DispatcherStats:
-        snaps = [w.loop.stats.acceptance for w in self._workers.values()]
-        snaps = [s for s in snaps if s is not None]
-        if not snaps:
-            return DispatcherStats(spec=None)
-        num_rounds = sum(s.num_rounds for s in snaps)
-        width = max(len(s.per_position) for s in snaps)
-        weight = [s.num_rounds / num_rounds if num_rounds else 0.0 for s in snaps]
-        return DispatcherStats(spec=SpecAcceptance(
-            mean_acceptance_length=sum(w * s.mean_acceptance_length for w, s in zip(weight, snaps)),
-            per_position=tuple(sum(w * (s.per_position[j] if j < len(s.per_position) else 0.0)
-                                   for w, s in zip(weight, snaps)) for j in range(width)),
-            num_rounds=num_rounds))
+        """Acceptance over the workers, the engines' running and waiting requests, and every
+        worker for the metrics (an engine in this process never restarts: its counts are the
+        totals). Reads only the loops' snapshots, so a scrape may call it from another thread."""
+        loops = {name: w.loop.stats for name, w in self._workers.items()}
+        workers = tuple(
+            WorkerTotals(name=name, role=WorkerRole.COLOCATED,
+                         healthy=self._workers[name].loop.alive,
+                         num_free_pages=s.num_free_pages, num_pages=s.num_pages, num_restarts=0,
+                         counts=_counts(s.acceptance))
+            for name, s in loops.items())
+        return DispatcherStats(spec=_acceptance([s.acceptance for s in loops.values()]),
+                               num_running=sum(s.num_running for s in loops.values()),
+                               num_waiting=sum(s.num_waiting for s in loops.values()),
+                               workers=workers)
 
     async def close(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(w.loop.stop) for w in self._workers.values()))
+
+
+def _counts(acceptance: AcceptanceSnapshot | None) -> WorkerCounts:
+    """An engine's counters for the metrics: its acceptance as counts (no transfers here)."""
+    if acceptance is None:
+        return WorkerCounts()
+    return WorkerCounts(spec=SpecCounts.from_means(
+        acceptance.mean_acceptance_length, acceptance.per_position, acceptance.num_rounds))
+
+
+def _acceptance(snaps: list[AcceptanceSnapshot | None]) -> SpecAcceptance | None:
+    """Acceptance over the speculative workers (None when none speculates)."""
+    snaps = [s for s in snaps if s is not None]
+    if not snaps:
+        return None
+    num_rounds = sum(s.num_rounds for s in snaps)
+    width = max(len(s.per_position) for s in snaps)
+    weight = [s.num_rounds / num_rounds if num_rounds else 0.0 for s in snaps]
+    return SpecAcceptance(
+        mean_acceptance_length=sum(w * s.mean_acceptance_length for w, s in zip(weight, snaps)),
+        per_position=tuple(sum(w * (s.per_position[j] if j < len(s.per_position) else 0.0)
+                               for w, s in zip(weight, snaps)) for j in range(width)),
+        num_rounds=num_rounds)
 
 
 def _dispatch_error(worker: str, request_id: str, error: LoopError) -> DispatchError:

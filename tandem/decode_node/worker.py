@@ -40,7 +40,8 @@ from tandem.engine import FinishReason, RequestOutput
 from tandem.engine.llm import validate_prompt
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
-from tandem.kvtransfer import DecodeReceiver, Received, ReceiveFailed, Release, TransferState
+from tandem.kvtransfer import (DecodeReceiver, Received, ReceiveFailed, Release, TransferMetrics,
+                               TransferState)
 # OutOfCapacity: raised by `reserve`; the router matches it by type
 from tandem.messages import (Abort, DecodeOutput, DecodeWorkerCommand, GetEndpoint, OutOfCapacity,
                              ReserveRoom)
@@ -393,6 +394,10 @@ class DecodeWorker:
 
     def num_pages(self) -> int:
         return self.engine.allocator.num_usable
+
+    def transfer_metrics(self) -> TransferMetrics:
+        """This rank's transfers since it started (what its health answer reports)."""
+        return self.receiver.metrics()
 
     def close(self) -> None:
         self.receiver.close()

@@ -24,7 +24,8 @@ from tandem.messages.commands import (
     SubmitPrompt,
 )
 from tandem.messages.errors import OutOfCapacity
-from tandem.messages.events import DecodeOutput, FirstToken, PrefillResult, WorkerHealth
+from tandem.messages.events import (DecodeOutput, FirstToken, PrefillResult, TransferTotals,
+                                    WorkerHealth)
 from tandem.messages.params import GREEDY_TEMPERATURE, FinishReason, SamplingParams
 
 __all__ = [
@@ -32,5 +33,5 @@ __all__ = [
     "DecodeWorkerCommand", "FinishReason", "FirstToken", "GetEndpoint", "OutOfCapacity",
     "PerRank", "PrefillCommand", "PrefillResult", "PrefillWorkerCommand", "Reserve",
     "ReserveRoom", "Route", "RoutePrompt", "SamplingParams", "StartPrefill", "SubmitPrompt",
-    "WorkerHealth",
+    "TransferTotals", "WorkerHealth",
 ]

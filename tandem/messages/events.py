@@ -57,6 +57,42 @@ class DecodeOutput:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TransferTotals:
+    """A worker's KV transfers since its process started (its rank 0's endpoint; a prefill
+    worker counts what it sent, a decode worker what it received). Cumulative: they only grow,
+    and start again at 0 when Ray restarts the worker (a new `WorkerHealth.incarnation`), which
+    the router accounts for (router/worker_counts.py)."""
+
+    backend: str  # "mooncake" | "nixl" | "fake"
+    num_done: int = 0  # transfers that completed
+    num_bytes: int = 0  # payload bytes of those (KV pages + seed)
+    latency_bounds_s: tuple[float, ...] = ()  # upper bounds of the latency buckets, ascending
+    # [len(latency_bounds_s) + 1] completed transfers per bucket (not cumulative); the last
+    # bucket is above every bound
+    latency_counts: tuple[int, ...] = ()
+    latency_sum_s: float = 0.0
+    failures: tuple[tuple[str, int], ...] = ()  # (error kind, count), sorted by kind
+
+    def __add__(self, other: TransferTotals) -> TransferTotals:
+        """Both counted together (the router adds a restarted worker's new counts to what its
+        earlier incarnations reported). Latency buckets add up only under the same bounds; with
+        other bounds (another tandem version) `other`'s histogram replaces this one's."""
+        same = self.latency_bounds_s == other.latency_bounds_s
+        failures = dict(self.failures)
+        for kind, n in other.failures:
+            failures[kind] = failures.get(kind, 0) + n
+        return TransferTotals(
+            backend=other.backend, num_done=self.num_done + other.num_done,
+            num_bytes=self.num_bytes + other.num_bytes,
+            latency_bounds_s=other.latency_bounds_s,
+            latency_counts=(tuple(a + b for a, b in zip(self.latency_counts,
+                                                        other.latency_counts))
+                            if same else other.latency_counts),
+            latency_sum_s=(self.latency_sum_s if same else 0.0) + other.latency_sum_s,
+            failures=tuple(sorted(failures.items())))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerHealth:
     """A worker's answer to the router's health poll."""
 
@@ -76,3 +112,4 @@ class WorkerHealth:
     num_slots: int = 0
     incarnation: str = ""  # new each time the actor (re)starts: a restart means new endpoints
     pid: int = 0  # the worker's process (what an operator or a fault test signals)
+    transfer: TransferTotals | None = None  # None: the worker has no transfer endpoint

@@ -32,7 +32,8 @@ from tandem import trace
 from tandem.engine import FinishReason
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
-from tandem.kvtransfer import Destination, EndpointInfo, PrefillSender, TransferError, TransferState
+from tandem.kvtransfer import (Destination, EndpointInfo, PrefillSender, TransferError,
+                               TransferMetrics, TransferState)
 from tandem.messages import (Abort, Connect, GetEndpoint, PrefillResult, PrefillWorkerCommand,
                              RoutePrompt, SubmitPrompt)
 from tandem.prefill_node.layerwise import LayerwisePusher
@@ -361,6 +362,10 @@ class PrefillWorker:
 
     def num_pages(self) -> int:
         return self.engine.allocator.num_usable
+
+    def transfer_metrics(self) -> TransferMetrics:
+        """This rank's transfers since it started (what its health answer reports)."""
+        return self.sender.metrics()
 
     def close(self) -> None:
         self.sender.close()

@@ -6,7 +6,9 @@ refused at once with `CapacityExceeded` (RESOURCE_EXHAUSTED) and a message namin
 decode worker that is out of KV pages sends its request back to wait here (`wait_for_capacity`)
 instead of failing it: capacity is pages and this bound, never an actor's call cap.
 
-Owns the count of running requests and the waiters. Used on the router's event loop only.
+Owns the count of running requests and the waiters. Used on the router's event loop only, but
+for the counts (`num_running`, `num_queued`, `num_waiting_for_pages`), which a metrics scrape may
+read from another thread: they copy a queue before counting in it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,13 @@ class Admission:
 
     @property
     def num_queued(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        """Requests waiting for a running slot."""
+        return sum(1 for w in list(self._waiters) if not w.done())
+
+    @property
+    def num_waiting_for_pages(self) -> int:
+        """Requests holding a running slot that wait for decode pages (`wait_for_capacity`)."""
+        return sum(1 for t in list(self._capacity_waiters) if not t.done())
 
     @asynccontextmanager
     async def slot(self, request_id: str, deadline: float | None):

@@ -113,17 +113,27 @@ class DisaggregatedDispatcher:
         return channel.last_batch if channel is not None else 0.0
 
     def stats(self) -> DispatcherStats:
+        """Acceptance over the decode workers, the admission's counts (a request waiting for
+        decode pages holds a running slot but counts as waiting), every worker's totals."""
+        a = self._admission
+        for_pages = a.num_waiting_for_pages if a is not None else 0
+        return DispatcherStats(spec=self._acceptance(),
+                               num_running=(a.num_running if a is not None else 0) - for_pages,
+                               num_waiting=(a.num_queued if a is not None else 0) + for_pages,
+                               workers=self.table.totals())
+
+    def _acceptance(self) -> SpecAcceptance | None:
         snaps = self.table.spec_snapshots()
         if not snaps:
-            return DispatcherStats(spec=None)
+            return None
         total = sum(s.num_rounds for s in snaps)
         width = max(len(s.per_position) for s in snaps)
-        return DispatcherStats(spec=SpecAcceptance(
+        return SpecAcceptance(
             mean_acceptance_length=sum(s.mean_acceptance_length * s.num_rounds for s in snaps)
             / total,
             per_position=tuple(sum((s.per_position[j] if j < len(s.per_position) else 0.0)
                                    * s.num_rounds for s in snaps) / total for j in range(width)),
-            num_rounds=total))
+            num_rounds=total)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -139,13 +149,15 @@ class DisaggregatedDispatcher:
         if self._admission is None or self._admission_loop is not loop:  # the loop it serves
             self._admission, self._admission_loop = Admission(self._admission_cfg), loop
         self._in_flight[rid] = (pname, dname, request.room)
+        waited = _Waited(since=time.perf_counter())
         try:
             async with self._admission.slot(rid, request.deadline):
+                waited.add(time.perf_counter() - waited.since)
                 streamed = False
                 try:
-                    async for chunk in self._run(request, pname, dname):
+                    async for chunk in self._run(request, pname, dname, waited):
                         streamed = True
-                        yield chunk
+                        yield waited.on_last(chunk)
                     return
                 except WorkerUnavailable as exc:
                     if streamed or exc.worker != pname:
@@ -157,8 +169,8 @@ class DisaggregatedDispatcher:
                     log.warning("request '%s': prefill worker '%s' died before its first token; "
                                 "retrying on '%s'", rid, exc.worker, pname)
                 request = dataclasses.replace(request, room=_fresh_room())
-                async for chunk in self._run(request, pname, dname):
-                    yield chunk
+                async for chunk in self._run(request, pname, dname, waited):
+                    yield waited.on_last(chunk)
         finally:
             self._in_flight.pop(rid, None)
             self._aborted.discard(rid)
@@ -182,9 +194,10 @@ class DisaggregatedDispatcher:
                                               "answered in time to retry it")
             await asyncio.sleep(0.1)
 
-    async def _run(self, request: RoutedRequest, pname: str, dname: str
+    async def _run(self, request: RoutedRequest, pname: str, dname: str, waited: _Waited
                    ) -> AsyncGenerator[TokenChunk, None]:
-        """One request on its two workers, from submission to its last chunk."""
+        """One request on its two workers, from submission to its last chunk (its waits for
+        decode pages add to `waited`)."""
         self._in_flight[request.request_id] = (pname, dname, request.room)
         rid, room = request.request_id, request.room
         prefill, decode = self._prefill[pname], self._decode[dname]
@@ -224,7 +237,9 @@ class DisaggregatedDispatcher:
                     dch.close(room)
                     if submitted is not None:
                         await self._abort_one(pname, prefill, room)
+                    t_wait = time.perf_counter()
                     await self._admission.wait_for_capacity(rid, request.deadline)
+                    waited.add(time.perf_counter() - t_wait)
                     room, retried = _fresh_room(), True
                     self._in_flight[rid] = (pname, dname, room)
                     continue
@@ -401,6 +416,21 @@ def _aborted_chunk(rid: str) -> TokenChunk:
 
 def _fresh_room() -> int:
     return secrets.randbits(64) or 1
+
+
+@dataclass(slots=True)
+class _Waited:
+    """How long a request has waited for its turn: a running slot, then decode pages (what
+    its last chunk reports as `queue_s`)."""
+
+    since: float  # time.perf_counter() when it arrived
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+
+    def on_last(self, chunk: TokenChunk) -> TokenChunk:
+        return dataclasses.replace(chunk, queue_s=self.seconds) if chunk.finished else chunk
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from tandem.messages import FinishReason, SamplingParams
+from tandem.messages import FinishReason, SamplingParams, TransferTotals
 
 
 class WorkerRole(str, Enum):
@@ -119,6 +119,9 @@ class TokenChunk:
     text_delta: str
     finish_reason: FinishReason | None = None  # set on the last chunk only
     spec: SpecAcceptance | None = None  # last chunk only, when the decode worker speculates
+    # Last chunk only: seconds the request waited for its turn (a running slot, decode pages);
+    # None where the dispatcher does not queue requests itself (colocated: the engine does)
+    queue_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -126,8 +129,66 @@ class TokenChunk:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SpecCounts:
+    """Speculative rounds of one worker (cumulative). A round commits accepted drafts + 1."""
+
+    num_rounds: int = 0  # request-rounds verified
+    num_tokens: int = 0  # tokens those rounds committed
+    accepted_at: tuple[int, ...] = ()  # [j] rounds that accepted draft j+1 (and every before)
+
+    def __add__(self, other: SpecCounts) -> SpecCounts:
+        width = max(len(self.accepted_at), len(other.accepted_at))
+        mine = self.accepted_at + (0,) * (width - len(self.accepted_at))
+        theirs = other.accepted_at + (0,) * (width - len(other.accepted_at))
+        return SpecCounts(num_rounds=self.num_rounds + other.num_rounds,
+                          num_tokens=self.num_tokens + other.num_tokens,
+                          accepted_at=tuple(a + b for a, b in zip(mine, theirs)))
+
+    @staticmethod
+    def from_means(mean_acceptance_length: float, per_position: tuple[float, ...],
+                   num_rounds: int) -> SpecCounts:
+        """The counts behind the means a worker reports (`WorkerHealth`, the engine loop's
+        acceptance snapshot): tokens = mean * rounds, accepted_at[j] = P(draft j+1) * rounds.
+        Exact: each mean is an integer count divided by `num_rounds` in float64, whose relative
+        error (2^-53) times a count below 2^51 stays under 0.5, so rounding gives the count."""
+        return SpecCounts(num_rounds=num_rounds,
+                          num_tokens=round(mean_acceptance_length * num_rounds),
+                          accepted_at=tuple(round(p * num_rounds) for p in per_position))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerCounts:
+    """The cumulative counters of one worker process, or of several added up."""
+
+    spec: SpecCounts = SpecCounts()
+    transfer: TransferTotals | None = None  # None: no transfer endpoint (colocated)
+
+    def __add__(self, other: WorkerCounts) -> WorkerCounts:
+        transfer = (other.transfer if self.transfer is None
+                    else self.transfer if other.transfer is None
+                    else self.transfer + other.transfer)
+        return WorkerCounts(spec=self.spec + other.spec, transfer=transfer)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerTotals:
+    """One worker as the metrics show it: its state now, and counters that never go back."""
+
+    name: str
+    role: WorkerRole
+    healthy: bool
+    num_free_pages: int
+    num_pages: int
+    num_restarts: int  # restarts the router noticed (new incarnations)
+    counts: WorkerCounts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DispatcherStats:
     spec: SpecAcceptance | None  # over all requests of all speculative workers
+    num_running: int = 0  # requests being served now (disaggregated: holding a running slot)
+    num_waiting: int = 0  # requests waiting for their turn (a slot, or decode pages)
+    workers: tuple[WorkerTotals, ...] = ()  # every worker, for the metrics
 
 
 def acceptance_from_rounds(rounds: Sequence[int], num_steps: int) -> SpecAcceptance:

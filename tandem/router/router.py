@@ -2,8 +2,9 @@
 
 generate = validate + tokenize (once) -> request id and 64-bit room -> placement -> dispatch ->
 stream -> account. Owns the table of requests in flight (request id -> room, placement), the
-rooms in use and the counters; the `WorkerRegistry` owns worker health. The servicer only
-converts protos to these values and back.
+rooms in use, the counters and the Prometheus metrics (`RouterMetrics`, router/metrics.py: its
+own registry, rendered by `metrics_text()`); the `WorkerRegistry` owns worker health. The
+servicer only converts protos to these values and back.
 
 Ending a request early always reaches the workers: the router closes the dispatcher's stream
 on every path out (client cancel, deadline, error), and the dispatcher's contract is that closing
@@ -49,6 +50,7 @@ from tandem.router.dispatch import (
     WorkerUnavailable,
 )
 from tandem.router.errors import Code, RouterError, from_dispatch_error
+from tandem.router.metrics import OK, RouterMetrics, render
 from tandem.router.placement import place
 from tandem.router.policy import PlacementQuery, Policy, WorkerState, make_policy
 from tandem.router.registry import WorkerRegistry
@@ -170,6 +172,7 @@ class Router:
         self._routed_ids: set[str] = set()  # the workers' ids of the requests in flight
         self._rooms: set[int] = set()
         self._counters = _Counters()
+        self.metrics = RouterMetrics(dispatcher.stats)
         self._tokenize_pool = ThreadPoolExecutor(cfg.tokenize_threads,
                                                  thread_name_prefix="router-tokenize")
         for name, tok in self._tokenizers.items():
@@ -217,18 +220,22 @@ class Router:
         t0 = time.perf_counter()
         try:
             prepared = await self.prepare(inp, timeout_s, caller=caller)
-        except PromptTooLong:
+        except PromptTooLong as exc:
             self._counters.rejected += 1
+            self.metrics.refused(exc.code.value)
             await asyncio.sleep(self.cfg.too_long_delay_s)
             raise
-        except RouterError:
+        except RouterError as exc:
             self._counters.rejected += 1
+            self.metrics.refused(exc.code.value)
             raise
         self._register(prepared)
         req, request_id = prepared.routed, prepared.request_id
+        timer = self.metrics.request(len(req.prompt_ids), t0)
         ttft_s: float | None = None
         num_tokens = 0
         outcome = "aborted"  # what ends the request if we leave early (cancel, close)
+        code = Code.CANCELLED.value  # its status code then
         try:
             async with aclosing(self.dispatcher.submit(req)) as stream:
                 while True:
@@ -239,21 +246,25 @@ class Router:
                     if ttft_s is None and chunk.token_ids:
                         ttft_s = time.perf_counter() - t0
                     num_tokens += len(chunk.token_ids)
+                    timer.chunk(chunk)
                     if not chunk.finished:
                         yield GenerateOutput(request_id=request_id, token_ids=chunk.token_ids,
                                              text_delta=chunk.text_delta)
                         continue
                     outcome = "aborted" if chunk.finish_reason is FinishReason.ABORT else "finished"
+                    code = OK
                     yield self._final(prepared, chunk, num_tokens, ttft_s, t0)
                     return
         except RouterError as exc:
             outcome = "aborted" if exc.code is Code.DEADLINE_EXCEEDED else "failed"
+            code = exc.code.value
             raise
         except Exception:
-            outcome = "failed"
+            outcome, code = "failed", Code.INTERNAL.value
             raise
         finally:
             self._unregister(prepared, outcome, num_tokens)
+            timer.ended(code)
 
     async def _next(self, stream: AsyncIterator[TokenChunk], req: RoutedRequest
                     ) -> TokenChunk | None:
@@ -316,6 +327,10 @@ class Router:
             num_finished=c.finished, num_aborted=c.aborted, num_failed=c.failed,
             num_prompt_tokens=c.prompt_tokens, num_completion_tokens=c.completion_tokens,
             workers=tuple(self.workers()), spec=self.dispatcher.stats().spec)
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        """The Prometheus scrape: this router's metrics as text, and its Content-Type."""
+        return render(self.metrics.registry)
 
     async def close(self) -> None:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

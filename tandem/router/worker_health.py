@@ -2,7 +2,9 @@
 
 Owns (the only writer): each worker's last `WorkerInfo`, the incarnation it last answered with,
 the round trips of its recent health answers, when it was last heard from, the speculative
-acceptance counts its answers carry, and the decode workers' transfer endpoints.
+acceptance counts its answers carry, the decode workers' transfer endpoints, and the cumulative
+counters of its answers (acceptance, transfers) made monotonic across restarts for the metrics
+(`CountCarry`, router/worker_counts.py; `totals()`).
 
 Judgement: a worker is down at once when its health call fails (the actor died or raised) or
 when the dispatcher saw its event stream break (`down`); and when nothing has been heard from it
@@ -22,7 +24,9 @@ from collections import deque
 from collections.abc import Callable
 
 from tandem.messages import WorkerHealth
-from tandem.router.dispatch import SpecAcceptance, WorkerInfo, WorkerRole
+from tandem.router.dispatch import (SpecAcceptance, SpecCounts, WorkerCounts, WorkerInfo,
+                                    WorkerRole, WorkerTotals)
+from tandem.router.worker_counts import CountCarry
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ class WorkerHealthTable:
         self._incarnation: dict[str, str] = {}  # worker -> the incarnation last seen
         self._rtt_ms: dict[str, deque[float]] = {n: deque(maxlen=HEALTH_SAMPLES)
                                                  for n in self._roles}
+        self._carry = CountCarry()
 
     # ---- reads ------------------------------------------------------------------------------
 
@@ -72,6 +77,18 @@ class WorkerHealthTable:
 
     def spec_snapshots(self) -> list[SpecAcceptance]:
         return list(self._spec.values())
+
+    def totals(self) -> tuple[WorkerTotals, ...]:
+        """Every worker for the metrics: its state now and its counters over all its
+        incarnations (safe to call from another thread: it reads values replaced whole)."""
+        out = []
+        for name, role in self._roles.items():
+            info = self._infos[name]
+            out.append(WorkerTotals(name=name, role=role, healthy=info.healthy,
+                                    num_free_pages=info.num_free_pages, num_pages=info.num_pages,
+                                    num_restarts=self._carry.num_restarts(name),
+                                    counts=self._carry.totals(name)))
+        return tuple(out)
 
     # ---- judgement --------------------------------------------------------------------------
 
@@ -126,6 +143,9 @@ class WorkerHealthTable:
             self._spec[name] = SpecAcceptance(mean_acceptance_length=h.mean_acceptance_length,
                                               per_position=h.per_position,
                                               num_rounds=h.num_rounds)
+        self._carry.report(name, incarnation, WorkerCounts(
+            spec=SpecCounts.from_means(h.mean_acceptance_length, h.per_position, h.num_rounds),
+            transfer=h.transfer))
 
     async def _refresh_endpoint(self, name: str) -> bool:
         """A restarted decode worker listens on new transfer endpoints: fetch them before it

@@ -21,7 +21,8 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 
-from tandem.messages import GetEndpoint, WorkerHealth
+from tandem.kvtransfer import TransferMetrics
+from tandem.messages import GetEndpoint, TransferTotals, WorkerHealth
 from tandem.worker.channels import EventChannels
 from tandem.worker.config import WorkerConfig
 from tandem.worker.group_loop import CommandedWorker, GroupLoop
@@ -135,11 +136,21 @@ class WorkerFront:
             self._aio.call_soon_threadsafe(fn, *args)
 
     def _health(self) -> WorkerHealth:
-        """This rank's health: its loop, engine pages and requests (a subclass adds its own)."""
+        """This rank's health: its loop, engine pages and requests, and its transfer counts
+        (the worker's `transfer_metrics()`; a subclass adds its own fields)."""
         eng = self.worker.engine
         err = repr(self.loop.error) if self.loop.error else ""
         return WorkerHealth(
             name=self.cfg.name, role=self.role, healthy=self.loop.error is None, error=err,
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             num_free_pages=eng.allocator.num_free, num_pages=eng.allocator.num_usable,
-            node=node_id(), incarnation=self.incarnation, pid=os.getpid())
+            node=node_id(), incarnation=self.incarnation, pid=os.getpid(),
+            transfer=transfer_totals(self.cfg.transfer_backend, self.worker.transfer_metrics()))
+
+
+def transfer_totals(backend: str, m: TransferMetrics) -> TransferTotals:
+    """The health answer's form of an endpoint's transfer metrics (cumulative counts only: the
+    router turns them into Prometheus counters)."""
+    return TransferTotals(backend=backend, num_done=m.num_done, num_bytes=m.bytes_moved,
+                          latency_bounds_s=m.latency_bounds_s, latency_counts=m.latency_counts,
+                          latency_sum_s=m.busy_s, failures=m.failures)
