@@ -51,9 +51,20 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, *, client: bool = False) -> None:
+    """`client`: the flags of a request to a server (`tandem generate`), whose unset
+    --max-new-tokens leaves max_tokens unset, so the server's default applies."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="Default: %(default)s")
+    # Either way capped by the context: the answer then ends there with finish reason length
+    # (docs/architecture.md, "Request semantics").
+    if client:
+        g.add_argument("--max-new-tokens", type=int, default=None,
+                       help="At most this many new tokens; the context's end stops earlier. "
+                            "Default: the server's (tandem serve --default-max-tokens)")
+    else:
+        g.add_argument("--max-new-tokens", type=int, default=128,
+                       help="At most this many new tokens; the context's end stops earlier. "
+                            "Default: %(default)s")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy. Default: %(default)s")
     g.add_argument("--top-k", type=int, default=0, help="0 = off. Default: %(default)s")
     g.add_argument("--top-p", type=float, default=1.0, help="Default: %(default)s")

@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
                         "$TANDEM_AUTH_TOKEN)")
     p.add_argument("--tls", action="store_true", help="Use TLS with the system's root certificates")
     p.add_argument("--tls-ca", default=None, help="PEM root certificate of the server (implies TLS)")
-    add_sampling_args(p)
+    add_sampling_args(p, client=True)
     p.add_argument("--stop-token-id", type=int, action="append", default=[],
                    help="Stop token id (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="Keep generating after EOS")

@@ -128,19 +128,21 @@ def validate(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer | None,
                             f"'{model.name}' holds {model.max_model_len} (prompt + at least one "
                             f"new token)")
     s = inp.sampling
+    # The context limit (docs/architecture.md, "Request semantics"), as the engine applies it:
+    # max_tokens, given or the default, is capped to what the context leaves after the prompt,
+    # where the request ends with finish reason length. One worker's KV cache is a bound of
+    # the deployment instead: the default is capped to it, a given max_tokens that does not
+    # fit (once capped to the context) is refused.
     if s.max_tokens is None:
         max_tokens = min(default_max_tokens, model.max_model_len - n,
                          model.max_request_tokens - n)
         if max_tokens <= 0:
             raise RouterError(Code.RESOURCE_EXHAUSTED, _capacity_message(field, n, 1, model))
     else:
-        max_tokens = s.max_tokens
-        if n + max_tokens > model.max_model_len:
-            raise invalid(f"sampling.max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) "
-                          f"exceeds the context of {model.max_model_len} tokens")
+        max_tokens = min(s.max_tokens, model.max_model_len - n)
         if n + max_tokens > model.max_request_tokens:
             raise RouterError(Code.RESOURCE_EXHAUSTED,
-                              _capacity_message("sampling.max_tokens", n, max_tokens, model))
+                              _capacity_message("sampling.max_tokens", n, s.max_tokens, model))
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens,

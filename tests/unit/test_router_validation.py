@@ -73,8 +73,10 @@ MATRIX = [
      Code.INVALID_ARGUMENT, "sampling.max_tokens: must be > 0"),
     ("max-tokens-negative", pb.GenerateRequest(prompt="a", sampling=_sp(max_tokens=-5)),
      Code.INVALID_ARGUMENT, "sampling.max_tokens: must be > 0"),
+    # Capped to the context (63), which is still more than a worker's KV cache holds (48).
     ("max-tokens-beyond-context", pb.GenerateRequest(prompt="a", sampling=_sp(max_tokens=64)),
-     Code.INVALID_ARGUMENT, "sampling.max_tokens: prompt (1 tokens) + max_tokens (64) exceeds"),
+     Code.RESOURCE_EXHAUSTED,
+     "sampling.max_tokens: prompt (1 tokens) + max_tokens (64) needs more KV cache"),
     ("temperature-negative", pb.GenerateRequest(prompt="a", sampling=_sp(temperature=-0.5)),
      Code.INVALID_ARGUMENT, "sampling.temperature: must be a finite number >= 0"),
     ("temperature-nan", pb.GenerateRequest(prompt="a", sampling=_sp(temperature=math.nan)),
