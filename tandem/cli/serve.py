@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--config", default=None,
                    help="Deployment YAML (deploy/*.yaml): start prefill and decode workers as "
                         "Ray actors on the cluster at --ray-address (or a local one) and serve "
-                        "them disaggregated; engine flags below are then ignored")
+                        "them disaggregated; engine flags given on the command line then "
+                        "replace the config's engine fields")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to use with --config (default: $RAY_ADDRESS, else local)")
     p.add_argument("--transfer", choices=["mooncake", "nixl"], default=None,
@@ -133,6 +134,7 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
     cfg = load_deploy(args.config)
     if args.transfer:
         cfg = dataclasses.replace(cfg, transfer_backend=args.transfer)
+    cfg = dataclasses.replace(cfg, engine=engine_config_from_args(args, base=cfg.engine))
     t0 = time.perf_counter()
     init_ray(args.ray_address)
     print(f"tandem serve: starting {cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
