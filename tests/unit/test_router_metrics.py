@@ -220,3 +220,24 @@ def test_counts_add_up_and_a_missing_transfer_side_is_kept():
     assert total.spec == SpecCounts(num_rounds=3, num_tokens=7, accepted_at=(3, 1))
     assert total.transfer == b.transfer
     assert (b + b).transfer.num_bytes == 20
+
+
+def test_a_worker_reports_its_endpoints_transfers_as_cumulative_buckets():
+    from tandem.kvtransfer import ErrorKind
+    from tandem.kvtransfer.metrics import LATENCY_BUCKETS_S, MetricsRecorder
+    from tandem.worker.front import transfer_totals
+
+    rec = MetricsRecorder()
+    for latency in (0.001, 0.0011, 0.3, 1000.0):  # on a bound counts in that bound's bucket
+        rec.record_done(100, latency)
+    rec.record_failure(ErrorKind.TIMEOUT)
+    t = transfer_totals("nixl", rec.snapshot())
+    assert (t.backend, t.num_done, t.num_bytes) == ("nixl", 4, 400)
+    assert t.latency_bounds_s == LATENCY_BUCKETS_S
+    expected = [0] * (len(LATENCY_BUCKETS_S) + 1)
+    expected[0] = expected[1] = 1  # 1 ms; 1.1 ms in the 2.5 ms bucket
+    expected[LATENCY_BUCKETS_S.index(0.5)] = 1
+    expected[-1] = 1  # above every bound
+    assert list(t.latency_counts) == expected
+    assert t.latency_sum_s == pytest.approx(1000.3021)
+    assert t.failures == ((ErrorKind.TIMEOUT.value, 1),)
