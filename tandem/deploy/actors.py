@@ -64,9 +64,9 @@ class _Room:
 
 class PrefillActor(WorkerFront):
     role = "prefill"
-    # How long a prefill waits for decode's destination (`route`) -- the router sends it as soon
+    # How long a prefill waits for decode's destination (`Route`) -- the router sends it as soon
     # as decode's reserve answers, normally milliseconds later -- and how long a room made by a
-    # call that overtook its `submit` waits for that `submit`.
+    # command that overtook its `StartPrefill` waits for that `StartPrefill`.
     route_wait_s = 60.0
 
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
@@ -86,8 +86,8 @@ class PrefillActor(WorkerFront):
         return worker
 
     def _room(self, room: int) -> _Room | None:
-        """`room`'s record, made now if this call is its first (None: its prefill has ended).
-        A record no `submit` claims within `route_wait_s` is dropped."""
+        """`room`'s record, made now if this command is its first (None: its prefill has ended).
+        A record no `StartPrefill` claims within `route_wait_s` is dropped."""
         r = self._rooms.get(room)
         if r is None and room not in self._ended:
             loop = self._loop()
