@@ -1,15 +1,19 @@
 """Running a router: `Router` -> `RouterServer`, served until SIGINT/SIGTERM and then stopped
 gracefully (what `tandem serve` runs), or in a background thread (`BackgroundServer`: tests, an
 in-process demo, the colocated and router actors). Building the router over its workers is the
-caller's part (colocated_node.build_colocated_router, deploy/serve.py)."""
+caller's part (colocated_node.build_colocated_router, deploy/serve.py).
+
+Other fronts over the same router (the HTTP front, tandem.http_api) run on the same event loop:
+they are started before the gRPC server and stopped before it, because stopping the gRPC server
+closes the router."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import threading
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from tandem.router.router import Router
 from tandem.router.server import RouterServer, ServerConfig
@@ -20,11 +24,21 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+class Front(Protocol):
+    """Another API over the router, served on the router's event loop; it leaves the router
+    open when it stops (the gRPC server's stop closes it)."""
+
+    async def start(self) -> int:
+        """Bind and serve; returns the port."""
+
+    async def stop(self, grace_s: float | None) -> None: ...
+
+
 async def serve(router: Router, cfg: ServerConfig,
                 on_ready: Callable[[RouterServer], None] | None = None,
-                grace_s: float = 5.0) -> None:
+                grace_s: float = 5.0, fronts: Sequence[Front] = ()) -> None:
     server = RouterServer(router, cfg)
-    await server.start()
+    await _start(server, fronts)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -36,15 +50,35 @@ async def serve(router: Router, cfg: ServerConfig,
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        for front in fronts:
+            await front.stop(grace_s)
         await server.stop(grace_s)
 
 
-class BackgroundServer:
-    """A `RouterServer` on its own event loop in a daemon thread, for callers that are not
-    async (tests, an in-process demo). Owns that thread and loop; `with` starts and stops it."""
+async def _start(server: RouterServer, fronts: Sequence[Front]) -> None:
+    """Start `fronts`, then `server`; on a failure, stop what started (the router stays open
+    for the caller to close) and raise."""
+    started: list[Front] = []
+    try:
+        for front in fronts:
+            await front.start()
+            started.append(front)
+        await server.start()
+    except BaseException:
+        for front in started:
+            await front.stop(None)
+        raise
 
-    def __init__(self, router: Router, cfg: ServerConfig, grace_s: float = 1.0) -> None:
+
+class BackgroundServer:
+    """A `RouterServer` (and `fronts`) on its own event loop in a daemon thread, for callers
+    that are not async (tests, an in-process demo). Owns that thread and loop; `with` starts
+    and stops it."""
+
+    def __init__(self, router: Router, cfg: ServerConfig, grace_s: float = 1.0,
+                 fronts: Sequence[Front] = ()) -> None:
         self.router, self.cfg, self.grace_s = router, cfg, grace_s
+        self.fronts = tuple(fronts)
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -83,11 +117,14 @@ class BackgroundServer:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         server = RouterServer(self.router, self.cfg)
         try:
-            self.port = await server.start()
+            await _start(server, self.fronts)
         except Exception as exc:  # noqa: BLE001 -- re-raised by start() in the caller's thread
             self._error = exc
             self._ready.set()
             return
+        self.port = server.port
         self._ready.set()
         await self._stop.wait()
+        for front in self.fronts:
+            await front.stop(self.grace_s)
         await server.stop(self.grace_s)
