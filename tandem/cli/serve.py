@@ -1,4 +1,6 @@
-"""`tandem serve`: the gRPC API over one colocated engine, or over Ray workers (--config)."""
+"""`tandem serve`: the gRPC API over one colocated engine, or over Ray workers (--config); with
+--http-port (or the config's `http:`) the OpenAI-compatible HTTP API too, over the same router and
+on the same event loop."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import TYPE_CHECKING
 from tandem.cli.common import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:  # the router imports gRPC: loaded only when the command runs
+    from tandem.deploy.config import HttpFrontConfig
+    from tandem.http_api import HttpConfig
     from tandem.router import RouterConfig
     from tandem.router.server import ServerConfig
 
@@ -22,7 +26,8 @@ def add_parser(subparsers) -> None:
         "serve", help="Serve the gRPC API (router + a colocated engine worker).",
         description="Load the model into one colocated worker (prefill and decode in one engine) "
                     "and serve the tandem.v1.Router gRPC API, the grpc.health.v1 health service "
-                    "and server reflection until Ctrl-C / SIGTERM.")
+                    "and server reflection until Ctrl-C / SIGTERM; with --http-port, the "
+                    "OpenAI-compatible HTTP API as well.")
     p.add_argument("--config", default=None,
                    help="Deployment YAML (deploy/*.yaml): start prefill and decode workers as "
                         "Ray actors on the cluster at --ray-address (or a local one) and serve "
@@ -36,6 +41,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="Address to bind (0.0.0.0 for all interfaces). Default: %(default)s")
     p.add_argument("--port", type=int, default=50051, help="Default: %(default)s")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="Also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                        "/v1/completions, /v1/models, /health) on this port, with the same "
+                        "token, TLS and request size limit as gRPC (default: off; with --config, "
+                        "the config's http.port)")
+    p.add_argument("--http-host", default=None,
+                   help="Address the HTTP API binds (default: the config's http.host, else "
+                        "--host)")
     p.add_argument("--served-model-name", default=None,
                    help="Model name in the API (default: --model, or its directory name)")
     p.add_argument("--speculative", action="store_true",
@@ -92,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                               prefill_policy=args.prefill_policy, decode_policy=args.decode_policy)
     if args.config:
         return _serve_disaggregated(args, server_cfg, router_cfg)
+    http_cfg = _http_config(args, server_cfg)
     engine_cfg = engine_config_from_args(args)
     t0 = time.perf_counter()
     if args.speculative:
@@ -105,15 +119,17 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine.from_config(engine_cfg)
     model = args.served_model_name or _served_model_name(args.model)
     router = build_colocated_router(engine, model=model, cfg=router_cfg)
+    fronts = _fronts(router, http_cfg)
 
     def ready(server) -> None:
         mode = "speculative" if args.speculative else "target only"
         print(f"tandem serve: model '{model}' ({mode}) loaded in {time.perf_counter() - t0:.1f} s; "
               f"listening on {args.host}:{server.port} ({'TLS' if server_cfg.tls else 'plaintext'}"
-              f"{', token auth' if server_cfg.auth_token else ''}). Ctrl-C stops.", flush=True)
+              f"{', token auth' if server_cfg.auth_token else ''}){_http_line(fronts)}. "
+              "Ctrl-C stops.", flush=True)
 
     try:
-        asyncio.run(serve(router, server_cfg, on_ready=ready))
+        asyncio.run(serve(router, server_cfg, on_ready=ready, fronts=fronts))
     except OSError as exc:  # the port is taken, the certificate unreadable, ...
         print(f"tandem serve: error: {exc}", file=sys.stderr)
         asyncio.run(router.close())
@@ -135,21 +151,58 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
     if args.transfer:
         cfg = dataclasses.replace(cfg, transfer_backend=args.transfer)
     cfg = dataclasses.replace(cfg, engine=engine_config_from_args(args, base=cfg.engine))
+    http_cfg = _http_config(args, server_cfg, cfg.http)
     t0 = time.perf_counter()
     init_ray(args.ray_address)
     print(f"tandem serve: starting {cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
           f"workers ({cfg.transfer_backend}) ...", flush=True)
     dep, router = launch_and_build(cfg, router_cfg)
+    fronts = _fronts(router, http_cfg)
 
     def ready(server) -> None:
         print(f"tandem serve: model '{cfg.model_name}' up in {time.perf_counter() - t0:.1f} s; "
-              f"listening on {args.host}:{server.port}. Ctrl-C stops.", flush=True)
+              f"listening on {args.host}:{server.port}{_http_line(fronts)}. Ctrl-C stops.",
+              flush=True)
 
     try:
-        asyncio.run(serve(router, server_cfg, on_ready=ready))
+        asyncio.run(serve(router, server_cfg, on_ready=ready, fronts=fronts))
+    except OSError as exc:  # a port is taken, the certificate unreadable, ...
+        print(f"tandem serve: error: {exc}", file=sys.stderr)
+        asyncio.run(router.close())
+        return 1
     finally:
         dep.shutdown()
     return 0
+
+
+def _http_config(args: argparse.Namespace, server_cfg: ServerConfig,
+                 deployed: HttpFrontConfig | None = None) -> HttpConfig | None:
+    """The HTTP front's config (None: no HTTP front): port and host from the flags, else the
+    deployment's `http:`; token, TLS and size limit as the gRPC front's."""
+    from tandem.http_api import HttpConfig
+
+    port = args.http_port if args.http_port is not None else (deployed and deployed.port)
+    if port is None:
+        if args.http_host is not None:
+            raise ValueError("--http-host: needs --http-port (or http.port in the config)")
+        return None
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--http-port: must be in [0, 65535], got {port}")
+    host = args.http_host or (deployed and deployed.host) or server_cfg.host
+    return HttpConfig(host=host, port=port, auth_token=server_cfg.auth_token,
+                      tls_cert=server_cfg.tls_cert, tls_key=server_cfg.tls_key,
+                      max_body_bytes=server_cfg.max_message_bytes)
+
+
+def _fronts(router, http_cfg: HttpConfig | None) -> list:
+    from tandem.http_api import HttpServer
+
+    return [] if http_cfg is None else [HttpServer(router, http_cfg)]
+
+
+def _http_line(fronts: list) -> str:
+    return "".join(f"; HTTP API on {f.cfg.host}:{f.port} ({'HTTPS' if f.cfg.tls else 'plaintext'})"
+                   for f in fronts)
 
 
 def _served_model_name(model: str) -> str:

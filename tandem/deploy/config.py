@@ -93,6 +93,23 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HttpFrontConfig:
+    """The OpenAI-compatible HTTP front next to the gRPC API (YAML `http: {port: 8000}`), on the
+    router's process and loop. Token, TLS and body limit are the gRPC front's (`tandem serve`
+    flags); `--http-port` / `--http-host` override these."""
+
+    port: int | None = None  # None: no HTTP front; 0: any free port
+    host: str | None = None  # None: the gRPC front's host (--host)
+
+    def __post_init__(self) -> None:
+        if self.port is not None and (isinstance(self.port, bool) or not isinstance(
+                self.port, int) or not 0 <= self.port <= 65535):
+            raise ConfigError(f"port: must be an integer in [0, 65535], got {self.port!r}")
+        if self.host is not None and (not isinstance(self.host, str) or not self.host):
+            raise ConfigError(f"host: must be a non-empty string, got {self.host!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DeployConfig:
     model_name: str = "default"  # what clients put in `model`
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -106,6 +123,7 @@ class DeployConfig:
     # at most max_running dispatched at once, max_queued waiting; beyond, RESOURCE_EXHAUSTED.
     router: AdmissionConfig = field(default_factory=AdmissionConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    http: HttpFrontConfig = field(default_factory=HttpFrontConfig)
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -161,7 +179,14 @@ def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
         decode=_build(GroupConfig, raw.get("decode"), "decode"),
         router=_build(AdmissionConfig, raw.get("router"), "router"),
         placement=_build(PlacementConfig, raw.get("placement"), "placement"),
+        http=_http(raw.get("http")),
     )
+
+
+def _http(raw: Any) -> HttpFrontConfig:
+    if isinstance(raw, dict) and raw.get("port") is None:  # `http:` given means a front
+        raise ConfigError("http.port: required (the HTTP front's port; 0: any free port)")
+    return _build(HttpFrontConfig, raw, "http")
 
 
 BUNDLED = ("local", "gpu-2x", "gpu-4x-tp2")  # configs shipped in this package (tandem/deploy/NAME.yaml)
