@@ -8,6 +8,7 @@ naming the field (FastAPI would say 422), an unknown path a 404.
     GET  /v1/models                                   the served models
     GET  /health                                      200 while some model can take a request,
                                                       503 otherwise (no token needed)
+    GET  /metrics                                     the router's Prometheus metrics (text)
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def build_app(router: Router, cfg: HttpConfig, *, observer: Observer | None = No
         if router.serving():
             return Response(b'{"status": "serving"}', media_type=JSON)
         return Response(b'{"status": "not serving"}', status_code=503, media_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = router.metrics_text()
+        return Response(body, media_type=content_type)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:

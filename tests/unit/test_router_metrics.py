@@ -106,6 +106,50 @@ def test_two_routers_in_one_process_keep_their_own_metrics():
     assert value(sb, "tandem:generation_tokens_total") == 0
 
 
+@pytest.mark.timeout(60)
+def test_the_http_front_serves_the_scrape_behind_its_token():
+    import http.client
+    import json
+
+    from tandem.http_api import HttpConfig, HttpServer
+    from tandem.router.app import BackgroundServer
+    from tandem.router.server import ServerConfig
+
+    router = Router(FakeDispatcher(num_tokens=3), {"m": None})
+    front = HttpServer(router, HttpConfig(port=0, auth_token="t0ken"))
+    server = BackgroundServer(router, ServerConfig(port=0), fronts=[front]).start()
+
+    def call(method: str, path: str, body: dict | None = None, token: str | None = "t0ken"):
+        conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=20)
+        headers = {"content-type": "application/json"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        try:
+            conn.request(method, path, body=json.dumps(body) if body else None, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("content-type"), resp.read()
+        finally:
+            conn.close()
+
+    try:
+        assert call("GET", "/metrics", token=None)[0] == 401
+        status, content_type, text = call("GET", "/metrics")
+        assert status == 200 and content_type.startswith("text/plain")
+        before = scrape(text)
+        for _ in range(2):
+            status, _, _ = call("POST", "/v1/completions",
+                                {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3})
+            assert status == 200
+        after = scrape(call("GET", "/metrics")[2])
+    finally:
+        server.stop()
+    for name, labels, amount in [("tandem:generation_tokens_total", {}, 6),
+                                 ("tandem:prompt_tokens_total", {}, 6),
+                                 ("tandem:requests_total", {"code": "OK"}, 2),
+                                 ("tandem:time_to_first_token_seconds_count", {}, 2)]:
+        assert value(after, name, **labels) - value(before, name, **labels) == amount, name
+
+
 def _transfer(done: int, nbytes: int, slow: int = 0, failed: int = 0) -> TransferTotals:
     """`done` transfers, `slow` of them in the 0.5 s bucket, the rest in the 5 ms one."""
     bounds = (0.005, 0.5)
