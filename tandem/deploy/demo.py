@@ -20,13 +20,47 @@ QUESTIONS = (
 )
 
 
+# Two tokens whose logits (the model's scores) are within this fraction of the best one's are
+# a near-tie: bf16 keeps about 3 significant digits, and a verify forward over k+1 tokens rounds
+# differently from k+1 one-token forwards, so a speculative and a plain run may pick either
+# (docs/architecture.md, "Lossless"; the GPU test of the same allows the same margin).
+NEAR_TIE = 0.02
+
+
+def demo_dtype(device: str) -> str:
+    """The demo's default dtype: float32 on the CPU, where speculative answers then equal the
+    plain ones token for token (measured on a 2-core Xeon with AMX-bf16: the whole demo 44 s
+    against 35 s in bf16; CPUs without bf16 instructions run bf16 slower still); bf16 on a GPU,
+    where near-ties may show (explained in the table's notes)."""
+    return "float32" if device == "cpu" else "bfloat16"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DemoOptions:
     transfer_backend: str = "mooncake"
     max_tokens: int = 96
-    dtype: str = "bfloat16"
+    dtype: str | None = None  # None: demo_dtype of the config's device
     check: bool = True  # compare with the non-speculative target
     draft_model: str | None = None  # head directory; None = the shipped head
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Parting:
+    """Where a speculative answer first differs from the plain one: the two tokens there and the
+    target's logits for them after the common prefix (one fresh forward)."""
+
+    index: int  # of the first differing token
+    plain_text: str  # the plain answer's token, as text
+    spec_text: str  # the speculative answer's token, as text
+    plain_logit: float
+    spec_logit: float
+    top_logit: float  # the best logit there
+
+    @property
+    def near_tie(self) -> bool:
+        """Both tokens scored within NEAR_TIE of the best: either is the model's answer."""
+        margin = NEAR_TIE * max(1.0, abs(self.top_logit))
+        return min(self.plain_logit, self.spec_logit) >= self.top_logit - margin
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,7 +72,7 @@ class DemoRow:
     acceptance: float
     same_as_plain: bool | None
     first_difference: int | None
-    logit_gap: float | None = None  # at the first difference: plain token's logit - this one's
+    parting: Parting | None = None  # where both answers go on after the first difference
 
 
 def _deploy_config(opts: DemoOptions):
@@ -46,7 +80,7 @@ def _deploy_config(opts: DemoOptions):
 
     cfg = load_deploy("local")
     return replace(cfg, transfer_backend=opts.transfer_backend,
-                   engine=replace(cfg.engine, dtype=opts.dtype),
+                   engine=replace(cfg.engine, dtype=opts.dtype or demo_dtype(cfg.engine.device)),
                    spec=replace(cfg.spec, draft_model=opts.draft_model or cfg.spec.draft_model))
 
 
@@ -83,7 +117,8 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> list[DemoRow]:
     ensure_default_model()
     cfg = _deploy_config(opts)
     out.write(f"tandem demo: SmolLM2-135M-Instruct, 1 prefill + 1 decode worker (Ray actors), "
-              f"EAGLE chain k={cfg.spec.num_steps}, KV over {cfg.transfer_backend}, {opts.dtype}\n")
+              f"EAGLE chain k={cfg.spec.num_steps}, KV over {cfg.transfer_backend}, "
+              f"{cfg.engine.dtype}\n")
     init_ray(num_cpus=4)
     dep, router = launch_and_build(cfg)
     rows: list[DemoRow] = []
@@ -106,7 +141,7 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> list[DemoRow]:
             tpot = (final.latency_s - final.ttft_s) / (n - 1) if final and n > 1 else 0.0
             acc = final.spec_stats.mean_acceptance_length if final and final.HasField(
                 "spec_stats") else 0.0
-            same, diff, gap = None, None, None
+            same, diff, parting = None, None, None
             if plain is not None:
                 ref = plain[i]
                 same = tuple(tokens) == ref
@@ -114,22 +149,24 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout) -> list[DemoRow]:
                     diff = next((j for j, (a, b) in enumerate(zip(tokens, ref)) if a != b),
                                 min(len(tokens), len(ref)))
                     if diff < min(len(tokens), len(ref)):
-                        gap = _logit_gap(plain_engine, plain_prompts[i] + list(ref[:diff]),
-                                         ref[diff], tokens[diff])
+                        parting = _parting(plain_engine, plain_prompts[i] + list(ref[:diff]),
+                                           diff, ref[diff], tokens[diff])
             rows.append(DemoRow(question=q, token_ids=tuple(tokens), ttft_s=ttft, tpot_s=tpot,
                                 acceptance=acc, same_as_plain=same, first_difference=diff,
-                                logit_gap=gap))
+                                parting=parting))
     finally:
         dep.shutdown()
-    _print_table(rows, out, time.perf_counter() - t_start, opts)
+    _print_table(rows, out, time.perf_counter() - t_start, cfg.engine.dtype)
     return rows
 
 
-def _logit_gap(engine, context: list[int], plain_tok: int, other_tok: int) -> float:
-    """How close the two candidates were where the answers parted: the target's logit of its
-    own greedy token minus that of the speculative run's token, at that position."""
+def _parting(engine, context: list[int], index: int, plain_tok: int, spec_tok: int) -> Parting:
+    """How the target scored the two tokens where the answers parted (after `context`)."""
     logits = engine.next_token_logits(context)
-    return float(logits[plain_tok] - logits[other_tok])
+    tok = engine.tokenizer
+    return Parting(index=index, plain_text=tok.decode([plain_tok]),
+                   spec_text=tok.decode([spec_tok]), plain_logit=float(logits[plain_tok]),
+                   spec_logit=float(logits[spec_tok]), top_logit=float(logits.max()))
 
 
 def _plain_answers(cfg, max_tokens: int):
@@ -145,23 +182,49 @@ def _plain_answers(cfg, max_tokens: int):
     return [c.output_ids for c in done], engine, prompts
 
 
-def _print_table(rows: list[DemoRow], out: TextIO, total_s: float, opts: DemoOptions) -> None:
+def _print_table(rows: list[DemoRow], out: TextIO, total_s: float, dtype: str) -> None:
     out.write("\n{:<44} {:>6} {:>8} {:>9} {:>6}  {}\n".format(
         "prompt", "tokens", "TTFT s", "TPOT ms", "tau", "same as non-speculative"))
+    notes: list[tuple[str, Parting]] = []
     for r in rows:
         if r.same_as_plain is None:
             same = "not checked"
         elif r.same_as_plain:
             same = "yes"
-        elif r.logit_gap is not None:
-            same = f"no, from token {r.first_difference} (logit gap {r.logit_gap:.3f})"
+        elif r.parting is None:  # one answer stopped where the other went on
+            same = f"no, from token {r.first_difference} (one answer ended there)"
         else:
-            same = f"no, from token {r.first_difference}"
+            notes.append((r.question, r.parting))
+            kind = "near-tie" if r.parting.near_tie else "NOT a near-tie"
+            same = f"no, from token {r.first_difference}: {kind} (note {len(notes)})"
         out.write(f"{r.question[:44]:<44} {len(r.token_ids):>6} {r.ttft_s:>8.2f} "
                   f"{r.tpot_s * 1e3:>9.1f} {r.acceptance:>6.2f}  {same}\n")
     out.write(f"\ntotal {total_s:.1f} s. tau = tokens per speculative round (accepted drafts + 1).\n")
-    if opts.dtype != "float32" and any(r.same_as_plain is False for r in rows):
-        out.write("bf16 note: a verify forward over k+1 tokens is not bit-identical to k+1 single-"
-                  "token forwards, so bf16 greedy runs can part where the two best tokens' "
-                  "logits are nearly tied (the gap shown; bf16 keeps ~3 significant digits). "
-                  "`--dtype float32` makes them token-identical.\n")
+    if notes:
+        out.write("\n" + _explain(notes, dtype) + "\n")
+
+
+def _explain(notes: list[tuple[str, Parting]], dtype: str) -> str:
+    """The answers that part from the plain ones, in words: where, the two words and the
+    model's scores for them, then what a near-tie means (or that anything else is a bug)."""
+    lines = []
+    for i, (question, p) in enumerate(notes, 1):
+        kind = "a near-tie" if p.near_tie else "NOT a near-tie"
+        lines.append(f"note {i}: {question!r}, token {p.index}: the plain answer has "
+                     f"{p.plain_text!r}, the speculative one {p.spec_text!r}; the model scored "
+                     f"them {p.plain_logit:.3f} and {p.spec_logit:.3f} -- {kind}.")
+    if any(p.near_tie for _, p in notes):
+        lines.append(
+            f"A near-tie: the model rated both words almost equally (within {NEAR_TIE:.0%} of its "
+            f"best score). In {dtype} the speculative run, which checks several drafted tokens "
+            "in one forward pass, rounds its arithmetic slightly differently from the plain run "
+            "(one token at a time), so the two runs picked different words at that point and "
+            "continued differently. Both are answers the model itself gives; speculation does not change "
+            "answers: in float32 (--dtype float32, the default on the CPU) they are the same "
+            "token for token.")
+    if not all(p.near_tie for _, p in notes):
+        lines.append(
+            "NOT a near-tie: the model clearly preferred the plain answer's word, so rounding "
+            "does not explain the difference; this looks like a bug in speculative decoding -- "
+            "please report it with this output.")
+    return "\n".join(lines)
