@@ -79,6 +79,7 @@ def stats_response(stats: RouterStats) -> pb.StatsResponse:
         num_requests=stats.num_requests, num_rejected=stats.num_rejected,
         num_in_flight=stats.num_in_flight, num_finished=stats.num_finished,
         num_aborted=stats.num_aborted, num_failed=stats.num_failed,
+        num_refused=stats.num_refused,
         num_prompt_tokens=stats.num_prompt_tokens,
         num_completion_tokens=stats.num_completion_tokens,
         workers=[worker_status(w) for w in stats.workers])

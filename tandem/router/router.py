@@ -140,6 +140,7 @@ class RouterStats:
     num_finished: int
     num_aborted: int
     num_failed: int
+    num_refused: int  # RESOURCE_EXHAUSTED: refused for capacity, neither rejected nor failed
     num_prompt_tokens: int
     num_completion_tokens: int
     workers: tuple[WorkerState, ...]
@@ -153,6 +154,7 @@ class _Counters:
     finished: int = 0
     aborted: int = 0
     failed: int = 0
+    refused: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -226,7 +228,10 @@ class Router:
             await asyncio.sleep(self.cfg.too_long_delay_s)
             raise
         except RouterError as exc:
-            self._counters.rejected += 1
+            if exc.code is Code.RESOURCE_EXHAUSTED:  # more KV cache than a worker has
+                self._counters.refused += 1
+            else:
+                self._counters.rejected += 1
             self.metrics.refused(exc.code.value)
             raise
         self._register(prepared)
@@ -256,7 +261,10 @@ class Router:
                     yield self._final(prepared, chunk, num_tokens, ttft_s, t0)
                     return
         except RouterError as exc:
-            outcome = "aborted" if exc.code is Code.DEADLINE_EXCEEDED else "failed"
+            # A capacity refusal (the queue is full, decode out of pages for good) is no
+            # worker's failure: counted apart.
+            outcome = {Code.DEADLINE_EXCEEDED: "aborted",
+                       Code.RESOURCE_EXHAUSTED: "refused"}.get(exc.code, "failed")
             code = exc.code.value
             raise
         except Exception:
@@ -325,6 +333,7 @@ class Router:
         return RouterStats(
             num_requests=c.requests, num_rejected=c.rejected, num_in_flight=len(self._in_flight),
             num_finished=c.finished, num_aborted=c.aborted, num_failed=c.failed,
+            num_refused=c.refused,
             num_prompt_tokens=c.prompt_tokens, num_completion_tokens=c.completion_tokens,
             workers=tuple(self.workers()), spec=self.dispatcher.stats().spec)
 

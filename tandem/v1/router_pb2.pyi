@@ -174,7 +174,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_requests", "num_rejected", "num_in_flight", "num_finished", "num_aborted", "num_failed", "num_prompt_tokens", "num_completion_tokens", "workers", "spec_stats")
+    __slots__ = ("num_requests", "num_rejected", "num_in_flight", "num_finished", "num_aborted", "num_failed", "num_prompt_tokens", "num_completion_tokens", "workers", "spec_stats", "num_refused")
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class StatsResponse(_message.Message):
     NUM_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     SPEC_STATS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REFUSED_FIELD_NUMBER: _ClassVar[int]
     num_requests: int
     num_rejected: int
     num_in_flight: int
@@ -195,4 +196,5 @@ class StatsResponse(_message.Message):
     num_completion_tokens: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     spec_stats: SpecStats
-    def __init__(self, num_requests: _Optional[int] = ..., num_rejected: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_failed: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ...) -> None: ...
+    num_refused: int
+    def __init__(self, num_requests: _Optional[int] = ..., num_rejected: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_aborted: _Optional[int] = ..., num_failed: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ..., num_refused: _Optional[int] = ...) -> None: ...
