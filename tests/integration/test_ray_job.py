@@ -47,7 +47,14 @@ _SUBMIT = textwrap.dedent("""
     url, entrypoint, timeout_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
     client = JobSubmissionClient(url)
     t0 = time.monotonic()
-    job = client.submit_job(entrypoint=entrypoint)
+    while True:  # the job agents come up a few seconds after `ray start` returns
+        try:
+            job = client.submit_job(entrypoint=entrypoint)
+            break
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() - t0 > 120:
+                raise
+            time.sleep(1)
     while not client.get_job_status(job).is_terminal():
         if time.monotonic() - t0 > timeout_s:
             client.stop_job(job)
@@ -119,12 +126,18 @@ def cluster(smollm2_dir):  # the bundled model imported before the jobs need it
     gcs, dash = _free_port(), _free_port()
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "2",
               "--temp-dir", str(root / "ray")]
+
+    def own_ports() -> list[str]:  # Ray's fixed default agent ports would clash between nodes
+        return [arg for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                                 "--metrics-export-port", "--runtime-env-agent-port")
+                for arg in (flag, str(_free_port()))]
+
     try:
-        subprocess.run([ray_cli, "start", "--head", "--port", str(gcs), *common,
+        subprocess.run([ray_cli, "start", "--head", "--port", str(gcs), *common, *own_ports(),
                         "--resources", '{"tandem_a": 1}', "--include-dashboard", "true",
                         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash)],
                        env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([ray_cli, "start", "--address", f"127.0.0.1:{gcs}", *common,
+        subprocess.run([ray_cli, "start", "--address", f"127.0.0.1:{gcs}", *common, *own_ports(),
                         "--resources", '{"tandem_b": 1}'],
                        env=env, check=True, capture_output=True, timeout=120)
         yield RayCluster(root=root, env=env, dashboard=f"http://127.0.0.1:{dash}")
