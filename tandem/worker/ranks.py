@@ -107,15 +107,14 @@ class RankInfo:
 
 
 def rendezvous_address() -> tuple[str, int]:
-    """This host's address and a free port, for rank 0 to host the process group."""
-    try:
-        import ray
+    """This host's address and a free port, for rank 0 to host the process group: the address
+    the node's KV endpoints advertise (`serving_host`: 127.0.0.1 for a local Ray instance, else
+    the node's IP; a worker's ranks share a node)."""
+    from tandem.worker.process import serving_host
 
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    except ImportError:
-        host = "127.0.0.1"
+    host = serving_host()
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return host, s.getsockname()[1]
 
 
@@ -133,8 +132,13 @@ def join_group(info: RankInfo, host: str, port: int, device: str,
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device).index or 0)  # Ray shows each rank one GPU
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=info.rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
+    from tandem.kvtransfer.bind import listeners_on
+
+    # Rank 0's store (c10d's TCPStore binds the wildcard address) listens on `host` only where
+    # the bind() shim is preloaded (Ray workers: kvtransfer/bindshim.py).
+    with listeners_on(host):
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=info.rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     group = ParallelGroup(rank=info.rank, size=world, handle=dist.group.WORLD)
     ep = group if info.ep > 1 else ParallelGroup()
