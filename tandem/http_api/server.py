@@ -57,7 +57,9 @@ class HttpServer:
             config.load()  # reads the certificate: a bad one fails here, not in the task
         except Exception as exc:
             self._socket.close()
-            raise OSError(f"tls_cert: could not load the certificate and key ({exc})") from exc
+            if self.cfg.tls:
+                raise OSError(f"tls_cert, tls_key: could not load them ({exc})") from exc
+            raise
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]),
                                          name="http-front")

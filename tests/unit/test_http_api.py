@@ -470,3 +470,31 @@ def test_union_validation_errors_name_the_field():
         CompletionRequest.model_validate({"prompt": [[1, "x"]]})
     errors = [{**x, "loc": ("body", *x["loc"])} for x in e.value.errors()]
     assert from_validation_errors(errors).param == "prompt"
+
+
+def test_tls_serves_https_only(tmp_path):
+    """The gRPC front's TLS options, through uvicorn: HTTPS with the certificate, no plaintext."""
+    import shutil
+    import ssl
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    front = Front(tls_cert=cert, tls_key=key)
+    try:
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{front.http.port}/v1",
+                               api_key=TOKEN, max_retries=0, timeout=20,
+                               http_client=openai.DefaultHttpxClient(
+                                   verify=ssl.create_default_context(cafile=str(cert))))
+        out = client.completions.create(model="tiny", prompt="w1", max_tokens=2)
+        assert out.choices[0].text == " w10 w11"
+        client.close()
+        with pytest.raises(openai.APIConnectionError):  # plaintext to the HTTPS port
+            front.client.completions.create(model="tiny", prompt="w1", max_tokens=2)
+    finally:
+        front.close()
