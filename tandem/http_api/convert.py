@@ -23,6 +23,7 @@ from tandem.http_api.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatFirstDelta,
     ChatMessageIn,
     Completion,
     CompletionChoice,
@@ -223,7 +224,7 @@ def chunk_body(call: Call, request_id: str, text: str, reason: FinishReason | No
     """One streamed chunk; a chat stream's first chunk names the role."""
     rid = response_id(call, request_id)
     if call.endpoint is Endpoint.CHAT:
-        delta = ChatDelta(role="assistant" if first else None, content=text)
+        delta = ChatFirstDelta(content=text) if first else ChatDelta(content=text)
         return ChatCompletionChunk(
             id=rid, created=call.created, model=call.model,
             choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason(reason))])

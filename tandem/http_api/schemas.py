@@ -144,14 +144,18 @@ class ChatCompletion(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    # The role goes with the first chunk only (as OpenAI streams it).
-    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
     content: str | None = None
+
+
+class ChatFirstDelta(ChatDelta):
+    """A stream's first delta names the role; the others leave it out (as OpenAI streams)."""
+
+    role: Literal["assistant"] = "assistant"
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: ChatDelta
+    delta: ChatFirstDelta | ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonOut | None = None
 

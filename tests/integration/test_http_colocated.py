@@ -7,8 +7,9 @@ Checks: whole and streamed answers of both endpoints equal `LLMEngine.generate` 
 prompt (greedy, batch 1 both ways); a stop string ends the text before it with finish reason
 stop; the same seed at temperature 1 gives the same text and another seed another; usage,
 streamed with include_usage too; one error per class (400 naming the field, 401, 404, 413; a
-colocated router queues instead of refusing, so 429 is the disaggregated test's); a client that disconnects mid-stream aborts its request and every
-KV page comes back; `tandem serve --http-port` serves it next to gRPC and stops on SIGTERM."""
+colocated router queues instead of refusing, so 429 is the disaggregated test's); a client that
+disconnects mid-stream aborts its request and every KV page comes back; `tandem serve
+--http-port` serves it next to gRPC and stops on SIGTERM."""
 
 from __future__ import annotations
 
