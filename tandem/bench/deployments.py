@@ -2,7 +2,7 @@
 cluster of a Ray job), and measuring the hardware floors of its model before it starts (while
 its GPUs are still free).
 
-- colocated: one `ColocatedServer` actor (tandem/deploy/colocated.py; resources of the
+- colocated: one `ColocatedServer` actor (tandem/colocated_node/server.py; resources of the
   config's `decode` group) that serves the gRPC API itself.
 - disaggregated: the prefill and decode actors of `tandem.deploy.launcher`, and the router in
   an actor of its own (`RouterActor`): the bench's clients share no process with it, as with

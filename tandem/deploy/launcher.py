@@ -100,7 +100,7 @@ def _bind_shim_env() -> dict[str, str]:
 
 def actor_runtime_env() -> dict | None:
     """What every tandem actor's `runtime_env` adds to the job's: the request-trace file when
-    this process traces (engine/trace.py). A job's environment is fixed when Ray starts, so a
+    this process traces (tandem/trace.py). A job's environment is fixed when Ray starts, so a
     bench that turns tracing on in a Ray instance already running passes it per actor."""
     from tandem import trace
 
@@ -109,7 +109,7 @@ def actor_runtime_env() -> dict | None:
 
 # Call slots of a worker actor. Every call is short -- request calls (`submit`, `reserve`) queue
 # work for the worker loop and return; control calls (health, abort, route) answer from the
-# actor's state -- except one `events` stream per router (deploy/channels.py). So the slots bound
+# actor's state -- except one `events` stream per router (worker/channels.py). So the slots bound
 # how many calls are in flight at once, never how many requests run, and a control call never
 # waits for a slot behind requests. (No Ray concurrency groups: Ray runs each group of an async
 # actor on an event loop of its own, and the actor's state lives on one loop.)
