@@ -88,6 +88,8 @@ class HttpServer:
         self._server.should_exit = True
         try:
             await self._task
+        except Exception:  # the gRPC front's stop (which closes the router) must still run
+            log.exception("HTTP front: uvicorn failed")
         finally:
             self._server = self._task = None
 
