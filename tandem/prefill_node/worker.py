@@ -18,10 +18,17 @@ ranks already send has none and counts as done at once, see worker/ranks.route_t
 Send outcomes arrive per rank at different times; the ranks all-gather them each step, and a
 request's pages are freed (on every rank, in the same step) and its result reported only once
 every rank's transfer is terminal: DONE on all, else a failure.
+
+Owns: the room table (`_rooms`: one `_Room` per request, from `submit` until its result is
+queued; its `state` says where it is and which pages it holds), the rooms that ended before
+their destination came (`_ended_unrouted`), the sender and the layer-wise pusher. A room leaves
+the table where its pages go back: to the engine (PREFILLING: `engine.abort`), from its parked
+hand-off (PARKED), or once its transfer is terminal on every rank (SENDING).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 from collections import OrderedDict
@@ -47,13 +54,31 @@ log = logging.getLogger(__name__)
 ENDED_UNROUTED = 4096
 
 
-@dataclass(slots=True)
-class _Sending:
-    """A request whose KV is being pushed (the same entry on every rank)."""
+class RoomState(enum.Enum):
+    """Where a request is on a prefill worker; it leaves the table when it ends."""
 
-    page_ids: tuple[int, ...]
-    first_token: int
-    first_text: str
+    # Its forward is queued or running in the engine, which owns its pages.
+    PREFILLING = "prefilling"
+    # Its forward is over; its hand-off (holding the pages) waits for decode's destination.
+    PARKED = "parked"
+    # Its KV + seed are being pushed; its pages are held until the transfer is terminal on
+    # every rank.
+    SENDING = "sending"
+
+
+@dataclass(slots=True)
+class _Room:
+    """One request on this worker (the same entry on every rank)."""
+
+    state: RoomState
+    # One Destination per decode rank this rank feeds (empty: it sends nothing); None while
+    # decode's destination is still to come (concurrent dispatch: `route`; never SENDING)
+    dests: tuple[Destination, ...] | None
+    handoff: PrefillHandoff | None = None  # PARKED: the forward's hand-off, holding the pages
+    # SENDING: what its result needs once every rank's transfer is terminal
+    page_ids: tuple[int, ...] = ()
+    first_token: int = 0
+    first_text: str = ""
     done: set[int] = field(default_factory=set)  # ranks whose transfer reached DONE
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (error, kind)
 
@@ -63,12 +88,7 @@ class PrefillWorker:
                  sync: RankSync = SOLO) -> None:
         self.cfg, self.sync = cfg, sync
         self.engine = build_engine(cfg, parallel)
-        # room -> where its KV goes, one Destination per decode rank fed (still prefilling)
-        self._dest: dict[int, tuple[Destination, ...]] = {}
-        # Concurrent dispatch: rooms submitted before decode's destination was known, and the
-        # hand-offs of those whose forward ended first (their pages held until `route`)
-        self._awaiting: set[int] = set()
-        self._parked: dict[int, PrefillHandoff] = {}
+        self._rooms: dict[int, _Room] = {}  # room -> its request, from submit to its result
         self._ended_unrouted: OrderedDict[int, None] = OrderedDict()  # see ENDED_UNROUTED
         self._deferred: list[tuple[int, bool, str, str]] = []  # outcomes from `route` calls
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
@@ -86,9 +106,8 @@ class PrefillWorker:
         # start of a step and right after a prefill forward's sync.
         self._routes: queue.SimpleQueue[tuple[int, bytes | Sequence[bytes]]] = queue.SimpleQueue()
         self._bad_routes: list[tuple[int, str]] = []  # (room, error) found inside a step
-        self._sending: dict[int, _Sending] = {}  # room -> its transfer, until terminal everywhere
         self._results: list[PrefillResult] = []
-        self._sessions: set[int] = set()
+        self._sessions: set[int] = set()  # decode endpoints connected (not per request)
         # Called (on the stepping thread) with (room, first token, its text) as soon as a
         # forward completes a prompt that goes on to decode, before its KV is pushed: the
         # router streams the first token from here instead of waiting for decode's admission.
@@ -132,10 +151,7 @@ class PrefillWorker:
         dests = None if destination is None else self._destinations(room, destination)
         self.engine.add_prefill_request(prompt_ids, params, str(room))
         trace.mark(room, "prefill.submit")
-        if dests is None:
-            self._awaiting.add(room)
-        else:
-            self._dest[room] = dests
+        self._rooms[room] = _Room(state=RoomState.PREFILLING, dests=dests)
 
     def post_route(self, room: int, destination: bytes | Sequence[bytes]) -> None:
         """`route`, from any thread (the one method that is): queued, and applied at the start
@@ -174,7 +190,8 @@ class PrefillWorker:
         ended meanwhile is not sent; if it was stopped (aborted, failed) decode is told to
         release its reservation now (the router's abort of decode may never come); one its
         first token finished is left to the router (which aborts decode for it)."""
-        if room not in self._awaiting:
+        entry = self._rooms.get(room)
+        if entry is None or entry.dests is not None:
             if room in self._ended_unrouted:
                 del self._ended_unrouted[room]
                 try:
@@ -183,13 +200,10 @@ class PrefillWorker:
                     return  # not a destination we could tell anything
                 self.sender.decline(dests)
             return
-        dests = self._destinations(room, destination)
-        self._awaiting.discard(room)
-        h = self._parked.pop(room, None)
-        if h is None:
-            self._dest[room] = dests
-        else:
-            self._hand_off(room, h, dests, early=False, local=self._deferred)
+        entry.dests = self._destinations(room, destination)
+        if entry.state is RoomState.PARKED:
+            h, entry.handoff = entry.handoff, None
+            self._hand_off(room, entry, h, early=False, local=self._deferred)
 
     def _destinations(self, room: int, destination: bytes | Sequence[bytes]
                       ) -> tuple[Destination, ...]:
@@ -205,37 +219,40 @@ class PrefillWorker:
     def _dests_of(self, room: int) -> tuple[Destination, ...]:
         """The layer-wise pusher's view: every decode rank the room goes to (none: this rank
         sends nothing, or the room was aborted)."""
-        return self._dest.get(room, ())
+        entry = self._rooms.get(room)
+        if entry is None or entry.state is not RoomState.PREFILLING:
+            return ()
+        return entry.dests or ()
 
     def abort(self, room: int) -> None:
         self._stop(room, "aborted", "aborted")
 
     def _stop(self, room: int, error: str, kind: str) -> None:
         """End `room` wherever it is; a room not sending yet reports (error, kind) at once."""
-        if room in self._sending:
+        entry = self._rooms.get(room)
+        if entry is None:
+            return  # not here (any more)
+        if entry.state is RoomState.SENDING:
             self.sender.abort(room)  # the outcome (and the page release) comes through poll()
             return
-        if room in self._awaiting:  # no destination yet: forward running or hand-off waiting
-            self._awaiting.discard(room)
+        del self._rooms[room]
+        if entry.dests is None:  # no destination yet: forward running or hand-off waiting
             self._ended_unrouted[room] = None  # a route that still comes is declined
             while len(self._ended_unrouted) > ENDED_UNROUTED:
                 self._ended_unrouted.popitem(last=False)
-            parked = self._parked.pop(room, None)
-        elif (dests := self._dest.pop(room, None)) is not None:  # its forward still runs
+        else:  # its forward still runs
             # Decode reserved for it and waits for a BEGIN that will not come: say so, so its
             # claim goes back now and not at its transfer deadline.
-            self.sender.decline(dests)
-            parked = None
-        else:
-            return  # not here (any more)
-        if parked is None:
+            self.sender.decline(entry.dests)
+        if entry.state is RoomState.PREFILLING:
             self.engine.abort(str(room))
-        elif parked.page_ids:
-            self.engine.free_pages(parked.page_ids)
+        elif entry.handoff is not None and entry.handoff.page_ids:
+            self.engine.free_pages(entry.handoff.page_ids)
         self._results.append(PrefillResult(room=room, ok=False, error=error, error_kind=kind))
 
     def busy(self) -> bool:
-        return self.engine.has_unfinished() or bool(self._sending) or not self._routes.empty()
+        return (self.engine.has_unfinished() or not self._routes.empty()
+                or any(e.state is RoomState.SENDING for e in self._rooms.values()))
 
     def step(self) -> list[PrefillResult]:
         self._apply_routes(self._fail_route)
@@ -254,28 +271,29 @@ class PrefillWorker:
             self._fail_route(room, error)
         for h in handoffs:
             room = int(h.req_id)
-            if room in self._awaiting:
+            entry = self._rooms.get(room)
+            if entry is not None and entry.dests is None:
                 if h.finished:  # its first token ended it: nothing to send, wherever
-                    self._awaiting.discard(room)
+                    del self._rooms[room]
                     self._results.append(_finished_here(h))
                 else:  # decode's destination still to come (route)
-                    self._parked[room] = h
+                    entry.state, entry.handoff = RoomState.PARKED, h
                 continue
-            dests = self._dest.pop(room, None)
             early = self.pusher.started(room)
-            if early and (dests is None or h.finished):
+            if early and (entry is None or h.finished):
                 # No transfer wanted after all (layerwise.py `drop`). A finished request's pages
                 # are free already; reads still in flight cannot harm them (read-only), and
                 # they land in decode pages that stay leased until the room's end.
-                self.pusher.drop(room, abort=dests is None)
-            if dests is None:  # aborted while its last chunk ran
+                self.pusher.drop(room, abort=entry is None)
+            if entry is None:  # aborted while its last chunk ran
                 if h.page_ids:
                     self.engine.free_pages(h.page_ids)
                 continue
             if h.finished:
+                del self._rooms[room]
                 self._results.append(_finished_here(h))
                 continue
-            self._hand_off(room, h, dests, early=early, local=local)
+            self._hand_off(room, entry, h, early=early, local=local)
         early_outcomes = self.pusher.take_outcomes()
         for outcome in early_outcomes + self.sender.poll():
             err = outcome.error
@@ -291,8 +309,9 @@ class PrefillWorker:
         """The engine ended `room` itself: its own row failed. Its pages are back already and
         it is not handed off; a transfer started early is left to the router's abort of
         decode, as for a request its first token finished (layerwise.py `drop`)."""
-        self._awaiting.discard(room)
-        self._dest.pop(room, None)
+        entry = self._rooms.get(room)
+        if entry is not None and entry.state is RoomState.PREFILLING:
+            del self._rooms[room]
         self.pusher.drop(room, abort=False)
         self._results.append(PrefillResult(room=room, ok=False, error=error,
                                            error_kind="request"))
@@ -303,17 +322,20 @@ class PrefillWorker:
         for h in handoffs:
             room = int(h.req_id)
             trace.mark(room, "prefill.forward_end")
-            if (self.on_first is not None and not h.finished
-                    and (room in self._dest or room in self._awaiting)):
+            entry = self._rooms.get(room)
+            if (self.on_first is not None and not h.finished and entry is not None
+                    and entry.state is not RoomState.SENDING):
                 self.on_first(room, h.first_token, h.first_text)
 
-    def _hand_off(self, room: int, h: PrefillHandoff, dests: tuple[Destination, ...], *, early: bool,
+    def _hand_off(self, room: int, entry: _Room, h: PrefillHandoff, *, early: bool,
                   local: list[tuple[int, bool, str, str]]) -> None:
-        """Push a prompt's KV + seed (its forward is over) to `dests`; a failure to start is
-        terminal on this rank at once (into `local`, agreed on in the next outcome round)."""
+        """Push a prompt's KV + seed (its forward is over) to the room's destinations; a
+        failure to start is terminal on this rank at once (into `local`, agreed on in the next
+        outcome round)."""
         trace.mark(room, "prefill.hand_off")
-        self._sending[room] = _Sending(page_ids=h.page_ids, first_token=h.first_token,
-                                       first_text=h.first_text)
+        entry.state, entry.page_ids = RoomState.SENDING, h.page_ids
+        entry.first_token, entry.first_text = h.first_token, h.first_text
+        dests = entry.dests
         if not dests:  # re-sliced: every head of this rank goes from a lower rank
             local.append((room, True, "", ""))
             return
@@ -332,8 +354,8 @@ class PrefillWorker:
         touched: list[int] = []
         for rank, outcomes in enumerate(self.sync.all_gather(local)):
             for room, ok, error, kind in outcomes:
-                entry = self._sending.get(room)
-                if entry is None:
+                entry = self._rooms.get(room)
+                if entry is None or entry.state is not RoomState.SENDING:
                     continue
                 if ok:
                     entry.done.add(rank)
@@ -341,12 +363,12 @@ class PrefillWorker:
                     entry.failed.setdefault(rank, (error, kind))
                 touched.append(room)
         for room in dict.fromkeys(touched):  # first-touch order: the same on every rank
-            entry = self._sending[room]
+            entry = self._rooms[room]
             if len(entry.done) + len(entry.failed) < self.sync.size:
                 if entry.failed:  # one rank failed: the others' pushes are useless, stop them
                     self.sender.abort(room)
                 continue
-            del self._sending[room]
+            del self._rooms[room]
             self.engine.free_pages(entry.page_ids)
             if not entry.failed:
                 self._results.append(PrefillResult(room=room, ok=True,
