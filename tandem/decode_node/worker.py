@@ -28,10 +28,16 @@ requests, pages, seed slots and receivers; `sync` then spans the DP ranks:
            up (an idle rank runs empty target forwards, see `LLMEngine.dp_join`); the step's
            outputs of every rank are all-gathered so rank 0 can stream them, with every rank's
            load and acceptance counts, so rank 0 reports the worker's sums.
+
+Owns: the room table (`_rooms`: one `_Room` per request from `reserve` until it is admitted or
+its pages go back; its `state` says whether it still goes to the client), the free seed slots,
+the receiver. An admitted request belongs to the engine (its scheduler's request table), which
+frees its pages when it ends; the worker keeps no second record of it.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 
@@ -61,10 +67,21 @@ def output_of(o: RequestOutput) -> DecodeOutput:
         error=o.error, error_kind="request" if failed else "")
 
 
+class RoomState(enum.Enum):
+    """Where a reserved request is on a decode worker, until admission hands it to the engine."""
+
+    # Its pages and seed slot are claimed; its KV and seed have not landed on every rank yet.
+    RESERVED = "reserved"
+    # Aborted, or its failure reported: nothing more goes to the client. Its pages and slot go
+    # back once every rank's receiver let go of them (or, landed after all, at once).
+    ENDED = "ended"
+
+
 @dataclass(slots=True)
-class _Pending:
+class _Room:
     """A reserved request whose KV has not landed on every rank yet (same on every rank)."""
 
+    state: RoomState
     prompt_ids: list[int]
     params: SamplingParams
     page_ids: tuple[int, ...]
@@ -73,7 +90,6 @@ class _Pending:
     released: set[int] = field(default_factory=set)  # ranks whose receiver gave the pages up
     payload: bytes = b""  # rank 0's seed (every rank admits from the same bytes)
     error: str = ""  # the first rank's failure; "" while none failed
-    aborted: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +191,7 @@ class DecodeWorker:
         self.receiver = DecodeReceiver(
             cfg.transfer_backend, kv_layout(self.engine, self._aux),
             compat_info(self.engine, cfg), release=self._on_release, config=cfg.endpoint)
-        self._pending: dict[int, _Pending] = {}  # room -> reserved, KV not landed everywhere
+        self._rooms: dict[int, _Room] = {}  # room -> reserved, KV not landed everywhere
         self._released_local: list[int] = []  # rooms released (not DONE) since the last step
         self._outputs: list[DecodeOutput] = []
         self._group_busy = False  # DP: whether any rank was busy after the last step
@@ -215,7 +231,7 @@ class DecodeWorker:
         bids = self._dp_sync.all_gather(_ReserveBid(
             reserved_pages=alloc.num_usable - alloc.num_free,
             fits=alloc.can_alloc(need) and bool(self._free_slots),
-            holds_room=room in self._pending or str(room) in self.engine.scheduler.requests,
+            holds_room=room in self._rooms or str(room) in self.engine.scheduler.requests,
             load=self.pool_load()))
         if any(b.holds_room for b in bids):
             raise ValueError(f"room: {room} is already on this worker")
@@ -230,16 +246,16 @@ class DecodeWorker:
         pages = tuple(alloc.alloc(need))
         slot = self._free_slots.pop()
         dest = self.receiver.expect(room, pages, slot, timeout_s=self.cfg.transfer_timeout_s)
-        self._pending[room] = _Pending(prompt_ids=list(prompt_ids), params=params, page_ids=pages,
-                                       aux_slot=slot)
+        self._rooms[room] = _Room(state=RoomState.RESERVED, prompt_ids=list(prompt_ids),
+                                  params=params, page_ids=pages, aux_slot=slot)
         return dest.encode()
 
     def abort(self, room: int) -> None:
-        pend = self._pending.get(room)
-        if pend is not None:
+        entry = self._rooms.get(room)
+        if entry is not None:
             # The receiver releases the pages when no writer can touch them any more (a no-op
             # on a rank where the KV already landed: those pages are freed with the others').
-            pend.aborted = True
+            entry.state = RoomState.ENDED
             self.receiver.abort(room)
             return
         if self.engine.abort(str(room)):
@@ -257,7 +273,7 @@ class DecodeWorker:
         return self._group_busy if self._dp_sync.size > 1 else self._busy_here()
 
     def _busy_here(self) -> bool:
-        return self.engine.has_unfinished() or bool(self._pending)
+        return self.engine.has_unfinished() or bool(self._rooms)
 
     def step(self) -> list[DecodeOutput]:
         admitted = self._agree_on_transfers()
@@ -321,17 +337,17 @@ class DecodeWorker:
         touched: list[int] = []
         for rank, evs in enumerate(per_rank):
             for room, payload in evs.landed:
-                if (pend := self._pending.get(room)) is not None:
-                    pend.landed.add(rank)
-                    pend.payload = payload if rank == 0 else pend.payload
+                if (entry := self._rooms.get(room)) is not None:
+                    entry.landed.add(rank)
+                    entry.payload = payload if rank == 0 else entry.payload
                     touched.append(room)
             for room, err in evs.failed:
-                if (pend := self._pending.get(room)) is not None:
-                    pend.error = pend.error or err
+                if (entry := self._rooms.get(room)) is not None:
+                    entry.error = entry.error or err
                     touched.append(room)
             for room in evs.released:
-                if (pend := self._pending.get(room)) is not None:
-                    pend.released.add(rank)
+                if (entry := self._rooms.get(room)) is not None:
+                    entry.released.add(rank)
                     touched.append(room)
         admitted = False
         for room in dict.fromkeys(touched):  # in first-touch order, the same on every rank
@@ -342,45 +358,44 @@ class DecodeWorker:
         """Admit `room` once it landed on every rank; fail it as soon as one rank failed (the
         pages and slot return only when every rank's receiver is done with them). Returns
         whether it was admitted."""
-        pend = self._pending[room]
+        entry = self._rooms[room]
         size = self._tp_sync.size
-        if len(pend.landed) == size:  # every rank holds the KV: admit
-            del self._pending[room]
-            self._free_slots.append(pend.aux_slot)
-            if pend.aborted:
-                self.engine.allocator.free(pend.page_ids)
+        if len(entry.landed) == size:  # every rank holds the KV: admit
+            del self._rooms[room]
+            self._free_slots.append(entry.aux_slot)
+            if entry.state is RoomState.ENDED:
+                self.engine.allocator.free(entry.page_ids)
                 return False
-            return self._admit(room, pend, pend.payload)
-        if len(pend.landed | pend.released) < size:
-            if pend.error and not pend.aborted:
-                self._report_failure(room, pend)
+            return self._admit(room, entry, entry.payload)
+        if len(entry.landed | entry.released) < size:
+            if entry.error:
+                self._report_failure(room, entry)
             return False
         # Every rank is done with the pages and at least one rank did not receive: a failure.
-        del self._pending[room]
-        self._free_slots.append(pend.aux_slot)
-        self.engine.allocator.free(pend.page_ids)
-        if not pend.aborted:
-            self._report_failure(room, pend)
+        del self._rooms[room]
+        self._free_slots.append(entry.aux_slot)
+        self.engine.allocator.free(entry.page_ids)
+        self._report_failure(room, entry)
         return False
 
-    def _report_failure(self, room: int, pend: _Pending) -> None:
+    def _report_failure(self, room: int, entry: _Room) -> None:
         """Once per request: the stream ends with an error (its pages may follow later)."""
-        if pend.aborted:
+        if entry.state is RoomState.ENDED:
             return
-        pend.aborted = True  # nothing more goes to the client about this room
+        entry.state = RoomState.ENDED  # nothing more goes to the client about this room
         self._outputs.append(DecodeOutput(
             room=room, token_ids=(), text_delta="", finished=True, finish_reason="error",
-            error=pend.error or "KV transfer did not complete on every TP rank"))
+            error=entry.error or "KV transfer did not complete on every TP rank"))
 
-    def _admit(self, room: int, pend: _Pending, payload: bytes) -> bool:
+    def _admit(self, room: int, entry: _Room, payload: bytes) -> bool:
         try:
             seed, gen_state = decode_seed(payload, self.engine.device,
                                           self.engine.kv_pool.dtype)
             first = self.engine.admit_prefilled(
-                str(room), pend.prompt_ids, pend.params, seed.last_token, seed, pend.page_ids,
+                str(room), entry.prompt_ids, entry.params, seed.last_token, seed, entry.page_ids,
                 gen_state)
         except ValueError as exc:  # a seed that does not fit the request: fail it, keep serving
-            self.engine.allocator.free(pend.page_ids)
+            self.engine.allocator.free(entry.page_ids)
             self._outputs.append(DecodeOutput(room=room, token_ids=(), text_delta="",
                                               finished=True, finish_reason="error",
                                               error=f"seed: {exc}"))
