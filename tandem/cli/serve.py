@@ -50,13 +50,20 @@ def add_parser(subparsers) -> None:
                    help="Address the HTTP API binds (default: the config's http.host, else "
                         "--host)")
     p.add_argument("--served-model-name", default=None,
-                   help="Model name in the API (default: --model, or its directory name)")
+                   help="Model name in the API (default: --model, or its directory name; with "
+                        "--config, the config's model_name)")
     p.add_argument("--speculative", action="store_true",
-                   help="Decode with EAGLE speculative decoding (off by default)")
+                   help="Decode with EAGLE speculative decoding (off by default; with --config "
+                        "the decode workers always do)")
     p.add_argument("--draft-model", default=None,
-                   help="EAGLE head directory (with --speculative; default: the shipped head)")
-    p.add_argument("--num-draft-steps", type=int, default=4, help="Default: %(default)s")
-    p.add_argument("--draft-topk", type=int, default=1, help="1 = chain. Default: %(default)s")
+                   help="EAGLE head directory (with --speculative or --config; default: the "
+                        "shipped head, or the config's spec.draft_model)")
+    p.add_argument("--num-draft-steps", type=int, default=None,
+                   help=f"Draft tokens per round (default: {DEFAULT_DRAFT_STEPS}, or the "
+                        "config's spec.num_steps)")
+    p.add_argument("--draft-topk", type=int, default=None,
+                   help=f"Draft branches per step, 1 = chain (default: {DEFAULT_DRAFT_TOPK}, or "
+                        "the config's spec.topk)")
     p.add_argument("--auth-token-file", default=None, metavar="PATH",
                    help="Require 'authorization: Bearer TOKEN' metadata on every call, TOKEN "
                         "being the file's first line (default: $TANDEM_AUTH_TOKEN; unset = no "
@@ -112,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         from tandem.spec import SpecConfig, SpecEngine
 
         engine = SpecEngine.from_config(engine_cfg, SpecConfig(
-            draft_model=args.draft_model, num_steps=args.num_draft_steps, topk=args.draft_topk))
+            draft_model=args.draft_model,
+            num_steps=_or(args.num_draft_steps, DEFAULT_DRAFT_STEPS),
+            topk=_or(args.draft_topk, DEFAULT_DRAFT_TOPK)))
     else:
         from tandem.engine import LLMEngine
 
@@ -151,6 +160,7 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
     if args.transfer:
         cfg = dataclasses.replace(cfg, transfer_backend=args.transfer)
     cfg = dataclasses.replace(cfg, engine=engine_config_from_args(args, base=cfg.engine))
+    cfg = _spec_flags_over(args, cfg)
     http_cfg = _http_config(args, server_cfg, cfg.http)
     t0 = time.perf_counter()
     init_ray(args.ray_address)
@@ -173,6 +183,33 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
     finally:
         dep.shutdown()
     return 0
+
+
+DEFAULT_DRAFT_STEPS = 4
+DEFAULT_DRAFT_TOPK = 1
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _spec_flags_over(args: argparse.Namespace, cfg):
+    """The speculative and naming flags given with --config replace the config's fields (none
+    is dropped without a word): --draft-model, --num-draft-steps and --draft-topk the `spec:`
+    section, --served-model-name `model_name`; --speculative changes nothing (the decode
+    workers always draft) and says so."""
+    if args.speculative:
+        print("tandem serve: note: --speculative has no effect with --config (disaggregated "
+              "decode always runs EAGLE; its settings are the config's spec: section)",
+              file=sys.stderr)
+    spec = {k: v for k, v in (("draft_model", args.draft_model),
+                              ("num_steps", args.num_draft_steps),
+                              ("topk", args.draft_topk)) if v is not None}
+    if spec:
+        cfg = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, **spec))
+    if args.served_model_name:
+        cfg = dataclasses.replace(cfg, model_name=args.served_model_name)
+    return cfg
 
 
 def _http_config(args: argparse.Namespace, server_cfg: ServerConfig,

@@ -62,3 +62,15 @@ def test_without_a_config_the_flags_and_their_defaults_make_the_engine_config():
     base = EngineConfig(dtype="float32", page_size=4)
     assert engine_config_from_args(p.parse_args(["--dtype", "bfloat16"]), base) == replace(
         base, dtype="bfloat16")
+
+
+def test_serve_config_takes_the_spec_and_name_flags_given(monkeypatch, capsys):
+    local = load_deploy("local")
+    cfg = _served_config(monkeypatch)
+    assert cfg.spec == local.spec and cfg.model_name == local.model_name
+    cfg = _served_config(monkeypatch, "--num-draft-steps", "2", "--draft-topk", "3",
+                         "--draft-model", "/heads/h", "--served-model-name", "mine")
+    assert cfg.spec == replace(local.spec, num_steps=2, topk=3, draft_model="/heads/h")
+    assert cfg.model_name == "mine"
+    _served_config(monkeypatch, "--speculative")  # changes nothing, and says so
+    assert "--speculative has no effect with --config" in capsys.readouterr().err
