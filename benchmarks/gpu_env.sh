@@ -3,12 +3,15 @@
 #     into /tmp/devsite; a later call on the same warm machine may carry only
 #     .devbundle/activate.sh;
 #   - grpcio/protobuf new enough for the checked-in stubs (the GPU machine's grpcio 1.84 is older
-#     than router_pb2_grpc.py asks for), from .devgrpc/grpc.tar.xz, unpacked once into
-#     /tmp/devgrpc. Build it with:
+#     than router_pb2_grpc.py asks for), and the router's pure-Python dependencies the machine
+#     lacks (prometheus-client; the HTTP front's fastapi/uvicorn/pydantic), from
+#     .devgrpc/grpc.tar.xz, unpacked once into /tmp/devgrpc. Build it with:
 #       pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux2014_x86_64 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
-#         grpcio-reflection==1.85.1 protobuf==7.36.2 -d W; unzip every wheel into W/site;
-#       tar -cJf .devgrpc/grpc.tar.xz -C W/site .        # ~5.5 MiB
+#         grpcio-reflection==1.85.1 protobuf==7.36.2 prometheus-client fastapi starlette \
+#         uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions \
+#         anyio sniffio h11 click httpx httpcore certifi idna -d W
+#       unzip every wheel into W/site; tar -cJf .devgrpc/grpc.tar.xz -C W/site .   # ~9 MiB
 #     The whole .devbundle and .devgrpc together pass the 64 MiB carry limit: carry .devbundle
 #     in one call and `.devbundle/activate.sh` + `.devgrpc` in the next.
 #   - or the bundle in two parts that each fit a call next to the tree: .devbundle-fi
