@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem.router.auth import check_listener
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HttpConfig:
@@ -18,16 +20,8 @@ class HttpConfig:
     public_paths: tuple[str, ...] = ("/health",)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert, tls_key: give both or neither")
-        for name in ("tls_cert", "tls_key"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{name}: no such file '{path}'")
-        if self.auth_token is not None and not self.auth_token:
-            raise ValueError("auth_token: must not be empty")
+        check_listener(port=self.port, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                       auth_token=self.auth_token)
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes: must be > 0, got {self.max_body_bytes}")
         for path in self.public_paths:

@@ -29,6 +29,21 @@ EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 TOKEN_ENV = "TANDEM_AUTH_TOKEN"
 
 
+def check_listener(*, port: int, tls_cert: Path | None, tls_key: Path | None,
+                   auth_token: str | None) -> None:
+    """What every front's config (gRPC ServerConfig, HTTP HttpConfig) checks alike; ValueError
+    naming the field."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port: must be in [0, 65535], got {port}")
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert, tls_key: give both or neither")
+    for name, path in (("tls_cert", tls_cert), ("tls_key", tls_key)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{name}: no such file '{path}'")
+    if auth_token is not None and not auth_token:
+        raise ValueError("auth_token: must not be empty")
+
+
 def resolve_auth_token(*, value: str | None = None, file: str | Path | None = None,
                        environ: Mapping[str, str] = os.environ) -> str | None:
     """The bearer token from `file`, `$TANDEM_AUTH_TOKEN` or `value` (None: no auth).

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.router.auth import BearerAuthInterceptor, edge_warnings
+from tandem.router.auth import BearerAuthInterceptor, check_listener, edge_warnings
 from tandem.router.router import Router
 from tandem.router.servicer import SERVICE_NAME, RouterServicer, add_router_servicer
 
@@ -40,16 +40,8 @@ class ServerConfig:
     health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert, tls_key: give both or neither")
-        for name in ("tls_cert", "tls_key"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{name}: no such file '{path}'")
-        if self.auth_token is not None and not self.auth_token:
-            raise ValueError("auth_token: must not be empty")
+        check_listener(port=self.port, tls_cert=self.tls_cert, tls_key=self.tls_key,
+                       auth_token=self.auth_token)
         if self.max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes: must be > 0, got {self.max_message_bytes}")
         if not self.health_interval_s > 0:
