@@ -21,8 +21,11 @@ Per request (the orchestration of the request path lives here, in one place):
      its first token is tried once more on a prefill worker that answers; the deadline gives
      `DeadlineExceeded`. Both workers are told to abort whatever is left of the request.
 
-Worker health comes from a background poll of every actor (router/worker_health.py), so
-`workers()` is a cheap snapshot.
+Owns the table of requests in flight (request id -> `Flight`, router/flight.py: the workers
+and room of its current attempt, whether it was aborted, how long it waited; one record per
+request, dropped in one place when it ends), the event channels and the admission. How one
+attempt's events become chunks is `flight.follow`. Worker health comes from a background poll
+of every actor (router/worker_health.py), so `workers()` is a cheap snapshot.
 """
 
 from __future__ import annotations
@@ -34,28 +37,24 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
 
 from tandem import trace
-from tandem.messages import (Abort, DecodeOutput, FinishReason, FirstToken, OutOfCapacity,
-                             PrefillResult, Reserve, Route, StartPrefill)
+from tandem.messages import Abort, OutOfCapacity, Reserve, Route, StartPrefill
 from tandem.router.admission import Admission, AdmissionConfig
 from tandem.router.dispatch import (
     CapacityExceeded,
     DeadlineExceeded,
     DispatcherStats,
     ModelInfo,
-    RequestFailed,
     RequestRejected,
     RoutedRequest,
     SpecAcceptance,
     TokenChunk,
-    TransferFailed,
     WorkerInfo,
     WorkerUnavailable,
-    acceptance_from_rounds,
 )
-from tandem.router.worker_channel import ChannelLost, WorkerChannel
+from tandem.router.flight import Flight, aborted_chunk, follow, remaining
+from tandem.router.worker_channel import WorkerChannel
 from tandem.router.worker_health import HEALTH_PERIOD_S, WorkerHealthTable
 
 log = logging.getLogger(__name__)
@@ -68,8 +67,6 @@ PREFILL_RETRY_WAIT_S = 20.0
 # How long a request's end waits for the aborts of what is left of it on its workers.
 ABORT_WAIT_S = 0.2
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
 
 class DisaggregatedDispatcher:
     def __init__(self, prefill: dict[str, object], decode: dict[str, object],
@@ -78,8 +75,7 @@ class DisaggregatedDispatcher:
                  admission: AdmissionConfig | None = None) -> None:
         self._prefill, self._decode = dict(prefill), dict(decode)
         self._model, self._num_steps = model, num_steps
-        self._in_flight: dict[str, tuple[str, str, int]] = {}  # request -> prefill, decode, room
-        self._aborted: set[str] = set()  # in flight and aborted by abort()
+        self._flights: dict[str, Flight] = {}  # request id -> the request, until its end
         self._period = health_period_s
         self._poller: asyncio.Task | None = None
         # This router's channel name on every worker (one event stream per worker)
@@ -148,19 +144,19 @@ class DisaggregatedDispatcher:
         loop = asyncio.get_running_loop()
         if self._admission is None or self._admission_loop is not loop:  # the loop it serves
             self._admission, self._admission_loop = Admission(self._admission_cfg), loop
-        self._in_flight[rid] = (pname, dname, request.room)
-        waited = _Waited(since=time.perf_counter())
+        flight = self._flights[rid] = Flight(prefill=pname, decode=dname, room=request.room)
+        since = time.perf_counter()
         try:
             async with self._admission.slot(rid, request.deadline):
-                waited.add(time.perf_counter() - waited.since)
+                flight.waited_s += time.perf_counter() - since
                 streamed = False
                 try:
-                    async for chunk in self._run(request, pname, dname, waited):
+                    async for chunk in self._run(request, flight):
                         streamed = True
-                        yield waited.on_last(chunk)
+                        yield flight.on_last(chunk)
                     return
                 except WorkerUnavailable as exc:
-                    if streamed or exc.worker != pname:
+                    if streamed or exc.worker != flight.prefill:
                         raise
                     # Its prefill worker died before the first token: once more, invisibly to
                     # the client, on a prefill worker that answers (the restarted one, or
@@ -169,11 +165,11 @@ class DisaggregatedDispatcher:
                     log.warning("request '%s': prefill worker '%s' died before its first token; "
                                 "retrying on '%s'", rid, exc.worker, pname)
                 request = dataclasses.replace(request, room=_fresh_room())
-                async for chunk in self._run(request, pname, dname, waited):
-                    yield waited.on_last(chunk)
+                flight.prefill, flight.room = pname, request.room
+                async for chunk in self._run(request, flight):
+                    yield flight.on_last(chunk)
         finally:
-            self._in_flight.pop(rid, None)
-            self._aborted.discard(rid)
+            self._flights.pop(rid, None)
 
     async def _prefill_for_retry(self, dead: str, request: RoutedRequest) -> str:
         """A healthy prefill worker for a request whose prefill worker died (the least busy;
@@ -187,19 +183,18 @@ class DisaggregatedDispatcher:
             healthy = [w for w in self.table.infos() if w.name in self._prefill and w.healthy]
             if healthy:
                 return min(healthy, key=lambda w: (w.num_running + w.num_waiting, w.name)).name
-            left = _remaining(request)
+            left = remaining(request)
             if time.monotonic() > end or (left is not None and left <= 0.1):
                 raise WorkerUnavailable(dead, f"prefill worker '{dead}' died before this "
                                               "request's first token and no prefill worker "
                                               "answered in time to retry it")
             await asyncio.sleep(0.1)
 
-    async def _run(self, request: RoutedRequest, pname: str, dname: str, waited: _Waited
+    async def _run(self, request: RoutedRequest, flight: Flight
                    ) -> AsyncGenerator[TokenChunk, None]:
-        """One request on its two workers, from submission to its last chunk (its waits for
-        decode pages add to `waited`)."""
-        self._in_flight[request.request_id] = (pname, dname, request.room)
-        rid, room = request.request_id, request.room
+        """One attempt of a request on its two workers (`flight`'s), from submission to its
+        last chunk (its waits for decode pages add to `flight.waited_s`)."""
+        rid, room, pname, dname = request.request_id, flight.room, flight.prefill, flight.decode
         prefill, decode = self._prefill[pname], self._decode[dname]
         pch, dch = self._channels[pname], self._channels[dname]
         events: asyncio.Queue = asyncio.Queue()  # (worker name, event), both workers
@@ -209,9 +204,9 @@ class DisaggregatedDispatcher:
         dead: str | None = None  # a worker that died under this request
         try:
             while True:
-                if rid in self._aborted:  # aborted while it waited for a slot or for pages
+                if flight.aborted:  # aborted while it waited for a slot or for pages
                     finished = True
-                    yield _aborted_chunk(rid)
+                    yield aborted_chunk(rid)
                     return
                 pch.open(room, events)
                 dch.open(room, events)
@@ -239,9 +234,9 @@ class DisaggregatedDispatcher:
                         await self._abort_one(pname, prefill, room)
                     t_wait = time.perf_counter()
                     await self._admission.wait_for_capacity(rid, request.deadline)
-                    waited.add(time.perf_counter() - t_wait)
+                    flight.waited_s += time.perf_counter() - t_wait
                     room, retried = _fresh_room(), True
-                    self._in_flight[rid] = (pname, dname, room)
+                    flight.room = room
                     continue
                 if submitted is None:
                     submitted = prefill.command.remote(start)
@@ -250,11 +245,11 @@ class DisaggregatedDispatcher:
             prefill.command.remote(Route(room=room, destination=dest,  # outcome: its events
                                          decode_endpoint=self.table.endpoint(dname)))
             await self._call(pname, submitted, request)  # answered long ago, normally
-            progress = _Progress()
-            async for chunk in self._follow(request, room, pname, dname, events, progress):
+            async for chunk in follow(request, flight, events, num_steps=self._num_steps,
+                                      table=self.table):
                 if chunk.finish_reason is not None:
                     finished = True
-                    release_decode = progress.ended_on_prefill
+                    release_decode = flight.ended_on_prefill
                 yield chunk
         except WorkerUnavailable as exc:
             dead = exc.worker  # nothing to abort there: its process is gone
@@ -270,96 +265,10 @@ class DisaggregatedDispatcher:
                 task = self._background(self._abort_both(pname, dname, room, skip=dead))
                 await asyncio.wait({task}, timeout=ABORT_WAIT_S)
 
-    async def _follow(self, request: RoutedRequest, room: int, pname: str, dname: str,
-                      events: asyncio.Queue, progress: _Progress
-                      ) -> AsyncGenerator[TokenChunk, None]:
-        """The request's chunks from its workers' events, until its last one."""
-        rid = request.request_id
-        early: tuple[int, str] | None = None  # the first token, streamed from prefill
-        prefill_over = False  # the prefill's outcome came (its transfer is terminal)
-        rounds: list[int] = []
-        outputs = 0  # decode outputs seen
-        while True:
-            try:
-                worker, ev = await asyncio.wait_for(events.get(), _remaining(request))
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"request '{rid}' passed its deadline") from None
-            if isinstance(ev, ChannelLost):
-                if worker == pname and (prefill_over or outputs > 0):
-                    continue  # the KV is on decode already: the prefill worker is not needed
-                side = "prefill" if worker == pname else "decode"
-                # Down until its next health answer (a restarted worker answers anew): no new
-                # request, and no retry, goes to it meanwhile.
-                self.table.down(worker, f"its event stream broke: {ev.error}"[:300])
-                raise WorkerUnavailable(worker, f"{side} worker '{worker}' became unavailable "
-                                                f"while serving this request: {ev.error}")
-            if isinstance(ev, FirstToken):
-                if outputs == 0 and early is None:
-                    early = (ev.token, ev.text)
-                    trace.mark(room, "router.first")
-                    yield TokenChunk(request_id=rid, token_ids=(ev.token,), text_delta=ev.text)
-                continue
-            if isinstance(ev, PrefillResult):  # the prefill's outcome
-                prefill_over = True
-                if rid in self._aborted:  # abort() raced the prefill: end as aborted
-                    yield _aborted_chunk(rid)
-                    return
-                if outputs > 0:  # decode has produced: the KV landed, a late outcome is moot
-                    continue
-                if not ev.ok:
-                    raise self._prefill_failure(rid, pname, dname, ev)
-                if ev.finished:  # the first token ended the request on prefill
-                    progress.ended_on_prefill = True
-                    # No first token when it completed a stop string (only the text before).
-                    first = () if ev.first_token is None else (ev.first_token,)
-                    yield TokenChunk(request_id=rid, token_ids=first, text_delta=ev.first_text,
-                                     finish_reason=_FINISH.get(ev.finish_reason or "stop"))
-                    return
-                continue
-            # a DecodeOutput (what is left on the two channels)
-            if ev.finish_reason == "error":
-                raise self._decode_failure(rid, pname, dname, ev)
-            tokens, text = tuple(ev.token_ids), ev.text_delta
-            if outputs > 0 and ev.token_ids:
-                rounds.append(len(ev.token_ids))
-            elif early is not None:  # decode's first output repeats the first token
-                tokens, text = _drop_first(tokens, text, early, rid)
-            else:  # decode's output came first: prefill's first token is moot
-                trace.mark(room, "router.first")
-                early = (-1, "")  # a FirstToken arriving later is not streamed
-            outputs += 1
-            reason = _FINISH.get(ev.finish_reason) if ev.finished else None
-            spec = acceptance_from_rounds(rounds, self._num_steps) if reason is not None else None
-            if tokens or text or reason is not None:
-                yield TokenChunk(request_id=rid, token_ids=tokens, text_delta=text,
-                                 finish_reason=reason, spec=spec)
-            if reason is not None:
-                return
-
-    @staticmethod
-    def _prefill_failure(rid: str, pname: str, dname: str, res: PrefillResult) -> Exception:
-        """The error of a request whose prefill side failed (a PrefillResult with ok False)."""
-        kind = res.error_kind
-        if kind == "aborted":
-            return TransferFailed(pname, f"prefill worker '{pname}' aborted the request: "
-                                         f"{res.error}")
-        if kind in ("request", "worker"):
-            return RequestFailed(f"prefill worker '{pname}': {res.error}", request_id=rid)
-        return TransferFailed(pname, f"KV transfer from prefill worker '{pname}' to decode "
-                                     f"worker '{dname}' failed on the prefill side "
-                                     f"({kind or 'error'}): {res.error}")
-
-    @staticmethod
-    def _decode_failure(rid: str, pname: str, dname: str, out: DecodeOutput) -> Exception:
-        if out.error_kind == "request":
-            return RequestFailed(f"decode worker '{dname}': {out.error}", request_id=rid)
-        return TransferFailed(dname, f"KV transfer from prefill worker '{pname}' to decode "
-                                     f"worker '{dname}' failed on the decode side: {out.error}")
-
     async def _call(self, worker: str, ref, request: RoutedRequest):
         """A short call's answer, with its errors as dispatch errors (typed: ValueError means
         the request is bad, OutOfCapacity that decode is out of pages for now)."""
-        left = _remaining(request)
+        left = remaining(request)
         try:
             return await asyncio.wait_for(_await_ref(ref), timeout=left)
         except asyncio.TimeoutError:
@@ -393,11 +302,11 @@ class DisaggregatedDispatcher:
                                if n != skip))
 
     async def abort(self, request_id: str) -> bool:
-        entry = self._in_flight.get(request_id)
-        if entry is None:
+        flight = self._flights.get(request_id)
+        if flight is None:
             return False
-        self._aborted.add(request_id)
-        await self._abort_both(*entry)
+        flight.aborted = True
+        await self._abort_both(flight.prefill, flight.decode, flight.room)
         return True
 
     async def close(self) -> None:
@@ -410,52 +319,5 @@ async def _await_ref(ref):
     return await ref
 
 
-def _aborted_chunk(rid: str) -> TokenChunk:
-    return TokenChunk(request_id=rid, token_ids=(), text_delta="", finish_reason=FinishReason.ABORT)
-
-
 def _fresh_room() -> int:
     return secrets.randbits(64) or 1
-
-
-@dataclass(slots=True)
-class _Waited:
-    """How long a request has waited for its turn: a running slot, then decode pages (what
-    its last chunk reports as `queue_s`)."""
-
-    since: float  # time.perf_counter() when it arrived
-    seconds: float = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.seconds += seconds
-
-    def on_last(self, chunk: TokenChunk) -> TokenChunk:
-        return dataclasses.replace(chunk, queue_s=self.seconds) if chunk.finished else chunk
-
-
-@dataclass(slots=True)
-class _Progress:
-    """What a request's event follower tells its runner."""
-
-    ended_on_prefill: bool = False  # its first token finished it: decode's pages are unused
-
-
-
-
-def _drop_first(tokens: tuple[int, ...], text: str, early: tuple[int, str], rid: str
-                ) -> tuple[tuple[int, ...], str]:
-    """Decode's first output without the first token the client already has from prefill (an
-    output without tokens -- e.g. the end of an aborted request -- passes as it is)."""
-    if not tokens:
-        return tokens, text
-    if tokens[:1] == (early[0],) and text.startswith(early[1]):
-        return tokens[1:], text[len(early[1]):]
-    log.error("request '%s': decode's first output %r / %r does not start with prefill's first "
-              "token %r / %r", rid, tokens[:1], text[:20], early[0], early[1][:20])
-    return tokens, text
-
-
-def _remaining(request: RoutedRequest) -> float | None:
-    if request.deadline is None:
-        return None
-    return max(0.0, request.deadline - time.time())

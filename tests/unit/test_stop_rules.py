@@ -132,7 +132,9 @@ def test_a_first_token_that_completes_a_stop_string_is_not_handed_off():
     no first token for the client (the prefill worker's result has none), and the router's
     disaggregated dispatcher streams none; it still carries the sampled token in its seed."""
     from tandem.prefill_node.worker import _finished_here
-    from tandem.router.disagg import DisaggregatedDispatcher, _Progress
+    from tandem.router.disagg import DisaggregatedDispatcher
+    from tandem.router.flight import Flight
+    from tandem.router.flight import follow as follow_events
     from tandem.router.dispatch import ModelInfo, Placement, RoutedRequest
 
     model, prompt, out, _ = _setup()
@@ -158,7 +160,9 @@ def test_a_first_token_that_completes_a_stop_string_is_not_handed_off():
     async def follow(ev: PrefillResult):
         events: asyncio.Queue = asyncio.Queue()
         events.put_nowait(("p", ev))
-        return [c async for c in dispatcher._follow(request, 7, "p", "d", events, _Progress())]
+        flight = Flight(prefill="p", decode="d", room=7)
+        return [c async for c in follow_events(request, flight, events, num_steps=K,
+                                               table=dispatcher.table)]
 
     (chunk,) = asyncio.run(follow(result))
     assert chunk.token_ids == () and chunk.text_delta == ""
