@@ -91,12 +91,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     from pathlib import Path
 
     from tandem.router import RouterConfig
     from tandem.colocated_node import build_colocated_router
-    from tandem.router.app import serve
     from tandem.router.auth import resolve_auth_token
     from tandem.router.server import ServerConfig
 
@@ -137,24 +135,16 @@ def run(args: argparse.Namespace) -> int:
               f"{', token auth' if server_cfg.auth_token else ''}){_http_line(fronts)}. "
               "Ctrl-C stops.", flush=True)
 
-    try:
-        asyncio.run(serve(router, server_cfg, on_ready=ready, fronts=fronts))
-    except OSError as exc:  # the port is taken, the certificate unreadable, ...
-        print(f"tandem serve: error: {exc}", file=sys.stderr)
-        asyncio.run(router.close())
-        return 1
-    return 0
+    return _serve(router, server_cfg, ready, fronts)
 
 
 def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
                          router_cfg: RouterConfig) -> int:
     """`tandem serve --config FILE`: prefill and decode workers as Ray actors."""
-    import asyncio
 
     from tandem.deploy.config import load_deploy
     from tandem.deploy.launcher import init_ray
     from tandem.deploy.serve import launch_and_build
-    from tandem.router.app import serve
 
     cfg = load_deploy(args.config)
     if args.transfer:
@@ -175,13 +165,23 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
               flush=True)
 
     try:
+        return _serve(router, server_cfg, ready, fronts)
+    finally:
+        dep.shutdown()
+
+
+def _serve(router, server_cfg: ServerConfig, ready, fronts: list) -> int:
+    """Serve until Ctrl-C / SIGTERM; 1 with a message if a front cannot start."""
+    import asyncio
+
+    from tandem.router.app import serve
+
+    try:
         asyncio.run(serve(router, server_cfg, on_ready=ready, fronts=fronts))
     except OSError as exc:  # a port is taken, the certificate unreadable, ...
         print(f"tandem serve: error: {exc}", file=sys.stderr)
         asyncio.run(router.close())
         return 1
-    finally:
-        dep.shutdown()
     return 0
 
 
