@@ -1,10 +1,11 @@
 """`Router`: the request lifecycle behind the gRPC API, as plain async Python.
 
 generate = validate + tokenize (once) -> request id and 64-bit room -> placement -> dispatch ->
-stream -> account. Owns the table of requests in flight (request id -> room, placement), the
-rooms in use, the counters and the Prometheus metrics (`RouterMetrics`, router/metrics.py: its
-own registry, rendered by `metrics_text()`); the `WorkerRegistry` owns worker health. The
-servicer only converts protos to these values and back.
+stream -> account. Owns the table of requests in flight (`RequestTable`,
+router/request_table.py: (caller, request id) -> the request, with its room and placement), the
+counters and the Prometheus metrics (`RouterMetrics`, router/metrics.py: its own registry,
+rendered by `metrics_text()`); the `WorkerRegistry` owns worker health. The servicer only
+converts protos to these values and back.
 
 Ending a request early always reaches the workers: the router closes the dispatcher's stream
 on every path out (client cancel, deadline, error), and the dispatcher's contract is that closing
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -54,6 +54,7 @@ from tandem.router.metrics import OK, RouterMetrics, render
 from tandem.router.placement import place
 from tandem.router.policy import PlacementQuery, Policy, WorkerState, make_policy
 from tandem.router.registry import WorkerRegistry
+from tandem.router.request_table import PreparedRequest, RequestTable
 from tandem.router.validate import (
     GenerateInput,
     PromptTooLong,
@@ -101,15 +102,6 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         make_policy(self.prefill_policy, "prefill_policy")
         make_policy(self.decode_policy, "decode_policy")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PreparedRequest:
-    """A request ready to dispatch, and whose it is."""
-
-    caller: str  # the id space it belongs to (see the module docstring)
-    request_id: str  # the caller's name for it: its own id, or the one assigned
-    routed: RoutedRequest  # routed.request_id: unique across callers (what workers see)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,10 +161,7 @@ class Router:
         self.registry = WorkerRegistry(dispatcher.workers, cfg.refresh_s, cfg.quarantine_s)
         self._prefill_policy = prefill_policy or make_policy(cfg.prefill_policy)
         self._decode_policy = decode_policy or make_policy(cfg.decode_policy)
-        # (caller, the caller's request id) -> the request; the only table of requests in flight.
-        self._in_flight: dict[tuple[str, str], PreparedRequest] = {}
-        self._routed_ids: set[str] = set()  # the workers' ids of the requests in flight
-        self._rooms: set[int] = set()
+        self._in_flight = RequestTable()  # the only table of requests in flight
         self._counters = _Counters()
         self.metrics = RouterMetrics(dispatcher.stats)
         self._tokenize_pool = ThreadPoolExecutor(cfg.tokenize_threads,
@@ -197,7 +186,7 @@ class Router:
         else:
             valid = validate(*args)
         # From here to registration nothing awaits, so the id checks cannot race.
-        if inp.request_id and (caller, inp.request_id) in self._in_flight:
+        if inp.request_id and self._in_flight.get(caller, inp.request_id) is not None:
             raise RouterError(Code.ALREADY_EXISTS,
                               f"request_id: '{inp.request_id}' is already in flight")
         self.registry.maybe_refresh()
@@ -208,7 +197,7 @@ class Router:
         budget = self._budget(timeout_s)
         request_id = inp.request_id or uuid.uuid4().hex
         routed = RoutedRequest(
-            request_id=self._routed_id(request_id), room=self._new_room(),
+            request_id=self._in_flight.routed_id(request_id), room=self._in_flight.new_room(),
             model=model.name, prompt_ids=valid.prompt_ids, params=valid.params,
             placement=placement, deadline=None if budget is None else time.time() + budget)
         return PreparedRequest(caller=caller, request_id=request_id, routed=routed)
@@ -312,7 +301,7 @@ class Router:
         when `caller` has no such request (another caller's request of that id is untouched)."""
         if not request_id:
             raise RouterError(Code.INVALID_ARGUMENT, "request_id: required")
-        prepared = self._in_flight.get((caller, request_id))
+        prepared = self._in_flight.get(caller, request_id)
         if prepared is None:
             return False
         return await self.dispatcher.abort(prepared.routed.request_id)
@@ -356,24 +345,9 @@ class Router:
             raise RouterError(Code.DEADLINE_EXCEEDED, "deadline: already passed on arrival")
         return budget
 
-    def _routed_id(self, request_id: str) -> str:
-        """The workers' id: the caller's, unless another caller's request in flight holds it."""
-        routed_id = request_id
-        while routed_id in self._routed_ids:
-            routed_id = f"{request_id}~{secrets.token_hex(4)}"
-        return routed_id
-
-    def _new_room(self) -> int:
-        while True:
-            room = secrets.randbits(64)
-            if room and room not in self._rooms:
-                return room
-
     def _register(self, prepared: PreparedRequest) -> None:
         req = prepared.routed
-        self._in_flight[prepared.caller, prepared.request_id] = prepared
-        self._routed_ids.add(req.request_id)
-        self._rooms.add(req.room)
+        self._in_flight.add(prepared)
         self._counters.requests += 1
         self._counters.prompt_tokens += len(req.prompt_ids)
         p = req.placement
@@ -382,9 +356,7 @@ class Router:
 
     def _unregister(self, prepared: PreparedRequest, outcome: str, num_tokens: int) -> None:
         req = prepared.routed
-        self._in_flight.pop((prepared.caller, prepared.request_id), None)
-        self._routed_ids.discard(req.request_id)
-        self._rooms.discard(req.room)
+        self._in_flight.pop(prepared)
         p = req.placement
         for name in {p.prefill_worker, p.decode_worker}:
             self.registry.release(name)
