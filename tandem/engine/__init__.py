@@ -23,11 +23,14 @@ _WHERE = {  # public name -> the module that defines it
     "ForwardBatch": "tandem.engine.runner",
     "ForwardOutput": "tandem.engine.runner",
     "GREEDY_TEMPERATURE": "tandem.engine.sampling",
+    "HostCopy": "tandem.engine.d2h",
+    "HostLogprobs": "tandem.engine.logprobs",
     "InjectedFault": "tandem.engine.sampling",
     "KVGroupSpec": "tandem.engine.kv_cache",
     "KVPool": "tandem.engine.kv_cache",
     "KVRegionInfo": "tandem.engine.kv_cache",
     "LLMEngine": "tandem.engine.llm",
+    "LogprobRows": "tandem.engine.logprobs",
     "ModelConfig": "tandem.engine.config",
     "ModelRunner": "tandem.engine.runner",
     "OutOfPages": "tandem.engine.kv_cache",
@@ -48,6 +51,7 @@ _WHERE = {  # public name -> the module that defines it
     "build_model": "tandem.engine.loader",
     "causal_mask": "tandem.engine.attention",
     "create_backend": "tandem.engine.attention",
+    "gather_logprobs": "tandem.engine.logprobs",
     "resolve_model": "tandem.engine.loader",
     "target_probs": "tandem.engine.sampling",
     "tree_mask": "tandem.engine.attention",
@@ -56,13 +60,13 @@ _WHERE = {  # public name -> the module that defines it
 
 __all__ = [
     "GREEDY_TEMPERATURE", "AttentionMetadata", "BatchLayout", "Completion", "ConfigError",
-    "DecoderLM", "EngineConfig", "FinishReason", "ForwardBatch", "ForwardOutput",
-    "InjectedFault", "KVGroupSpec", "KVPool", "KVRegionInfo", "LLMEngine", "ModelConfig",
-    "ModelRunner", "OutOfPages", "PageAllocator", "PageError", "ParallelContext",
-    "ParallelGroup", "PoolTooSmall", "PrefixCache", "RequestOutput", "SampleOutput", "Sampler",
-    "SamplingFault", "SamplingParams", "SeqSlice", "WeightLoadError", "build_metadata",
-    "build_model", "causal_mask", "create_backend", "resolve_model", "target_probs",
-    "tree_mask", "validate_prompt",
+    "DecoderLM", "EngineConfig", "FinishReason", "ForwardBatch", "ForwardOutput", "HostCopy",
+    "HostLogprobs", "InjectedFault", "KVGroupSpec", "KVPool", "KVRegionInfo", "LLMEngine",
+    "LogprobRows", "ModelConfig", "ModelRunner", "OutOfPages", "PageAllocator", "PageError",
+    "ParallelContext", "ParallelGroup", "PoolTooSmall", "PrefixCache", "RequestOutput",
+    "SampleOutput", "Sampler", "SamplingFault", "SamplingParams", "SeqSlice",
+    "WeightLoadError", "build_metadata", "build_model", "causal_mask", "create_backend",
+    "gather_logprobs", "resolve_model", "target_probs", "tree_mask", "validate_prompt",
 ]
 
 

@@ -31,8 +31,9 @@ from tandem.engine.parallel import ParallelContext
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import Completion, FinishReason, Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, row_error
+from tandem.engine.sampling import Sampler, SamplingParams, read_sampled, row_error
 from tandem.engine.scheduler import Scheduler, StepPlan
+from tandem.messages import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +234,11 @@ class LLMEngine:
         sampled = self.sampler.sample(logits, [r.params for r in reqs],
                                       [r.generator for r in reqs], [r.req_id for r in reqs])
         self.scheduler.commit(plan)
-        token_list = sampled.tokens.tolist()  # SYNC: the one host sync per step (stop checks)
-        return [self._append_row(r, t, err)
-                for r, t, err in zip(reqs, token_list, sampled.errors)]
+        # SYNC: the one host sync per step (stop checks): the tokens, and the logprobs of the
+        # rows that asked, in one read.
+        token_list, logprobs = read_sampled(sampled)
+        return [self._append_row(r, t, err, lp)
+                for r, t, err, lp in zip(reqs, token_list, sampled.errors, logprobs)]
 
     def _graph_batch_size(self, plan: StepPlan) -> int | None:
         """The padded size of a CUDA graph that can run this step, or None (eager)."""
@@ -262,14 +265,15 @@ class LLMEngine:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
         )
 
-    def _append_row(self, req: Request, token: int, error: str = "") -> RequestOutput:
+    def _append_row(self, req: Request, token: int, error: str = "",
+                    logprob: TokenLogprob | None = None) -> RequestOutput:
         """A row's work after the forward, isolated: a row whose sampling failed (`error`), or
         whose stop checks or detokenizer raise, fails its own request and no other -- only a
         failure of the whole forward may stop a worker."""
         if error:
             return self._fail_request(req, error)
         try:
-            return self._append(req, token)
+            return self._append(req, token, logprob)
         except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
             log.warning("request '%s' failed after sampling", req.req_id, exc_info=exc)
             return self._fail_request(req, row_error("detokenizer/stop checks", exc))
@@ -285,10 +289,15 @@ class LLMEngine:
         return RequestOutput(req_id=req.req_id, new_token_ids=(), text_delta="", finished=True,
                              finish_reason=FinishReason.ERROR, error=error)
 
-    def _append(self, req: Request, token: int) -> RequestOutput:
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None
+                ) -> RequestOutput:
+        """`token` through the stop checks; `logprob` (None: the request did not ask) goes
+        with it wherever the token goes."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
         detok = self._detok.get(req.req_id)
         prev_len = len(req.text)
         if detok is not None:
@@ -315,15 +324,19 @@ class LLMEngine:
         delta = req.text[req.num_emitted_chars : visible_end]
         req.num_emitted_chars = visible_end
         new_token_ids = (token,)
+        logprobs = (logprob,) if logprob is not None else ()
         if stop_at is not None:  # the token that completed a stop string is not returned
             req.output_ids.pop()
-            new_token_ids = ()
+            if logprob is not None:
+                req.output_logprobs.pop()
+            new_token_ids, logprobs = (), ()
         if reason is not None:
             req.text = req.text[:visible_end]
             self.scheduler.finish(req, reason)
             self._detok.pop(req.req_id, None)
         return RequestOutput(req_id=req.req_id, new_token_ids=new_token_ids, text_delta=delta,
-                             finished=reason is not None, finish_reason=reason)
+                             finished=reason is not None, finish_reason=reason,
+                             logprobs=logprobs)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -384,5 +397,5 @@ def _completion(req: Request) -> Completion:
         text=req.text, finish_reason=req.finish_reason,
         ttft_s=(req.first_token_time or now) - req.arrival_time,
         latency_s=now - req.arrival_time, num_cached_tokens=req.num_cached_tokens,
-        error=req.error,
+        error=req.error, logprobs=tuple(req.output_logprobs),
     )

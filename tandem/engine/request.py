@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.messages import FinishReason, SamplingParams  # noqa: F401 -- re-exported
+from tandem.messages import TokenLogprob
 
 
 @dataclass(slots=True, eq=False)
@@ -24,6 +25,8 @@ class Request:
     # Tokens generated; when a stop string ended the request, the token that completed it is
     # not among them (docs/architecture.md, "Request semantics").
     output_ids: list[int] = field(default_factory=list)
+    # [len(output_ids)] when params.logprobs, else empty (messages/logprobs.py)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids whose K/V are in the cache
     text: str = ""  # detokenized output so far (stop strings are found here)
@@ -63,6 +66,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     error: str = ""  # finish_reason ERROR: why this request failed ("stage: Type: message")
+    logprobs: tuple[TokenLogprob, ...] = ()  # [len(new_token_ids)] when the request asked
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,3 +82,4 @@ class Completion:
     latency_s: float  # arrival -> finish
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str = ""  # finish_reason ERROR: why this request failed
+    logprobs: tuple[TokenLogprob, ...] = ()  # [len(output_ids)] when the request asked

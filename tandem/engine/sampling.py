@@ -5,6 +5,9 @@ maps them to INVALID_ARGUMENT). `target_probs` is the one definition of "the dis
 sample from" after temperature/top-k/top-p/min-p; the speculative verifier uses the same
 function, which is what makes rejection sampling lossless.
 
+Log-probabilities (for the requests that ask) are computed in the same pass, on the device,
+and read with the tokens (`read_sampled`, the step's one host read): engine/logprobs.py.
+
 No request can make sampling raise for its batch: `target_probs` always returns a valid
 distribution (see its docstring), and `Sampler.sample` reports a row whose draw still fails as
 that row's error -- the engine then fails that request alone and serves the rest of the batch.
@@ -18,8 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine import h2d
 from tandem.engine.config import SamplingFault
+from tandem.engine.d2h import HostCopy
+from tandem.engine.logprobs import HostLogprobs, LogprobRows, asking_rows, gather_logprobs
 from tandem.messages import GREEDY_TEMPERATURE, SamplingParams  # noqa: F401 -- re-exported
+from tandem.messages import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +94,20 @@ class SampleOutput:
 
     tokens: torch.Tensor  # [n] int64; a failed row holds its argmax (a placeholder, never used)
     errors: tuple[str, ...]  # [n] "" for a sampled row, else why its request fails
+    # The sampled tokens' logprobs for the rows whose request asks (None: no row asks)
+    logprobs: LogprobRows | None = None
+
+
+def read_sampled(out: SampleOutput) -> tuple[list[int], list[TokenLogprob | None]]:
+    """The tokens of `out` and their logprobs ([n] each; None for a row that did not ask) on the
+    host, read together: one wait (`HostCopy`), the step's one host sync."""
+    lp = out.logprobs
+    copy = HostCopy.start((out.tokens, *(lp.tensors() if lp is not None else ())))
+    tokens_h, *lp_h = copy.wait()  # SYNC: the step's one host read, tokens and logprobs
+    tokens = tokens_h.tolist()
+    if lp is None:
+        return tokens, [None] * len(tokens)
+    return tokens, HostLogprobs.of(lp, lp_h).per_row(tokens)
 
 
 class Sampler:
@@ -141,10 +162,27 @@ class Sampler:
                         tokens[i] = torch.multinomial(probs, 1)[0]
                     except Exception as exc:  # noqa: BLE001
                         errors[i] = self._failed(i, req_ids, exc)
-        return SampleOutput(tokens=tokens, errors=tuple(errors))
+        return SampleOutput(tokens=tokens, errors=tuple(errors),
+                            logprobs=sampled_logprobs(logits, tokens, params))
 
     @staticmethod
     def _failed(row: int, req_ids: Sequence[str], exc: Exception) -> str:
         name = req_ids[row] if req_ids else f"row {row}"
         log.warning("sampling failed for request '%s'", name, exc_info=exc)
         return row_error("sampling", exc)
+
+
+def sampled_logprobs(
+    logits: torch.Tensor,  # [n, V] float32 the batch's logits
+    tokens: torch.Tensor,  # [n] int64 the tokens sampled from them
+    params: Sequence[SamplingParams],  # [n]
+) -> LogprobRows | None:
+    """The logprobs of the rows whose request asks (None when none does: no work at all).
+    Device work only: the asking rows are picked by an index copied without a sync."""
+    rows = asking_rows(params)
+    if not rows:
+        return None
+    if len(rows) < len(params):
+        idx = h2d.tensor(rows, torch.int64, logits.device)  # [m]
+        logits, tokens = logits[idx], tokens[idx]
+    return gather_logprobs(logits, tokens, [params[i].top_logprobs for i in rows], rows)

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from tandem.messages.logprobs import MAX_TOP_LOGPROBS
+
 
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
@@ -44,6 +46,11 @@ class SamplingParams:
       tokens tied for the maximum, a min_p that rounds to 0 drops nothing.
     - a row whose probabilities still come out non-finite or all zero (e.g. NaN or +inf
       logits) falls back to its argmax.
+
+    `logprobs` asks for each returned token's log-probability, `top_logprobs` (0 to
+    MAX_TOP_LOGPROBS, only with `logprobs`) for that many most likely alternatives too: the
+    log-softmax of the target's raw logits, whatever the sampling settings above
+    (messages/logprobs.py). A batch where no request asks computes none.
     """
 
     max_new_tokens: int = 128
@@ -55,6 +62,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings (checked on the detokenized text)
     ignore_eos: bool = False
+    logprobs: bool = False  # return each token's logprob (TokenLogprob)
+    top_logprobs: int = 0  # and its this many most likely alternatives, in [0, 20]
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -69,6 +78,11 @@ class SamplingParams:
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must be non-empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs (set logprobs to true)")
 
     @property
     def greedy(self) -> bool:
