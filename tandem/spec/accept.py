@@ -12,19 +12,31 @@ p = target_probs(logits[c], params) -- the same function the plain sampler uses.
   probability p(t1), any other t with (1 - p(t1)) * p(t) / (1 - p(t1)) = p(t).
 
 A row whose walk raises fails its own request only (`VerifyResult.errors`), as in the sampler.
+
+Log-probabilities (rows whose request asks; messages/logprobs.py's rule): emitted token j of a
+request came from the target's distribution at node (0, *path)[j] -- the root for the first,
+accepted node j-1 for the next, the last accepted node for the bonus -- so its value is the
+log-softmax of the verify logits there, the same distribution plain decoding samples that
+position from. Computed on the device before the round's one host read and read with it: on
+the device path for the emitted positions only (`_emitted_logprobs`); for the host walk, at
+every node of the asking rows (`node_logprobs`), where a residual draw reads its value with the
+draw itself (the read it made anyway).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
-from tandem.engine.h2d import tensor as h2d_tensor
 from tandem.engine.config import SamplingFault
+from tandem.engine.d2h import HostCopy
+from tandem.engine.h2d import tensor as h2d_tensor
+from tandem.engine.logprobs import (HostLogprobs, LogprobRows, asking_rows, gather_logprobs,
+                                    pick_logprobs)
 from tandem.engine.sampling import SamplingParams, check_fault, row_error, target_probs
+from tandem.messages import TokenLogprob
 from tandem.spec import kernels as spec_kernels
 from tandem.spec.phases import VerifyInput, VerifyResult
 
@@ -47,29 +59,137 @@ def accept(
 ) -> VerifyResult:
     n = verify.num_nodes
     if all(p.greedy for p in params):
-        return with_row_faults(launch_greedy_accept(verify, logits).result(), req_ids, fault)
+        return with_row_faults(launch_greedy_accept(verify, logits, params).result(), req_ids,
+                               fault)
     argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
-    # SYNC: the one host read of the round: draft tokens and target argmax together.
-    both = torch.stack([verify.tokens, argmax]).tolist()
+    nodes = node_logprobs(verify, logits, argmax, params)  # None: no row asks
+    copy = HostCopy.start((torch.stack([verify.tokens, argmax]),
+                           *(nodes.tensors() if nodes is not None else ())))
+    # SYNC: the one host read of the round: draft tokens and target argmax together (and the
+    # logprobs of the rows that ask).
+    both_h, *lp_h = copy.wait()
+    both = both_h.tolist()
     tokens_h, argmax_h = both[0], both[1]
-    paths, new_tokens, errors = [], [], [""] * verify.batch_size
+    host = nodes.read(lp_h) if nodes is not None else None
+    paths, new_tokens, errors, logprobs = [], [], [""] * verify.batch_size, []
     for r in range(verify.batch_size):
         kids = children_of(verify.parents[r])
+        entry = host.entry_of(r) if host is not None else None  # asking rows only
+        bonus_lp = None  # a sampled bonus's logprob, from the walk
         try:
             if req_ids:
                 check_fault(fault, req_ids[r])
             if params[r].greedy:
                 path, bonus = _walk_greedy(tokens_h[r], argmax_h[r], kids)
             else:
-                path, bonus = _walk_sampled(tokens_h[r], logits[r * n : (r + 1) * n], kids,
-                                            params[r], generators[r])
+                path, bonus, bonus_lp = _walk_sampled(
+                    tokens_h[r], logits[r * n : (r + 1) * n], kids, params[r], generators[r],
+                    None if entry is None else nodes.walk_view(entry, host))
         except Exception as exc:  # noqa: BLE001 -- this row's request fails, alone
             path, bonus = [], argmax_h[r][0]  # a placeholder for the round's batched work
             errors[r] = row_error("acceptance", exc)
         paths.append(tuple(path))
         new_tokens.append(tuple(tokens_h[r][c] for c in path) + (bonus,))
+        logprobs.append(() if entry is None or errors[r] else
+                        host.emitted(entry, path, new_tokens[-1], bonus_lp))
     return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens),
-                        errors=tuple(errors) if any(errors) else ())
+                        errors=tuple(errors) if any(errors) else (),
+                        logprobs=tuple(logprobs) if host is not None else ())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class NodeLogprobs:
+    """For the host walk: the verify forward's target distribution at every node of the
+    requests that ask for logprobs -- whatever the walk emits there, its value is here or (a
+    residual draw) read from `lp` by the walk. On the device until read with the walk's
+    tokens."""
+
+    reqs: tuple[int, ...]  # [m] the batch rows that ask
+    num_nodes: int  # N
+    lp: torch.Tensor  # [m * N, V] float32 log-softmax at each node
+    # [m * N] per node: `chosen` = the node's argmax (a greedy bonus there), and the top-K
+    at_argmax: LogprobRows
+    child: torch.Tensor  # [m, N] float32 node c's token under its parent's distribution
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.at_argmax.tensors(), self.child)
+
+    def read(self, host: Sequence[torch.Tensor]) -> HostNodeLogprobs:
+        """`host`: the host copies of `tensors()`, waited for."""
+        *top, child = host
+        return HostNodeLogprobs(reqs=self.reqs, num_nodes=self.num_nodes,
+                                top=HostLogprobs.of(self.at_argmax, top), child=child.tolist())
+
+    def walk_view(self, entry: int, host: HostNodeLogprobs) -> WalkLogprobs:
+        n = self.num_nodes
+        return WalkLogprobs(lp=self.lp[entry * n : (entry + 1) * n], child=host.child[entry])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class WalkLogprobs:
+    """What a sampled walk of an asking row needs to give its bonus token's logprob."""
+
+    lp: torch.Tensor  # [N, V] float32 log-softmax at each node of this row (device)
+    child: list[float]  # [N] node c's token under its parent's distribution (host)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostNodeLogprobs:
+    """`NodeLogprobs` on the host."""
+
+    reqs: tuple[int, ...]  # [m]
+    num_nodes: int
+    top: HostLogprobs  # [m * N]
+    child: list[list[float]]  # [m][N]
+
+    def entry_of(self, row: int) -> int | None:
+        """Row `row`'s index among the asking rows, None when it does not ask."""
+        return self.reqs.index(row) if row in self.reqs else None
+
+    def emitted(self, entry: int, path: Sequence[int], tokens: Sequence[int],
+                bonus_lp: float | None) -> tuple[TokenLogprob, ...]:
+        """The logprobs of a walk's new tokens (accepted drafts + bonus): token j came from
+        node (0, *path)[j]; an accepted draft's value is its node's `child`, the bonus's the
+        walk's (sampled) or its node's argmax (greedy: the bonus is that argmax)."""
+        n, out = self.num_nodes, []
+        for j, (node, tok) in enumerate(zip((0, *path), tokens)):
+            e = self.top.entry(entry * n + node, tok)  # the top-K at the node
+            if j < len(path):
+                e = replace(e, logprob=self.child[entry][path[j]])
+            elif bonus_lp is not None:
+                e = replace(e, logprob=bonus_lp)
+            out.append(e)
+        return tuple(out)
+
+
+def node_logprobs(
+    verify: VerifyInput,
+    logits: torch.Tensor,  # [bs * N, V] float32
+    argmax: torch.Tensor,  # [bs, N] int64
+    params: Sequence[SamplingParams],
+) -> NodeLogprobs | None:
+    """The asking rows' `NodeLogprobs` (None when no row asks). Device work only."""
+    reqs = asking_rows(params)
+    if not reqs:
+        return None
+    n, device = verify.num_nodes, logits.device
+    tokens = verify.tokens  # [bs, N]
+    if len(reqs) < verify.batch_size:
+        idx = h2d_tensor(reqs, torch.int64, device)  # [m]
+        logits = logits[(idx[:, None] * n + torch.arange(n, device=device)).reshape(-1)]
+        argmax, tokens = argmax[idx], tokens[idx]
+    m = len(reqs)
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [m * N, V]
+    at_argmax = pick_logprobs(lp, argmax.reshape(-1),
+                              [params[r].top_logprobs for r in reqs for _ in range(n)],
+                              [r for r in reqs for _ in range(n)])
+    # node c's token under its parent's distribution: lp[i * N + parent(c), tokens[i, c]]
+    # (the root, parent -1, reads its own row: a value never used)
+    parents = h2d_tensor([[max(p, 0) for p in verify.parents[r]] for r in reqs], torch.int64,
+                         device)  # [m, N]
+    rows = torch.arange(m, device=device)[:, None] * n + parents  # [m, N]
+    child = lp.reshape(-1)[(rows * lp.shape[-1] + tokens).reshape(-1)].view(m, n)
+    return NodeLogprobs(reqs=reqs, num_nodes=n, lp=lp, at_argmax=at_argmax, child=child)
 
 
 def with_row_faults(result: VerifyResult, req_ids: Sequence[str],
@@ -97,28 +217,41 @@ class GreedyAcceptance:
     path: torch.Tensor  # [bs, depth] int32 accepted nodes in order, -1 past the end
     bonus: torch.Tensor  # [bs] int64 the target's token after the accepted path
     depth: int  # the deepest node any tree of the batch has
-    rows_host: torch.Tensor  # [bs, 2 + 2 * depth] int64 on the host (pinned on CUDA)
-    ready: Any  # torch.cuda.Event recorded after the device->host copy; None on CPU
+    # host copies of: [bs, 2 + 2 * depth] int64 rows (accepted count, bonus, path, path
+    # tokens), then `logprobs.tensors()`
+    copy: HostCopy
+    # [m * (depth + 1)] logprobs of emitted positions 0..depth of each asking request (past
+    # its accepted count + 1: filler); None when no request asks
+    logprobs: LogprobRows | None = None
 
     def result(self) -> VerifyResult:
-        if self.ready is not None:
-            # SYNC: the round's one host read -- waits for the acceptance kernel and the copy,
-            # not for whatever was queued after them.
-            self.ready.synchronize()
+        # SYNC inside: the round's one host read -- waits for the acceptance kernel and the
+        # copies, not for whatever was queued after them.
+        rows_h, *lp_h = self.copy.wait()
         d = self.depth
         paths, new_tokens = [], []
-        for row in self.rows_host.tolist():
+        for row in rows_h.tolist():
             a = row[0]
             paths.append(tuple(row[2 : 2 + a]))
             new_tokens.append(tuple(row[2 + d : 2 + d + a]) + (row[1],))
-        return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
+        if self.logprobs is None:
+            return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
+        host = HostLogprobs.of(self.logprobs, lp_h)
+        entry = {r: i for i, r in enumerate(dict.fromkeys(host.rows))}  # row -> asking index
+        logprobs = tuple(
+            tuple(host.entry(entry[r] * (d + 1) + j, t) for j, t in enumerate(toks))
+            if r in entry else () for r, toks in enumerate(new_tokens))
+        return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens),
+                            logprobs=logprobs)
 
 
-def launch_greedy_accept(verify: VerifyInput, logits: torch.Tensor) -> GreedyAcceptance:
+def launch_greedy_accept(verify: VerifyInput, logits: torch.Tensor,
+                         params: Sequence[SamplingParams] = ()) -> GreedyAcceptance:
     """An all-greedy batch: the walk (`_walk_greedy` for every request) runs on the device --
     one Triton kernel on CUDA -- and one device->host copy of what the commit needs (accepted
-    lengths, bonus tokens, paths, tokens) is queued without waiting for it. Nothing here
-    copies host data to the device synchronously."""
+    lengths, bonus tokens, paths, tokens, the logprobs of the rows of `params` that ask) is
+    queued without waiting for it. Nothing here copies host data to the device synchronously.
+    logits: [bs * N, V] float32, request-major."""
     n, bs = verify.num_nodes, verify.batch_size
     argmax = logits.argmax(dim=-1).view(bs, n)
     depth = max(max(d) for d in verify.depths)  # the longest path any tree allows
@@ -126,15 +259,43 @@ def launch_greedy_accept(verify: VerifyInput, logits: torch.Tensor) -> GreedyAcc
     num, path, bonus = spec_kernels.greedy_accept(verify.tokens, argmax, parents, depth)
     path_tokens = verify.tokens.gather(1, path.long().clamp(min=0))  # [bs, depth]
     rows = torch.cat([num.long()[:, None], bonus[:, None], path.long(), path_tokens], dim=1)
-    ready = None
-    if rows.is_cuda:
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        rows = host
-    return GreedyAcceptance(num_accepted=num, path=path, bonus=bonus, depth=depth,
-                            rows_host=rows, ready=ready)
+    lp = _emitted_logprobs(verify, logits, num, path, path_tokens, bonus, params)
+    copy = HostCopy.start((rows, *(lp.tensors() if lp is not None else ())))
+    return GreedyAcceptance(num_accepted=num, path=path, bonus=bonus, depth=depth, copy=copy,
+                            logprobs=lp)
+
+
+def _emitted_logprobs(
+    verify: VerifyInput,
+    logits: torch.Tensor,  # [bs * N, V] float32
+    num: torch.Tensor,  # [bs] int32 accepted drafts
+    path: torch.Tensor,  # [bs, D] int32 accepted nodes, -1 past the end
+    path_tokens: torch.Tensor,  # [bs, D] int64 their tokens (filler past the end)
+    bonus: torch.Tensor,  # [bs] int64
+    params: Sequence[SamplingParams],
+) -> LogprobRows | None:
+    """Device path: the logprobs of emitted positions j = 0..D of the asking requests (None
+    when none asks) -- token j is accepted draft j (j < num) or the bonus (j = num), from the
+    distribution at node (0, *path)[j]; positions past num are filler the host never reads.
+    Device work only: nothing about `num` is known on the host yet."""
+    reqs = asking_rows(params)
+    if not reqs:
+        return None
+    n, bs, d1 = verify.num_nodes, verify.batch_size, path.shape[1] + 1
+    device = logits.device
+    zero = torch.zeros(bs, 1, dtype=torch.int64, device=device)
+    nodes = torch.cat([zero, path.long().clamp(min=0)], dim=1)  # [bs, D+1]
+    j = torch.arange(d1, device=device)  # [D+1]
+    toks = torch.where(j[None, :] < num.long()[:, None], torch.cat([path_tokens, zero], dim=1),
+                       bonus[:, None])  # [bs, D+1]
+    base = torch.arange(bs, device=device)  # [bs]
+    if len(reqs) < bs:
+        base = h2d_tensor(reqs, torch.int64, device)  # [m]
+        nodes, toks = nodes[base], toks[base]
+    flat = (base[:, None] * n + nodes).reshape(-1)  # [m * (D+1)] verify rows
+    return gather_logprobs(logits[flat], toks.reshape(-1),
+                           [params[r].top_logprobs for r in reqs for _ in range(d1)],
+                           [r for r in reqs for _ in range(d1)])
 
 
 def _walk_greedy(tokens: list[int], argmax: list[int], kids: list[list[int]]
@@ -150,8 +311,9 @@ def _walk_greedy(tokens: list[int], argmax: list[int], kids: list[list[int]]
 
 def _walk_sampled(
     tokens: list[int], logits: torch.Tensor, kids: list[list[int]], params: SamplingParams,
-    gen: torch.Generator | None,
-) -> tuple[list[int], int]:
+    gen: torch.Generator | None, lps: WalkLogprobs | None = None,
+) -> tuple[list[int], int, float | None]:
+    """-> (path, bonus, the bonus's logprob when `lps` is given: the row asks)."""
     node, path = 0, []
     while True:
         p = target_probs(logits[node], params)  # [V]
@@ -169,7 +331,13 @@ def _walk_sampled(
             if not total > 0:
                 # u < 1 always accepts p(t) = 1, so the rest of p has mass; float32 can still
                 # round a p(t) just below 1 up to leave none: then t is the answer (not NaN).
-                return path, t
+                return path, t, None if lps is None else lps.child[c]
             p = p / total
         if not moved:
-            return path, int(torch.multinomial(p, 1, generator=gen)[0])
+            draw = torch.multinomial(p, 1, generator=gen)[0]
+            if lps is None:
+                return path, int(draw), None
+            # The draw and its logprob in one read (the read `int(draw)` made anyway); float64
+            # holds both exactly (token ids < 2^53).
+            both = torch.stack([draw.double(), lps.lp[node, draw].double()]).tolist()
+            return path, int(both[0]), both[1]

@@ -26,9 +26,10 @@ from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.request import Request, RequestOutput
-from tandem.engine.sampling import row_error
+from tandem.engine.sampling import read_sampled, row_error
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk, StepPlan
+from tandem.messages import TokenLogprob
 from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
@@ -162,7 +163,9 @@ class SpecEngine(LLMEngine):
         self.scheduler.commit(plan)
         # A row whose sampling failed keeps its placeholder token through the batched draft
         # prefill below (it writes only that request's own pages) and fails after it.
-        sampled = dict(zip((c.req_id for c in sampling), drawn.tokens.tolist()))  # SYNC: one
+        tokens, logprobs = read_sampled(drawn)  # SYNC: one (tokens and asked-for logprobs)
+        sampled = dict(zip((c.req_id for c in sampling), tokens))
+        first_logprobs = dict(zip((c.req_id for c in sampling), logprobs))
         errors = dict(zip((c.req_id for c in sampling), drawn.errors))
         if self.prefill_synced_hook is not None and completing:
             self.prefill_synced_hook(completing)
@@ -185,12 +188,13 @@ class SpecEngine(LLMEngine):
                 continue
             req = self.scheduler.requests[c.req_id]
             result = self._first_token_row(req, sampled[c.req_id], errors[c.req_id],
-                                           hidden[end - 1 : end])
+                                           hidden[end - 1 : end], first_logprobs[c.req_id])
             outputs.append(result)
         return outputs
 
     def _first_token_row(self, req: Request, token: int, error: str,
                          hidden: torch.Tensor,  # [1, H] draft hidden of the prompt's last token
+                         logprob: TokenLogprob | None = None,  # None: the request did not ask
                          ) -> RequestOutput:
         """A prompt completed in this step: its first token through the stop checks, then its
         draft seed (decoding here) or its hand-off (prefill-only). Isolated per request, as
@@ -199,7 +203,7 @@ class SpecEngine(LLMEngine):
             return self._fail_request(req, error)
         try:
             ids, logp = self.head.topk(hidden, self.spec.topk)
-            result = self._append(req, token)
+            result = self._append(req, token, logprob)
         except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
             log.warning("request '%s' failed after sampling", req.req_id, exc_info=exc)
             return self._fail_request(req, row_error("detokenizer/stop checks", exc))
@@ -235,7 +239,8 @@ class SpecEngine(LLMEngine):
             req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), first_token=seed.last_token,
             seed=seed, page_ids=pages, generator_state=gen_state, finished=finished,
             first_text=first.text_delta, first_token_returned=bool(first.new_token_ids),
-            finish_reason=first.finish_reason.value if first.finish_reason else None)
+            finish_reason=first.finish_reason.value if first.finish_reason else None,
+            first_logprob=first.logprobs[0] if first.logprobs else None)
 
     def take_handoffs(self) -> list[PrefillHandoff]:
         out = list(self.handoffs.values())
@@ -248,11 +253,12 @@ class SpecEngine(LLMEngine):
 
     def admit_prefilled(
         self, req_id: str, prompt_ids, params, first_token: int, seed: DraftSeed,
-        page_ids, generator_state: bytes = b"",
+        page_ids, generator_state: bytes = b"", first_logprob: TokenLogprob | None = None,
     ) -> RequestOutput:
         """Take in a request whose prompt KV (target and draft) already sits in `page_ids` of
         this engine's pool: it joins the speculative loop at position len(prompt_ids). The
-        first token goes through the same stop checks and streaming as any other."""
+        first token goes through the same stop checks and streaming as any other, with its
+        logprob from the prefill side (`first_logprob`, when the request asks)."""
         prompt_ids = list(prompt_ids)
         validate_prompt(prompt_ids, self.model_cfg.vocab_size, self.max_model_len)
         if seed.num_cached != len(prompt_ids) or seed.last_token != first_token:
@@ -279,7 +285,8 @@ class SpecEngine(LLMEngine):
             from tandem.tokenizer import IncrementalDetokenizer
 
             self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
-        out = self._append_row(req, first_token)  # a failure ends this request (pages freed)
+        # A failure ends this request (pages freed).
+        out = self._append_row(req, first_token, "", first_logprob)
         if not out.finished:
             self.spec_scheduler.set_seed(req_id, seed)
         return out
@@ -310,7 +317,7 @@ class SpecEngine(LLMEngine):
             # Greedy on the device: the acceptance kernel and the draft-extend graph are queued
             # back to back before the round's one host read, so the GPU extends while the host
             # commits (the same tokens and draft inputs as the path below).
-            pending = launch_greedy_accept(verify, out.logits)
+            pending = launch_greedy_accept(verify, out.logits, inp.params)
             ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
                                 features)
             result = with_row_faults(pending.result(), inp.req_ids, fault)  # SYNC inside
@@ -355,19 +362,21 @@ class SpecEngine(LLMEngine):
                 outputs.append(self._fail_request(req, result.error_of(r)))
                 continue
             try:
-                outputs.append(self._commit_row(req, toks, seed))
+                outputs.append(self._commit_row(req, toks, seed, result.logprobs_of(r)))
             except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
                 log.warning("request '%s' failed after acceptance", req.req_id, exc_info=exc)
                 outputs.append(self._fail_request(req, row_error("detokenizer/stop checks", exc)))
         return outputs
 
-    def _commit_row(self, req: Request, toks: tuple[int, ...], seed: DraftSeed) -> RequestOutput:
+    def _commit_row(self, req: Request, toks: tuple[int, ...], seed: DraftSeed,
+                    logprobs: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
+        """logprobs: [len(toks)] when the request asks, else ()."""
         # tau measures the draft: it counts what verification accepted, even when a stop
         # condition then ends the request inside the accepted run.
         self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
         parts = []
-        for tok in toks:  # an EOS or stop string ends the request at its token
-            parts.append(self._append(req, tok))
+        for i, tok in enumerate(toks):  # an EOS or stop string ends the request at its token
+            parts.append(self._append(req, tok, logprobs[i] if logprobs else None))
             if parts[-1].finished:
                 break
         last = parts[-1]
@@ -375,4 +384,5 @@ class SpecEngine(LLMEngine):
         return RequestOutput(
             req_id=req.req_id, new_token_ids=tuple(t for o in parts for t in o.new_token_ids),
             text_delta="".join(o.text_delta for o in parts), finished=last.finished,
-            finish_reason=last.finish_reason)
+            finish_reason=last.finish_reason,
+            logprobs=tuple(lp for o in parts for lp in o.logprobs))

@@ -9,6 +9,12 @@ Seed layout (little-endian):
     hidden      float32 [hidden_size]
     gen_state   uint8 [n]   the request's sampling generator state (empty when greedy), so the
                             decode side continues the exact random stream colocated would use
+  then, only when the request asks for logprobs, the first token's (messages/logprobs.py), so
+  the decode side's first output carries them like the prefill worker's `FirstToken`:
+    logprob     <Iif        magic b"TLP1" as u32, top_logprobs k, the first token's logprob
+    top_ids     int64 [k]
+    top_logp    float32 [k]
+A payload that ends after gen_state has no logprobs.
 """
 
 from __future__ import annotations
@@ -19,23 +25,33 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.messages import MAX_TOP_LOGPROBS, TokenLogprob
 from tandem.spec.phases import DraftSeed
 
 _MAGIC = b"TSD1"
 _HEADER = struct.Struct("<4sIIqqII")
+_LP_MAGIC = struct.unpack("<I", b"TLP1")[0]
+_LP_HEADER = struct.Struct("<Iif")
 
 
 class SeedFormatError(ValueError):
     """Bytes that are not a seed (wrong magic, truncated)."""
 
 
-def encode_seed(seed: DraftSeed, generator_state: bytes = b"") -> bytes:
+def encode_seed(seed: DraftSeed, generator_state: bytes = b"",
+                first_logprob: TokenLogprob | None = None) -> bytes:
     ids = seed.topk_ids.detach().to("cpu", torch.int64).numpy()
     logp = seed.topk_logp.detach().to("cpu", torch.float32).numpy()
     hidden = seed.hidden.detach().to("cpu", torch.float32).numpy()
     header = _HEADER.pack(_MAGIC, 1, ids.shape[0], seed.num_cached, seed.last_token,
                           hidden.shape[0], len(generator_state))
-    return header + ids.tobytes() + logp.tobytes() + hidden.tobytes() + generator_state
+    out = header + ids.tobytes() + logp.tobytes() + hidden.tobytes() + generator_state
+    if first_logprob is not None:
+        lp = first_logprob
+        out += (_LP_HEADER.pack(_LP_MAGIC, len(lp.top_ids), lp.logprob)
+                + np.asarray(lp.top_ids, np.int64).tobytes()
+                + np.asarray(lp.top_logprobs, np.float32).tobytes())
+    return out
 
 
 def decode_seed(buf: bytes, device: torch.device, dtype: torch.dtype
@@ -65,9 +81,31 @@ def decode_seed(buf: bytes, device: torch.device, dtype: torch.dtype
     return seed, bytes(buf[off : off + gen_len])
 
 
+def decode_first_logprob(buf: bytes) -> TokenLogprob | None:
+    """The first token's logprob from an encoded seed (None: the request did not ask). The
+    seed's own fields are checked by `decode_seed`."""
+    _, _, topk, _, last, hidden_size, gen_len = _HEADER.unpack_from(buf)
+    off = _HEADER.size + topk * 12 + hidden_size * 4 + gen_len
+    if len(buf) == off:
+        return None
+    if len(buf) < off + _LP_HEADER.size:
+        raise SeedFormatError(f"seed: {len(buf) - off} trailing bytes are not a logprob")
+    magic, k, logprob = _LP_HEADER.unpack_from(buf, off)
+    off += _LP_HEADER.size
+    if magic != _LP_MAGIC or not 0 <= k <= MAX_TOP_LOGPROBS or len(buf) != off + k * 12:
+        raise SeedFormatError(f"seed: bad logprob section (magic {magic:#x}, k {k}, "
+                              f"{len(buf) - off} bytes)")
+    ids = np.frombuffer(buf, np.int64, k, off)
+    top = np.frombuffer(buf, np.float32, k, off + k * 8)
+    return TokenLogprob(token_id=last, logprob=logprob, top_ids=tuple(ids.tolist()),
+                        top_logprobs=tuple(top.tolist()))
+
+
 def seed_nbytes(topk: int, hidden_size: int, generator_state: int = 5056) -> int:
-    """Upper bound of an encoded seed (CPU mt19937 generator state is 5056 bytes)."""
-    return _HEADER.size + topk * 12 + hidden_size * 4 + generator_state
+    """Upper bound of an encoded seed (CPU mt19937 generator state is 5056 bytes), with the
+    first token's logprobs at their largest."""
+    return (_HEADER.size + topk * 12 + hidden_size * 4 + generator_state + _LP_HEADER.size
+            + MAX_TOP_LOGPROBS * 12)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -88,6 +126,8 @@ class PrefillHandoff:
     # semantics").
     first_token_returned: bool = True
     finish_reason: str | None = None  # "stop" | "length" when finished here
+    # The first token's logprob when the request asks (and the token is returned)
+    first_logprob: TokenLogprob | None = None
 
     def seed_bytes(self) -> bytes:
-        return encode_seed(self.seed, self.generator_state)
+        return encode_seed(self.seed, self.generator_state, self.first_logprob)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.h2d import tensor as h2d_tensor
-from tandem.messages import SamplingParams
+from tandem.messages import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -128,9 +128,16 @@ class VerifyResult:
     # [bs] "" for a row accepted normally; else why its request fails (that row's path and
     # tokens are placeholders the round's batched work may use, never committed). () = none.
     errors: tuple[str, ...] = ()
+    # [bs][len(new_tokens[r])] each new token's logprob from the verify forward's target
+    # distribution (messages/logprobs.py), for the rows whose request asks; () for a row that
+    # does not, () for all when none does.
+    logprobs: tuple[tuple[TokenLogprob, ...], ...] = ()
 
     def error_of(self, row: int) -> str:
         return self.errors[row] if self.errors else ""
+
+    def logprobs_of(self, row: int) -> tuple[TokenLogprob, ...]:
+        return self.logprobs[row] if self.logprobs else ()
 
     @property
     def num_accepted(self) -> tuple[int, ...]:

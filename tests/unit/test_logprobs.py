@@ -6,6 +6,10 @@ raw logits, float32, at the token's position, whatever the sampling settings).
   (where it is NOT the tempered or truncated distribution's); the top-k are that row's k
   largest, sorted; a request that does not ask gets none and a batch where none asks computes
   none; a token a stop string drops takes its logprob with it;
+- speculative engine: token for token equal to plain decoding's in float32 (greedy, chain and
+  tree, every acceptance pattern: none, some, all; the device acceptance path and the host
+  walk of a mixed batch), and equal to the reference when sampling (the bonus token drawn
+  from the residual distribution included);
 - validation: top_logprobs in [0, 20], and only with logprobs.
 """
 
@@ -18,10 +22,15 @@ import torch
 from spec_helpers import (
     LIVE,
     VOCAB,
+    chain,
+    comb,
     engine_cfg,
     one_thread,  # noqa: F401 (autouse fixture)
     prompts,
     reference,
+    run_ids,
+    scripted_engine,
+    tiny_head,
     tiny_target,
 )
 
@@ -31,6 +40,7 @@ from tokenizers import models
 import tandem.engine.sampling as sampling
 from tandem.engine import LLMEngine, SamplingParams
 from tandem.messages import TokenLogprob
+from tandem.spec import SpecConfig, SpecEngine
 from tandem.tokenizer import Tokenizer
 
 TOL = 1e-5  # float32: a verify forward is not bit-identical to one-token forwards
@@ -163,6 +173,109 @@ def test_a_token_dropped_by_a_stop_string_takes_its_logprob_with_it():
     _same_logprobs(done.logprobs, free.logprobs[: len(done.output_ids)])
 
 
+# ---- speculative engine ---------------------------------------------------------------------
+
+SPECS = {  # drafted by a real head
+    "chain3": SpecConfig(num_steps=3),
+    "tree3x2n6": SpecConfig(num_steps=3, topk=2, num_draft_tokens=6),
+}
+SCRIPTED = {  # drafted by a script: `comb` trees of 3 levels use 8 of the tree's 10 nodes
+    "chain3": SpecConfig(num_steps=3),
+    "tree3x3": SpecConfig(num_steps=3, topk=3),
+}
+
+
+def _plain(model, ps, params):
+    return reference(model, ps, params, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3])
+@pytest.mark.parametrize("config", SCRIPTED)
+def test_speculative_logprobs_equal_plain_decoding_greedy(config, accepted):
+    """Scripted drafts: the first `accepted` of each round right (0: only bonus tokens, 3:
+    every draft), so the values come from every kind of verify position."""
+    model = _target()
+    ps = _prompts(3)
+    params = [_asking(13 - i, top=5) for i in range(3)]
+    want = _plain(model, ps, params)
+    refs = {f"req-{i}": c.output_ids for i, c in enumerate(want)}
+    spec = SCRIPTED[config]
+    k = spec.num_steps
+
+    def script(rid, out):
+        ref = list(refs[rid][len(out):]) + [0] * (k + 1)
+        if spec.topk == 1:
+            return chain(ref, k, accepted)
+        return comb(ref, 3, 2, accepted, sibling=(1, 0, 1))
+
+    eng = scripted_engine(model, tiny_head(model, live=None), spec, script,
+                          max_num_batched_tokens=16)
+    _, reqs = run_ids(eng, ps, params)
+    for c, req in zip(want, reqs):
+        assert tuple(req.output_ids) == c.output_ids
+        _same_logprobs(tuple(req.output_logprobs), c.logprobs)
+    assert any(len(path) == accepted for _, path, _ in eng.rounds)
+
+
+@pytest.mark.parametrize("config", SPECS)
+def test_speculative_logprobs_equal_plain_with_a_real_head(config):
+    """The live-restricted target and a random head: natural acceptance patterns. Tied logits
+    (the target's zero rows) make the order of equal alternatives arbitrary: values compared,
+    ids where the value is not tied."""
+    model = _target(live=True)
+    ps = _prompts(4)
+    params = [_asking(16, top=3)] * 4
+    want = _plain(model, ps, params)
+    eng = SpecEngine(engine_cfg(max_num_batched_tokens=16), SPECS[config], model,
+                     tiny_head(model))
+    got = eng.generate(ps, params)
+    assert eng.spec_stats.num_tokens > eng.spec_stats.num_rounds  # some drafts accepted
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=TOL)
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=TOL)
+            if a.top_logprobs[0] - a.top_logprobs[1] > 1e-4:
+                assert a.top_ids[0] == b.top_ids[0]
+
+
+def test_speculative_mixed_batch_host_walk():
+    """A sampled request in the batch sends every row through the host walk: greedy rows there
+    still equal plain decoding; the sampled row (a request that does not ask beside it too)
+    equals the reference, whether its bonus was drawn from the residual distribution or not."""
+    model = _target()
+    ps = _prompts(3)
+    greedy = _asking(12, top=4)
+    sampled = _asking(12, top=4, temperature=0.9, seed=11)
+    silent = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=3)
+    want = _plain(model, ps[:1], [greedy])[0]
+    eng = SpecEngine(engine_cfg(max_num_batched_tokens=16), SPECS["tree3x2n6"], model,
+                     tiny_head(model))
+    got = eng.generate(ps, [greedy, sampled, silent])
+    assert got[0].output_ids == want.output_ids
+    _same_logprobs(got[0].logprobs, want.logprobs)
+    _check_against_reference(model, ps[1], got[1].output_ids, got[1].logprobs, top=4)
+    assert got[2].logprobs == ()
+
+
+def test_speculative_sampled_logprobs_equal_the_reference():
+    # top_k 4: the live tokens the random head proposes, so drafts get accepted and rejected
+    # (then the bonus is drawn from the residual distribution)
+    model = _target(live=True)
+    ps = _prompts(2)
+    params = [_asking(14, top=2, temperature=1.0, top_k=4, seed=s) for s in (1, 2)]
+    eng = SpecEngine(engine_cfg(max_num_batched_tokens=16), SPECS["chain3"], model,
+                     tiny_head(model))
+    got = eng.generate(ps, params)
+    assert eng.spec_stats.num_tokens > eng.spec_stats.num_rounds
+    for prompt, c in zip(ps, got):
+        ref = _reference_rows(model, prompt, c.output_ids)
+        for i, (t, lp) in enumerate(zip(c.output_ids, c.logprobs)):
+            assert lp.logprob == pytest.approx(ref[i, t].item(), abs=TOL)
+            assert lp.top_logprobs == pytest.approx(ref[i].topk(2).values.tolist(), abs=TOL)
+
+
 # ---- validation ------------------------------------------------------------------------------
 
 
@@ -174,3 +287,66 @@ def test_top_logprobs_is_validated_naming_the_field():
     with pytest.raises(ValueError, match=r"^top_logprobs: needs logprobs"):
         SamplingParams(top_logprobs=2)
     assert SamplingParams(logprobs=True, top_logprobs=20).top_logprobs == 20
+
+
+# ---- hand-off: the first token's logprob travels with the seed -------------------------------
+
+
+def test_seed_carries_the_first_logprob_only_when_asked():
+    from tandem.spec.handoff import decode_first_logprob, decode_seed, encode_seed, seed_nbytes
+    from tandem.spec.phases import DraftSeed
+
+    seed = DraftSeed(num_cached=7, last_token=42, topk_ids=torch.tensor([1, 2, 3]),
+                     topk_logp=torch.tensor([-0.1, -0.2, -0.3]), hidden=torch.randn(64))
+    plain = encode_seed(seed, b"\x01\x02")
+    assert decode_first_logprob(plain) is None
+    lp = TokenLogprob(token_id=42, logprob=-0.5, top_ids=tuple(range(20)),
+                      top_logprobs=tuple(-0.25 * i for i in range(20)))
+    full = encode_seed(seed, b"\x01\x02", lp)
+    assert decode_first_logprob(full) == lp
+    got, gen_state = decode_seed(full, torch.device("cpu"), torch.float32)
+    assert gen_state == b"\x01\x02" and got.last_token == 42
+    assert len(encode_seed(seed, b"\x00" * 5056, lp)) <= seed_nbytes(3, 64)
+    with pytest.raises(ValueError, match="seed: bad logprob section"):
+        decode_first_logprob(full[:-4])
+
+
+def test_handoff_logprobs_equal_colocated():
+    """A request prefilled in one SpecEngine and decoded in another (pages copied, the seed as
+    bytes) returns the colocated engine's logprobs; the decode side's first output carries the
+    first token's from the seed, equal to the prefill side's."""
+    from tandem.spec.handoff import decode_first_logprob, decode_seed
+
+    model = _target()
+    spec = SPECS["chain3"]
+    ps = _prompts(3)
+    params = [_asking(10, top=3), _asking(8, top=0, temperature=0.8, seed=4),
+              SamplingParams(max_new_tokens=8, ignore_eos=True)]
+    colocated = SpecEngine(engine_cfg(), spec, model, tiny_head(model)).generate(ps, params)
+    pre = SpecEngine(engine_cfg(), spec, model, tiny_head(model))
+    dec = SpecEngine(engine_cfg(), spec, model, tiny_head(model))
+    for i, p in enumerate(ps):
+        pre.add_prefill_request(p, params[i], f"r{i}")
+    while pre.has_unfinished():
+        pre.step()
+    got: dict[str, list[TokenLogprob]] = {}
+    for h in pre.take_handoffs():
+        payload = h.seed_bytes()
+        seed, gen_state = decode_seed(payload, torch.device("cpu"), torch.float32)
+        first = decode_first_logprob(payload)
+        assert first == h.first_logprob
+        pages = dec.allocator.alloc(len(h.page_ids) + 4)
+        for group in ("target", "draft"):
+            dst, src = dec.kv_pool.group_tensor(group), pre.kv_pool.group_tensor(group)
+            dst[:, pages[: len(h.page_ids)]] = src[:, list(h.page_ids)]
+        pre.free_pages(h.page_ids)
+        out = dec.admit_prefilled(h.req_id, h.prompt_ids, params[int(h.req_id[1:])],
+                                  h.first_token, seed, pages, gen_state, first)
+        assert out.logprobs == ((first,) if first is not None else ())
+        got[h.req_id] = list(out.logprobs)
+    while dec.has_unfinished():
+        for o in dec.step():
+            got[o.req_id] += o.logprobs
+    for i, c in enumerate(colocated):
+        _same_logprobs(tuple(got[f"r{i}"]), c.logprobs)
+    assert colocated[2].logprobs == () and len(colocated[0].logprobs) == 10

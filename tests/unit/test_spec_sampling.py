@@ -202,7 +202,10 @@ WRONG_RULES = [_walk_no_renormalize, _walk_no_residual, _walk_wrong_q, _walk_par
 def test_the_check_catches_wrong_rules(wrong, monkeypatch):
     """The same checks, at the same sample size, reject each wrong rule (p < 1e-6 on some
     tree, where a correct rule stays above ALPHA on all of them)."""
-    monkeypatch.setattr(accept_mod, "_walk_sampled", wrong)
+    def walk(tokens, logits, kids, params, gen, lps=None):  # the walk's signature
+        return (*wrong(tokens, logits, kids, params, gen), None)
+
+    monkeypatch.setattr(accept_mod, "_walk_sampled", walk)
     configs = [(tree, params) for tree in (TREE, CHAIN, TREE3) for params in PARAMS.values()]
     worst = 1.0
     for tree, params in configs:  # stop at the first tree that exposes it
