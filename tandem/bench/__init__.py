@@ -1,12 +1,14 @@
-"""`tandem bench`: serving benchmarks over the public gRPC API.
+"""`tandem bench`: serving benchmarks over the public gRPC API or an OpenAI-compatible HTTP front.
 
 workload.py (what is sent) -> load.py (when: concurrency or Poisson rate) -> driver.py (sends
-it, records client-side timelines) -> metrics.py (TTFT, TPOT, ITL, throughput, goodput, tau)
+it through grpc_client.py or http_client.py, as target.py reads `--target`, and records
+client-side timelines) -> metrics.py (TTFT, TPOT, ITL, throughput, goodput, tau)
 -> floors.py (hardware floors) -> results.py (the JSON file and its schema) -> plot.py / report.py.
 config.py reads bench configs, deployments.py starts them on Ray, runner.py is the loop.
 
-The runner (and through it the gRPC stubs) is imported on first use only: `tandem --help` builds
-the bench parser from config.py, and must work where the generated gRPC code cannot load.
+The runner (and through it the gRPC stubs or the HTTP client) is imported on first use only:
+`tandem --help` builds the bench parser from config.py, and must work where the generated gRPC
+code cannot load.
 """
 
 from tandem.bench.config import BenchSettings, DeploymentSpec, RunSpec, load_bench_file

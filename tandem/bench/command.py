@@ -14,6 +14,7 @@ from typing import Any, TextIO
 from tandem.bench.config import RunSpec, build_settings, load_bench_file, merge_settings
 from tandem.bench.floors import DTYPE_BYTES, Bandwidth, ModelFloors, measure_memory_bandwidth
 from tandem.bench.runner import RunnerOptions, run_bench
+from tandem.bench.target import Target
 from tandem.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,10 @@ class BenchCommand:
 
     def __post_init__(self) -> None:
         if not self.targets and not self.configs:
-            raise ConfigError("target/config: give --target HOST:PORT or --config FILE")
+            raise ConfigError("target/config: give --target HOST:PORT or --config FILE "
+                              "(--target http://HOST:PORT for an OpenAI-compatible HTTP front)")
         for t in self.targets:
-            host, _, port = t.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"target: expected HOST:PORT, got '{t}'")
+            Target.parse(t)  # a ConfigError naming the target's form
 
 
 def _target_floors(cmd: BenchCommand) -> ModelFloors | None:

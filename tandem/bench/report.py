@@ -30,7 +30,9 @@ HEADER = ("{:<9} {:>5} {:>7} {:>9} {:>16} {:>16} {:>32} {:>8} {:>8} {:>5}".forma
 
 def run_table(run: dict[str, Any], out: TextIO) -> None:
     dep = run["deployment"]
-    what = "a running router" if dep is None else (
+    http = run.get("api") == "http"  # files from before the HTTP driver have no "api"
+    running = "a running OpenAI-compatible HTTP front" if http else "a running router"
+    what = running if dep is None else (
         f"{dep['mode']}, {'speculative' if dep['speculative'] else 'target only'}, "
         f"{dep['model']} ({dep['load_format']}, {dep['dtype']}, {dep['device']})"
         + (f", KV over {dep['transfer_backend']}" if dep["mode"] == "disaggregated" else ""))
@@ -55,12 +57,15 @@ def run_table(run: dict[str, Any], out: TextIO) -> None:
             f"{_ms(lv['ttft_s']['p50'])}/{_ms(lv['ttft_s']['p99'])}",
             f"{_ms(lv['itl_s']['p50'])}/{_ms(lv['itl_s']['p99'])}",
             f"{_ms(lv['tpot_s']['p50'])}/{_ms(lv['tpot_s']['p99'])} ({floor})",
-            _num(lv["goodput"]), _num(acc["mean_length"]) if acc else "-", lv["num_failed"]))
+            _num(lv["goodput"]), _num(acc["mean_length"]) if acc else ("n/a" if http else "-"),
+            lv["num_failed"]))
         counts = lv.get("status_counts") or {}
         if set(counts) - {"OK"}:
             out.write("   by status: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + "\n")
         if lv["errors"]:
             out.write(f"   errors: {'; '.join(lv['errors'][:2])}\n")
+    if http:
+        out.write("   tau n/a: the OpenAI API reports no acceptance\n")
     if run["error"]:
         out.write(f"   run failed: {run['error']}\n")
 

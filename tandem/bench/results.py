@@ -21,7 +21,8 @@ Schema (`"schema": "tandem.bench/1"`; times in seconds, throughputs per second):
       },
       "runs": [{
         "name": str,
-        "target": "host:port",
+        "target": "host:port",                    # or http(s)://host:port (the OpenAI API)
+        "api": "grpc" | "http",                    # absent in files written before HTTP runs
         "deployment": null | {"mode": "colocated" | "disaggregated", "speculative": bool,
                               "model": str, "load_format": str, "dtype": str, "device": str,
                               "transfer_backend": str | null, "num_prefill": int,
@@ -40,14 +41,15 @@ Schema (`"schema": "tandem.bench/1"`; times in seconds, throughputs per second):
           "effective_concurrency",
           "ttft_s" | "tpot_s" | "itl_s" | "latency_s": {"mean", "p50", "p90", "p99"},
           "acceptance": null | {"mean_length": float, "per_position": [float],
-                                "num_rounds": int},
+                                "num_rounds": int},   # null over HTTP (n/a)
           "floors": {"tpot_floor_s": float | null,        # non-speculative decode floor
                      "tpot_floor_spec_s": float | null,   # floor / tau (speculative runs)
                      "transfer_floor_s": float | null,    # mean prompt's KV over the link
                      "batch": int, "context_tokens": float},
           "errors": [str],                         # up to 5 distinct failure messages
           "status_counts": {str: int}              # requests per final gRPC status ("OK",
-                                                   # "UNAVAILABLE", ...; "OTHER": no status)
+                                                   # "UNAVAILABLE", ...; "OTHER": no status;
+                                                   # HTTP statuses by their gRPC names)
         }]
       }]
     }

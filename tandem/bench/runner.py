@@ -18,9 +18,11 @@ from typing import Any, TextIO
 from tandem import trace
 from tandem.bench import results
 from tandem.bench.config import BenchSettings, RunSpec
-from tandem.bench.driver import DriverConfig, run_level
+from tandem.bench.client import DriverConfig
+from tandem.bench.driver import run_level
 from tandem.bench.floors import Bandwidth, ModelFloors
 from tandem.bench.metrics import summarize
+from tandem.bench.target import Target
 from tandem.bench.workload import build_requests
 from tandem.engine.config import ConfigError
 
@@ -104,7 +106,9 @@ def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOpti
 
         deployments.init(opts.ray_address)
     for run in runs:
-        entry: dict[str, Any] = {"name": run.name, "target": run.target or "",
+        # A deployment started here is benchmarked through its gRPC router.
+        api = Target.parse(run.target).api.value if run.target else "grpc"
+        entry: dict[str, Any] = {"name": run.name, "target": run.target or "", "api": api,
                                  "deployment": _deployment_json(run), "error": None,
                                  "levels": []}
         doc["runs"].append(entry)
@@ -129,7 +133,8 @@ def run_bench(settings: BenchSettings, runs: Sequence[RunSpec], opts: RunnerOpti
                 floors = opts.target_floors or no_floors("pass --floor-model for floors")
                 entry["floors"] = floors.to_json()
             driver = DriverConfig(
-                target=entry["target"], auth_token=opts.auth_token if run.target else None,
+                target=Target.parse(entry["target"]),
+                auth_token=opts.auth_token if run.target else None,
                 model=opts.model if run.target else "",
                 temperature=settings.workload.temperature,
                 request_timeout_s=settings.request_timeout_s, seed=settings.seed,

@@ -13,26 +13,37 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="Benchmark serving: TTFT, TPOT, ITL, throughput, goodput, tau vs load.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Drive the gRPC router API at several load levels and report TTFT, TPOT, ITL, "
-                    "request and token throughput, p50/p90/p99, goodput under an SLO and the "
-                    "acceptance length tau (speculative servers), next to hardware floors. "
-                    "Writes one JSON file (schema: tandem/bench/results.py) and a PNG plot.\n\n"
-                    "Targets: --target HOST:PORT benchmarks a running router; --config FILE "
-                    "(repeatable) starts each deployment on Ray (local, --ray-address, or the "
-                    "cluster of a Ray job), benchmarks it, stops it, and compares them all in "
-                    "one file. Bench configs are deployment YAMLs with optional name/mode/"
+        description="Drive the gRPC router API, or an OpenAI-compatible HTTP front, at several "
+                    "load levels and report TTFT, TPOT, ITL, request and token throughput, "
+                    "p50/p90/p99, goodput under an SLO and the acceptance length tau "
+                    "(speculative servers over gRPC), next to hardware floors. Writes one JSON "
+                    "file (schema: tandem/bench/results.py) and a PNG plot.\n\n"
+                    "Targets: --target HOST:PORT (or grpc://HOST:PORT) benchmarks a running "
+                    "router over gRPC; --target http://HOST:PORT (or https://) benchmarks an "
+                    "OpenAI-compatible HTTP front (`tandem serve --http-port`, or another "
+                    "server): streamed /v1/completions with the prompt as token ids, "
+                    "/v1/chat/completions for --dataset chat, output tokens from the usage it "
+                    "reports, HTTP errors counted under the gRPC status names, tau n/a. "
+                    "--config FILE (repeatable) starts each deployment on Ray (local, "
+                    "--ray-address, or the cluster of a Ray job), benchmarks it, stops it, and "
+                    "compares them all in one file. Bench configs are deployment YAMLs with optional name/mode/"
                     "speculative/bench keys (bundled: tandem/deploy/bench/*.yaml, e.g. "
                     "--config cpu-colocated).\n\n"
                     "Measurement flags left out take the configs' `bench:` values, else the "
                     "defaults shown.",
         epilog="examples:\n"
                "  tandem bench --target 127.0.0.1:50051 --concurrency 1,4 --num-requests 8\n"
+               "  tandem bench --target http://127.0.0.1:8000 --concurrency 1,4 \\\n"
+               "      --auth-token \"$TANDEM_AUTH_TOKEN\" --vocab-size 49152\n"
                "  tandem bench --config cpu-colocated --config cpu-disagg\n"
                "  ray job submit --working-dir . -- python -m tandem.cli bench \\\n"
                "      --config gpu-8b-colocated --config gpu-8b-disagg-nixl --out /tmp/b.json")
     g = p.add_argument_group("what to benchmark")
-    g.add_argument("--target", action="append", default=[], metavar="HOST:PORT",
-                   help="A running router (`tandem serve`); repeatable")
+    g.add_argument("--target", action="append", default=[], metavar="HOST:PORT|URL",
+                   help="A running server; the scheme picks the API: HOST:PORT or "
+                        "grpc://HOST:PORT, tandem's gRPC router (`tandem serve`); "
+                        "http(s)://HOST[:PORT], an OpenAI-compatible HTTP front (`tandem serve "
+                        "--http-port`); repeatable")
     g.add_argument("--config", action="append", default=[], metavar="FILE",
                    help="A bench/deployment config to start, benchmark and stop (a path, or a "
                         "bundled name); repeatable: the runs are compared in one file")
@@ -42,7 +53,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--model", default="",
                    help="`model` field of --target requests (default: the served model)")
     g.add_argument("--auth-token", default=None,
-                   help="Bearer token of a --target router (default: $TANDEM_AUTH_TOKEN)")
+                   help="Bearer token of a --target server, gRPC or HTTP (`authorization: "
+                        "Bearer`; default: $TANDEM_AUTH_TOKEN)")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=["random", "fixed", "chat"], default=None,
                    help="random: random token ids, lengths drawn from the ranges, answers forced "
