@@ -139,7 +139,7 @@ class ColocatedDispatcher:
                     spec = acceptance_from_rounds(rounds, worker.loop.engine.spec.num_steps)
                 yield TokenChunk(request_id=request.request_id, token_ids=out.token_ids,
                                  text_delta=out.text_delta, finish_reason=out.finish_reason,
-                                 spec=spec)
+                                 spec=spec, logprobs=out.logprobs)
         finally:
             stream.cancel()  # no-op when the stream ended; otherwise aborts in the engine
             self._in_flight.pop(request.request_id, None)

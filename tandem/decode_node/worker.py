@@ -52,7 +52,7 @@ from tandem.kvtransfer import (DecodeReceiver, Received, ReceiveFailed, Release,
 from tandem.messages import (Abort, DecodeOutput, DecodeWorkerCommand, GetEndpoint, OutOfCapacity,
                              ReserveRoom)
 from tandem.spec.engine import SpecStats
-from tandem.spec.handoff import decode_seed
+from tandem.spec.handoff import decode_first_logprob, decode_seed
 from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def output_of(o: RequestOutput) -> DecodeOutput:
     return DecodeOutput(
         room=int(o.req_id), token_ids=o.new_token_ids, text_delta=o.text_delta,
         finished=o.finished, finish_reason=o.finish_reason.value if o.finish_reason else None,
-        error=o.error, error_kind="request" if failed else "")
+        error=o.error, error_kind="request" if failed else "", logprobs=o.logprobs)
 
 
 class RoomState(enum.Enum):
@@ -393,7 +393,7 @@ class DecodeWorker:
                                           self.engine.kv_pool.dtype)
             first = self.engine.admit_prefilled(
                 str(room), entry.prompt_ids, entry.params, seed.last_token, seed, entry.page_ids,
-                gen_state)
+                gen_state, decode_first_logprob(payload))
         except ValueError as exc:  # a seed that does not fit the request: fail it, keep serving
             self.engine.allocator.free(entry.page_ids)
             self._outputs.append(DecodeOutput(room=room, token_ids=(), text_delta="",

@@ -105,13 +105,13 @@ class PrefillActor(WorkerFront):
         while len(self._ended) > ENDED_ROOMS:
             self._ended.popitem(last=False)
 
-    def _on_first(self, room: int, token: int, text: str) -> None:
-        self._deliver(self._first_ready, room, token, text)
+    def _on_first(self, first: FirstToken) -> None:
+        self._deliver(self._first_ready, first)
 
-    def _first_ready(self, room: int, token: int, text: str) -> None:
-        if room in self._rooms:
-            trace.mark(room, "prefill.first")
-            self.channels.emit(room, FirstToken(room=room, token=token, text=text))
+    def _first_ready(self, first: FirstToken) -> None:
+        if first.room in self._rooms:
+            trace.mark(first.room, "prefill.first")
+            self.channels.emit(first.room, first)
 
     def _on_outputs(self, results: list[PrefillResult]) -> None:
         for r in results:

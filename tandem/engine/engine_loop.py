@@ -30,6 +30,7 @@ import torch
 from tandem.engine.llm import PoolTooSmall
 from tandem.engine.request import FinishReason, RequestOutput
 from tandem.engine.sampling import SamplingParams
+from tandem.messages import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class LoopOutput:
     text_delta: str
     finish_reason: FinishReason | None = None
     error: LoopError | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # [len(token_ids)] when the request asks
 
     @property
     def terminal(self) -> bool:
@@ -387,6 +389,7 @@ def _merged(req_id: str, outs: Sequence[RequestOutput]) -> LoopOutput:
     return LoopOutput(
         req_id=req_id, token_ids=tuple(t for o in outs for t in o.new_token_ids),
         text_delta="".join(o.text_delta for o in outs),
+        logprobs=tuple(lp for o in outs for lp in o.logprobs),
         finish_reason=last.finish_reason if last.finished and not failed else None,
         error=LoopError(kind=LoopErrorKind.REQUEST_FAILED, message=last.error) if failed
         else None)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.messages.logprobs import TokenLogprob
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FirstToken:
@@ -18,6 +20,7 @@ class FirstToken:
     room: int
     token: int
     text: str
+    logprob: TokenLogprob | None = None  # when the request asks (messages/logprobs.py)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +33,7 @@ class PrefillResult:
     # string: then the client gets `first_text` (the text before the stop string) but no token.
     first_token: int | None = None
     first_text: str = ""
+    first_logprob: TokenLogprob | None = None  # with first_token, when the request asks
     finished: bool = False  # the first token ended the request; nothing was transferred
     finish_reason: str | None = None
     error: str = ""
@@ -48,6 +52,8 @@ class DecodeOutput:
     token_ids: tuple[int, ...]
     text_delta: str
     finished: bool
+    # [len(token_ids)] when the request asks (messages/logprobs.py), else ()
+    logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str = ""
     # With finish_reason "error": "request" when this request's own work failed on the worker

@@ -41,8 +41,8 @@ from tandem.engine.parallel import ParallelContext
 from tandem.engine.sampling import SamplingParams
 from tandem.kvtransfer import (Destination, EndpointInfo, PrefillSender, TransferError,
                                TransferMetrics, TransferState)
-from tandem.messages import (Abort, Connect, GetEndpoint, PrefillResult, PrefillWorkerCommand,
-                             RoutePrompt, SubmitPrompt)
+from tandem.messages import (Abort, Connect, FirstToken, GetEndpoint, PrefillResult,
+                             PrefillWorkerCommand, RoutePrompt, SubmitPrompt)
 from tandem.prefill_node.layerwise import LayerwisePusher
 from tandem.spec.handoff import PrefillHandoff
 from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
@@ -108,10 +108,11 @@ class PrefillWorker:
         self._bad_routes: list[tuple[int, str]] = []  # (room, error) found inside a step
         self._results: list[PrefillResult] = []
         self._sessions: set[int] = set()  # decode endpoints connected (not per request)
-        # Called (on the stepping thread) with (room, first token, its text) as soon as a
-        # forward completes a prompt that goes on to decode, before its KV is pushed: the
-        # router streams the first token from here instead of waiting for decode's admission.
-        self.on_first: Callable[[int, int, str], None] | None = None
+        # Called (on the stepping thread) with the first token (its text, its logprob when
+        # asked) as soon as a forward completes a prompt that goes on to decode, before its KV
+        # is pushed: the router streams the first token from here instead of waiting for
+        # decode's admission.
+        self.on_first: Callable[[FirstToken], None] | None = None
 
     def apply(self, cmd: PrefillWorkerCommand) -> bytes | None:
         """A command from the worker's front (messages/commands.py), between two steps; fields
@@ -325,7 +326,8 @@ class PrefillWorker:
             entry = self._rooms.get(room)
             if (self.on_first is not None and not h.finished and entry is not None
                     and entry.state is not RoomState.SENDING):
-                self.on_first(room, h.first_token, h.first_text)
+                self.on_first(FirstToken(room=room, token=h.first_token, text=h.first_text,
+                                         logprob=h.first_logprob))
 
     def _hand_off(self, room: int, entry: _Room, h: PrefillHandoff, *, early: bool,
                   local: list[tuple[int, bool, str, str]]) -> None:
@@ -398,4 +400,5 @@ def _finished_here(h: PrefillHandoff) -> PrefillResult:
     token completed a stop string (docs/architecture.md, "Request semantics")."""
     return PrefillResult(room=int(h.req_id), ok=True,
                          first_token=h.first_token if h.first_token_returned else None,
-                         first_text=h.first_text, finished=True, finish_reason=h.finish_reason)
+                         first_text=h.first_text, finished=True, finish_reason=h.finish_reason,
+                         first_logprob=h.first_logprob if h.first_token_returned else None)

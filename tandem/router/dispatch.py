@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from tandem.messages import FinishReason, SamplingParams, TransferTotals
+from tandem.messages import FinishReason, SamplingParams, TokenLogprob, TransferTotals
 
 
 class WorkerRole(str, Enum):
@@ -118,6 +118,8 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     text_delta: str
     finish_reason: FinishReason | None = None  # set on the last chunk only
+    # [len(token_ids)] when the request asks (params.logprobs), else ()
+    logprobs: tuple[TokenLogprob, ...] = ()
     spec: SpecAcceptance | None = None  # last chunk only, when the decode worker speculates
     # Last chunk only: seconds the request waited for its turn (a running slot, decode pages);
     # None where the dispatcher does not queue requests itself (colocated: the engine does)

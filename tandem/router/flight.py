@@ -84,7 +84,8 @@ async def follow(request: RoutedRequest, flight: Flight, events: asyncio.Queue, 
             if outputs == 0 and early is None:
                 early = (ev.token, ev.text)
                 trace.mark(room, "router.first")
-                yield TokenChunk(request_id=rid, token_ids=(ev.token,), text_delta=ev.text)
+                yield TokenChunk(request_id=rid, token_ids=(ev.token,), text_delta=ev.text,
+                                 logprobs=(ev.logprob,) if ev.logprob is not None else ())
             continue
         if isinstance(ev, PrefillResult):  # the prefill's outcome
             prefill_over = True
@@ -99,18 +100,21 @@ async def follow(request: RoutedRequest, flight: Flight, events: asyncio.Queue, 
                 flight.ended_on_prefill = True
                 # No first token when it completed a stop string (only the text before).
                 first = () if ev.first_token is None else (ev.first_token,)
+                lps = (ev.first_logprob,) if first and ev.first_logprob is not None else ()
                 yield TokenChunk(request_id=rid, token_ids=first, text_delta=ev.first_text,
-                                 finish_reason=_FINISH.get(ev.finish_reason or "stop"))
+                                 finish_reason=_FINISH.get(ev.finish_reason or "stop"),
+                                 logprobs=lps)
                 return
             continue
         # a DecodeOutput (what is left on the two channels)
         if ev.finish_reason == "error":
             raise decode_failure(rid, pname, dname, ev)
-        tokens, text = tuple(ev.token_ids), ev.text_delta
+        tokens, text, lps = tuple(ev.token_ids), ev.text_delta, ev.logprobs
         if outputs > 0 and ev.token_ids:
             rounds.append(len(ev.token_ids))
         elif early is not None:  # decode's first output repeats the first token
             tokens, text = drop_first(tokens, text, early, rid)
+            lps = lps[len(ev.token_ids) - len(tokens):]  # and its logprob (asked: one a token)
         else:  # decode's output came first: prefill's first token is moot
             trace.mark(room, "router.first")
             early = (-1, "")  # a FirstToken arriving later is not streamed
@@ -119,7 +123,7 @@ async def follow(request: RoutedRequest, flight: Flight, events: asyncio.Queue, 
         spec = acceptance_from_rounds(rounds, num_steps) if reason is not None else None
         if tokens or text or reason is not None:
             yield TokenChunk(request_id=rid, token_ids=tokens, text_delta=text,
-                             finish_reason=reason, spec=spec)
+                             finish_reason=reason, spec=spec, logprobs=lps)
         if reason is not None:
             return
 

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from tandem.messages import FinishReason
+from tandem.messages import FinishReason, TokenLogprob
 from tandem.router.dispatch import (
     DeadlineExceeded,
     Dispatcher,
@@ -118,6 +118,8 @@ class GenerateOutput:
     token_ids: tuple[int, ...]
     text_delta: str
     finish_reason: FinishReason | None = None
+    # [len(token_ids)] when the request asks (sampling.logprobs), else ()
+    logprobs: tuple[TokenLogprob, ...] = ()
     usage: Usage | None = None
     ttft_s: float | None = None  # router receipt -> first token
     latency_s: float | None = None  # router receipt -> last token
@@ -243,7 +245,8 @@ class Router:
                     timer.chunk(chunk)
                     if not chunk.finished:
                         yield GenerateOutput(request_id=request_id, token_ids=chunk.token_ids,
-                                             text_delta=chunk.text_delta)
+                                             text_delta=chunk.text_delta,
+                                             logprobs=chunk.logprobs)
                         continue
                     outcome = "aborted" if chunk.finish_reason is FinishReason.ABORT else "finished"
                     code = OK
@@ -292,6 +295,7 @@ class Router:
         return GenerateOutput(
             request_id=prepared.request_id, token_ids=chunk.token_ids,
             text_delta=chunk.text_delta, finish_reason=chunk.finish_reason,
+            logprobs=chunk.logprobs,
             usage=Usage(prompt_tokens=len(prepared.routed.prompt_ids),
                         completion_tokens=num_tokens),
             ttft_s=ttft_s, latency_s=time.perf_counter() - t0, spec=chunk.spec)
@@ -307,6 +311,11 @@ class Router:
         return await self.dispatcher.abort(prepared.routed.request_id)
 
     # ---- state ------------------------------------------------------------------------------
+
+    def tokenizer(self, model: str) -> Tokenizer | None:
+        """The tokenizer of served model `model` (None: it has none; the HTTP front names
+        returned tokens with it)."""
+        return self._tokenizers.get(model)
 
     def workers(self) -> list[WorkerState]:
         self.registry.refresh()
