@@ -5,7 +5,8 @@ every token streams as text of its own (one token per chunk).
 
 Checks: the JSON report of an HTTP run (completed count, output tokens from the usage, the
 prompt sent as the workload's token ids, tau n/a, status counts); a wrong token fails every
-request as UNAUTHENTICATED over both APIs; and the same workload over HTTP and over gRPC against
+request as UNAUTHENTICATED over both APIs, and a deadline as DEADLINE_EXCEEDED, every KV page
+coming back; and the same workload over HTTP and over gRPC against
 the same server agrees -- the same completed count, prompt and output tokens, statuses, and
 TTFT/TPOT medians within a factor of 2 (a check that both drivers measure the same thing, not a
 benchmark of the two fronts), for random prompts (/v1/completions) and chat questions
@@ -14,6 +15,7 @@ benchmark of the two fronts), for random prompts (/v1/completions) and chat ques
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
 
@@ -29,12 +31,14 @@ from tandem.bench.workload import LengthRange, WorkloadConfig, build_requests
 from tandem.colocated_node import build_colocated_router
 from tandem.engine import EngineConfig, LLMEngine
 from tandem.http_api import HttpConfig, HttpServer
+from tandem.router import Router
 from tandem.router.app import BackgroundServer
 from tandem.router.server import ServerConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 TOKEN = "bench-http-secret"
+WORKER = "colocated-0"
 # Random prompt ids are drawn from [256, VOCAB) (workload.FIRST_TOKEN_ID): the tiny model gets a
 # vocabulary past that, and the tokenizer a word for every id.
 VOCAB = 512
@@ -60,9 +64,22 @@ def save_model(root: Path) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class Fronts:
+    grpc: str  # host:port
+    http: str  # http://host:port
+    engine: LLMEngine
+    router: Router
+
+    def wait_pages_free(self, timeout_s: float = 10.0) -> None:
+        """Asserts the engine goes idle within `timeout_s` with every KV page back."""
+        assert self.router.dispatcher.loop(WORKER).wait_idle(timeout_s), "generation went on"
+        assert self.engine.allocator.num_free == self.engine.allocator.num_usable, "pages leaked"
+
+
 @pytest.fixture(scope="module")
 def fronts(tmp_path_factory):
-    """(gRPC target, HTTP target) of one server."""
+    """Both fronts of one server."""
     model_dir = save_model(tmp_path_factory.mktemp("bench-http"))
     # One torch thread: an intra-op pool as wide as this 2-core machine stalls whenever any
     # other process takes a core, which made the model's own times swing by 2x between runs.
@@ -70,11 +87,12 @@ def fronts(tmp_path_factory):
     torch.set_num_threads(1)
     engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="float32",
                                                 page_size=4, num_pages=256))
-    router = build_colocated_router(engine, model="tiny")
+    router = build_colocated_router(engine, model="tiny", worker=WORKER)
     http = HttpServer(router, HttpConfig(port=0, auth_token=TOKEN))
     server = BackgroundServer(router, ServerConfig(port=0, auth_token=TOKEN),
                               fronts=[http]).start()
-    yield f"127.0.0.1:{server.port}", f"http://127.0.0.1:{http.port}"
+    yield Fronts(grpc=f"127.0.0.1:{server.port}", http=f"http://127.0.0.1:{http.port}",
+                 engine=engine, router=router)
     server.stop()
     torch.set_num_threads(threads)
 
@@ -102,7 +120,7 @@ RANDOM = ["--input-len", "8:16", "--vocab-size", str(VOCAB)]
 
 
 def test_http_run_reports_what_the_server_did(fronts, tmp_path):
-    _, url = fronts
+    url = fronts.http
     rc, doc, printed = bench(tmp_path, "http", [url], *RANDOM, "--output-len", "8",
                              "--concurrency", "1,2", "--num-requests", "4", "--num-warmup", "1")
     assert rc == 0, printed
@@ -125,7 +143,7 @@ def test_http_run_reports_what_the_server_did(fronts, tmp_path):
 
 
 def test_a_wrong_token_fails_every_request_over_both_apis(fronts, tmp_path):
-    grpc_target, url = fronts
+    grpc_target, url = fronts.grpc, fronts.http
     rc, doc, printed = bench(tmp_path, "badtoken", [grpc_target, url], *RANDOM,
                              "--output-len", "2", "--concurrency", "2", "--num-requests", "3",
                              "--num-warmup", "0", token="not-the-token")
@@ -136,6 +154,19 @@ def test_a_wrong_token_fails_every_request_over_both_apis(fronts, tmp_path):
         assert (lv["num_completed"], lv["num_failed"]) == (0, 3)
         assert lv["status_counts"] == {"UNAUTHENTICATED": 3}
     assert "HTTP 401" in doc["runs"][1]["levels"][0]["errors"][0]
+
+
+def test_a_deadline_ends_requests_over_both_apis_and_frees_their_pages(fronts, tmp_path):
+    # Answers of 300 tokens take seconds here; the deadline ends each after a few chunks. Over
+    # HTTP the client closes the connection at its deadline, and the front aborts the request.
+    rc, doc, printed = bench(tmp_path, "deadline", [fronts.grpc, fronts.http], *RANDOM,
+                             "--output-len", "300", "--concurrency", "2", "--num-requests", "2",
+                             "--num-warmup", "0", "--request-timeout", "0.5")
+    assert rc == 1, printed
+    for run in doc["runs"]:
+        (lv,) = run["levels"]
+        assert lv["status_counts"] == {"DEADLINE_EXCEEDED": 2}, (run["api"], lv["errors"])
+    fronts.wait_pages_free()
 
 
 def agree(grpc_lv: dict, http_lv: dict) -> list[str]:
@@ -161,7 +192,7 @@ def medians(lv: dict) -> str:
     ["--dataset", "chat", "--output-len", "12", "--concurrency", "1", "--num-requests", "4"],
 ], ids=["random-ids", "chat"])
 def test_http_and_grpc_measure_the_same_workload_alike(fronts, tmp_path, workload):
-    grpc_target, url = fronts
+    grpc_target, url = fronts.grpc, fronts.http
     # The same workload twice against the same server, one API after the other.
     rc, doc, printed = bench(tmp_path, "agree", [grpc_target, url], *workload,
                              "--num-warmup", "2")
