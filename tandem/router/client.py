@@ -39,8 +39,9 @@ def build_request(prompt: str, *, chat: bool = False, system: str | None = None,
     """A text prompt, or (chat) a user turn after an optional system turn."""
     s = sampling
     params = pb.SamplingParams(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                               ignore_eos=s.ignore_eos)
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed"):
+                               ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                 "top_logprobs"):
         value = getattr(s, name)
         if value is not None:
             setattr(params, name, value)

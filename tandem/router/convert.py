@@ -3,7 +3,7 @@ knows the generated `router_pb2` types (the servicer and the client use it)."""
 
 from __future__ import annotations
 
-from tandem.messages import FinishReason
+from tandem.messages import FinishReason, TokenLogprob
 from tandem.proto import router_pb2 as pb
 from tandem.router.dispatch import SpecAcceptance, WorkerRole
 from tandem.router.policy import WorkerState
@@ -37,7 +37,8 @@ def generate_input(req: pb.GenerateRequest) -> GenerateInput:
             max_tokens=_opt(s, "max_tokens"), temperature=_opt(s, "temperature"),
             top_k=_opt(s, "top_k"), top_p=_opt(s, "top_p"), min_p=_opt(s, "min_p"),
             seed=_opt(s, "seed"), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos),
+            ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+            top_logprobs=_opt(s, "top_logprobs")),
         model=req.model, prefill_worker=req.prefill_worker, decode_worker=req.decode_worker,
         request_id=req.request_id)
 
@@ -48,9 +49,17 @@ def spec_stats(spec: SpecAcceptance) -> pb.SpecStats:
                         num_rounds=spec.num_rounds)
 
 
+def token_logprob(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v)
+                      for t, v in zip(lp.top_ids, lp.top_logprobs)])
+
+
 def generate_response(out: GenerateOutput) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=out.request_id, token_ids=list(out.token_ids),
-                              text_delta=out.text_delta)
+                              text_delta=out.text_delta,
+                              logprobs=[token_logprob(lp) for lp in out.logprobs])
     if out.finish_reason is not None:
         msg.finish_reason = FINISH_REASONS[out.finish_reason]
     if out.usage is not None:

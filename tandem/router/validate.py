@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.messages import SamplingParams
+from tandem.messages import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.router.dispatch import ModelInfo
 from tandem.router.errors import Code, RouterError, invalid
 from tandem.tokenizer import ALLOWED_ROLES, ChatMessage, Tokenizer
@@ -56,6 +56,8 @@ class SamplingInput:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,7 +152,8 @@ def validate(inp: GenerateInput, model: ModelInfo, tokenizer: Tokenizer | None,
             top_k=0 if s.top_k is None else s.top_k,
             top_p=1.0 if s.top_p is None else s.top_p,
             min_p=0.0 if s.min_p is None else s.min_p,
-            seed=s.seed, stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+            seed=s.seed, stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs, top_logprobs=s.top_logprobs or 0)
     except ValueError as exc:  # backstop: the checks above cover every field
         raise invalid(f"sampling.{exc}") from exc
     return ValidRequest(prompt_ids=tuple(prompt_ids), params=params)
@@ -176,6 +179,11 @@ def check_sampling_fields(s: SamplingInput, model: ModelInfo) -> None:
         if not 0 <= t < model.vocab_size:
             raise invalid(f"sampling.stop_token_ids[{i}]: token id {t} is outside the "
                           f"vocabulary [0, {model.vocab_size})")
+    if s.top_logprobs is not None and not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid(f"sampling.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got "
+                      f"{s.top_logprobs}")
+    if s.top_logprobs and not s.logprobs:
+        raise invalid("sampling.top_logprobs: needs sampling.logprobs (set it to true)")
 
 
 def tokenize(inp: GenerateInput, tokenizer: Tokenizer | None, model: ModelInfo

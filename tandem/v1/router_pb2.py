@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x92\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seed\"\xf4\x01\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\t\n\x07_prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"`\n\tSpecStats\x12\x1e\n\x16mean_acceptance_length\x18\x01 \x01(\x01\x12\x1f\n\x17per_position_acceptance\x18\x02 \x03(\x01\x12\x12\n\nnum_rounds\x18\x03 \x01(\x03\"\xeb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\x12(\n\nspec_stats\x18\x08 \x01(\x0b\x32\x14.tandem.v1.SpecStats\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x99\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x16\n\x0enum_free_pages\x18\t \x01(\x05\x12\x11\n\tnum_pages\x18\n \x01(\x05\x12\x13\n\x0bspeculative\x18\x0b \x01(\x08\x12\x15\n\rhealth_p50_ms\x18\x0c \x01(\x02\x12\x15\n\rhealth_p99_ms\x18\r \x01(\x02\"\x14\n\x12ListWorkersRequest\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\"\x0e\n\x0cStatsRequest\"\xb4\x02\n\rStatsResponse\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x03\x12\x14\n\x0cnum_rejected\x18\x02 \x01(\x03\x12\x15\n\rnum_in_flight\x18\x03 \x01(\x03\x12\x14\n\x0cnum_finished\x18\x04 \x01(\x03\x12\x13\n\x0bnum_aborted\x18\x05 \x01(\x03\x12\x12\n\nnum_failed\x18\x06 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x03\x12\x1d\n\x15num_completion_tokens\x18\x08 \x01(\x03\x12(\n\x07workers\x18\t \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12(\n\nspec_stats\x18\n \x01(\x0b\x32\x14.tandem.v1.SpecStats\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\x95\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12L\n\x0bListWorkers\x12\x1d.tandem.v1.ListWorkersRequest\x1a\x1e.tandem.v1.ListWorkersResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd0\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\x05H\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x0f\n\r_top_logprobs\"\xf4\x01\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\t\n\x07_prompt\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"`\n\tSpecStats\x12\x1e\n\x16mean_acceptance_length\x18\x01 \x01(\x01\x12\x1f\n\x17per_position_acceptance\x18\x02 \x03(\x01\x12\x12\n\nnum_rounds\x18\x03 \x01(\x03\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\x96\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x11\n\tlatency_s\x18\x07 \x01(\x01\x12(\n\nspec_stats\x18\x08 \x01(\x0b\x32\x14.tandem.v1.SpecStats\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x99\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.tandem.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x16\n\x0enum_free_pages\x18\t \x01(\x05\x12\x11\n\tnum_pages\x18\n \x01(\x05\x12\x13\n\x0bspeculative\x18\x0b \x01(\x08\x12\x15\n\rhealth_p50_ms\x18\x0c \x01(\x02\x12\x15\n\rhealth_p99_ms\x18\r \x01(\x02\"\x14\n\x12ListWorkersRequest\"?\n\x13ListWorkersResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\"\x0e\n\x0cStatsRequest\"\xb4\x02\n\rStatsResponse\x12\x14\n\x0cnum_requests\x18\x01 \x01(\x03\x12\x14\n\x0cnum_rejected\x18\x02 \x01(\x03\x12\x15\n\rnum_in_flight\x18\x03 \x01(\x03\x12\x14\n\x0cnum_finished\x18\x04 \x01(\x03\x12\x13\n\x0bnum_aborted\x18\x05 \x01(\x03\x12\x12\n\nnum_failed\x18\x06 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\x03\x12\x1d\n\x15num_completion_tokens\x18\x08 \x01(\x03\x12(\n\x07workers\x18\t \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12(\n\nspec_stats\x18\n \x01(\x0b\x32\x14.tandem.v1.SpecStats\x12\x13\n\x0bnum_refused\x18\x0b \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\x95\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12L\n\x0bListWorkers\x12\x1d.tandem.v1.ListWorkersRequest\x1a\x1e.tandem.v1.ListWorkersResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1768
-  _globals['_FINISHREASON']._serialized_end=1888
-  _globals['_WORKERROLE']._serialized_start=1890
-  _globals['_WORKERROLE']._serialized_end=2007
+  _globals['_FINISHREASON']._serialized_start=2018
+  _globals['_FINISHREASON']._serialized_end=2138
+  _globals['_WORKERROLE']._serialized_start=2140
+  _globals['_WORKERROLE']._serialized_end=2257
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=81
   _globals['_SAMPLINGPARAMS']._serialized_start=84
-  _globals['_SAMPLINGPARAMS']._serialized_end=358
-  _globals['_GENERATEREQUEST']._serialized_start=361
-  _globals['_GENERATEREQUEST']._serialized_end=605
-  _globals['_USAGE']._serialized_start=607
-  _globals['_USAGE']._serialized_end=664
-  _globals['_SPECSTATS']._serialized_start=666
-  _globals['_SPECSTATS']._serialized_end=762
-  _globals['_GENERATERESPONSE']._serialized_start=765
-  _globals['_GENERATERESPONSE']._serialized_end=1000
-  _globals['_ABORTREQUEST']._serialized_start=1002
-  _globals['_ABORTREQUEST']._serialized_end=1036
-  _globals['_ABORTRESPONSE']._serialized_start=1038
-  _globals['_ABORTRESPONSE']._serialized_end=1068
-  _globals['_WORKERSTATUS']._serialized_start=1071
-  _globals['_WORKERSTATUS']._serialized_end=1352
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1354
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1374
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1376
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1439
-  _globals['_STATSREQUEST']._serialized_start=1441
-  _globals['_STATSREQUEST']._serialized_end=1455
-  _globals['_STATSRESPONSE']._serialized_start=1458
-  _globals['_STATSRESPONSE']._serialized_end=1766
-  _globals['_ROUTER']._serialized_start=2010
-  _globals['_ROUTER']._serialized_end=2287
+  _globals['_SAMPLINGPARAMS']._serialized_end=420
+  _globals['_GENERATEREQUEST']._serialized_start=423
+  _globals['_GENERATEREQUEST']._serialized_end=667
+  _globals['_USAGE']._serialized_start=669
+  _globals['_USAGE']._serialized_end=726
+  _globals['_SPECSTATS']._serialized_start=728
+  _globals['_SPECSTATS']._serialized_end=824
+  _globals['_TOPLOGPROB']._serialized_start=826
+  _globals['_TOPLOGPROB']._serialized_end=873
+  _globals['_TOKENLOGPROB']._serialized_start=875
+  _globals['_TOKENLOGPROB']._serialized_end=969
+  _globals['_GENERATERESPONSE']._serialized_start=972
+  _globals['_GENERATERESPONSE']._serialized_end=1250
+  _globals['_ABORTREQUEST']._serialized_start=1252
+  _globals['_ABORTREQUEST']._serialized_end=1286
+  _globals['_ABORTRESPONSE']._serialized_start=1288
+  _globals['_ABORTRESPONSE']._serialized_end=1318
+  _globals['_WORKERSTATUS']._serialized_start=1321
+  _globals['_WORKERSTATUS']._serialized_end=1602
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1604
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1624
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1626
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1689
+  _globals['_STATSREQUEST']._serialized_start=1691
+  _globals['_STATSREQUEST']._serialized_end=1705
+  _globals['_STATSRESPONSE']._serialized_start=1708
+  _globals['_STATSRESPONSE']._serialized_end=2016
+  _globals['_ROUTER']._serialized_start=2260
+  _globals['_ROUTER']._serialized_end=2537
 # @@protoc_insertion_point(module_scope)
