@@ -19,6 +19,7 @@ tokenized on a worker thread must not stall the router's event loop).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -63,7 +64,8 @@ class Tokenizer:
     """
 
     __slots__ = ("_tokenizer", "_literal", "_template", "_special_tokens", "_bos_token_id",
-                 "_eos_token_ids", "_control_texts", "_max_token_bytes")
+                 "_eos_token_ids", "_control_texts", "_max_token_bytes", "_added_texts",
+                 "_byte_level", "_byte_fallback")
 
     def __init__(
         self,
@@ -92,7 +94,11 @@ class Tokenizer:
         # The control tokens' texts, longest first (what a message content must not smuggle in).
         self._control_texts = tuple(sorted({tok.content for tok in added.values() if tok.special},
                                            key=len, reverse=True))
-        self._max_token_bytes = _max_token_bytes(json.loads(serialized))
+        spec = json.loads(serialized)
+        self._max_token_bytes = _max_token_bytes(spec)
+        self._added_texts = {i: tok.content for i, tok in added.items()}  # id -> its text
+        self._byte_level = _is_byte_level(spec)  # vocabulary strings spell bytes (GPT-2 map)
+        self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -166,6 +172,24 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for (what OpenAI's logprobs call a token's
+        `bytes`: a character split over several tokens has part of its UTF-8 in each). Exact
+        for added tokens (their text), byte-level BPE (each vocabulary character stands for one
+        byte) and byte-fallback tokens ("<0xE2>"); otherwise the token decoded alone, which
+        for a SentencePiece word piece drops its leading space marker."""
+        added = self._added_texts.get(token_id)
+        if added is not None:
+            return added.encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:  # outside the vocabulary
+            return b""
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR.get(c, 0) for c in piece)
+        if self._byte_fallback and _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     # ------------------------------------------------------------------ chat
 
@@ -331,6 +355,32 @@ def _max_token_bytes(spec: dict) -> int | None:
                    for t in model.get("vocab", {})), default=1)
     added = (len(t["content"].encode()) for t in spec.get("added_tokens", []))
     return max([longest, *added])
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the character standing for each byte. Printable
+    Latin-1 bytes stand for themselves, the other 68 for code points 256, 257, ... in order."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)}
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_chars()
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token
+
+
+def _is_byte_level(spec: dict) -> bool:
+    """Whether vocabulary strings are byte-level BPE's (decoded through the ByteLevel map)."""
+    decoder = spec.get("decoder") or {}
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    return any(p.get("type") == "ByteLevel" for p in parts)
 
 
 def _validate_messages(messages: Sequence[ChatMessage]) -> None:

@@ -1,6 +1,11 @@
 """OpenAI request bodies -> router values, router outputs -> OpenAI response bodies. Pure
 functions; what a value may be is checked by the router (router/validate.py), and only what the
-gRPC API cannot express is refused here (n > 1, logprobs, penalties, tools, batched prompts).
+gRPC API cannot express is refused here (n > 1, penalties, tools, batched prompts).
+
+Log-probabilities: chat's `logprobs` / `top_logprobs` and completions' `logprobs: n` become the
+router's `sampling.logprobs` / `sampling.top_logprobs` (n alternatives, 0 to 20 -- OpenAI
+allows 5 for completions, vLLM 20 as here); the answers carry them in OpenAI's shapes
+(http_api/logprobs.py).
 
 Field names: the router names `sampling.temperature`, `sampling.max_tokens`,
 `prompt_token_ids[3]`; `Call.rename` maps them to what this request sent (`temperature`,
@@ -27,6 +32,8 @@ from tandem.http_api.schemas import (
     ChatMessageIn,
     Completion,
     CompletionChoice,
+    ChatLogprobs,
+    CompletionLogprobs,
     CompletionRequest,
     Usage,
 )
@@ -103,7 +110,8 @@ def completion_call(req: CompletionRequest, models: Sequence[ModelInfo], now: in
     return Call(
         endpoint=Endpoint.COMPLETIONS, inp=inp, model=_model_name(req.model, models),
         stream=req.stream, include_usage=_include_usage(req), created=now,
-        renames=(("prompt_token_ids", "prompt"), *_stop_renames(req), ("sampling.", "")),
+        renames=(("prompt_token_ids", "prompt"), ("sampling.top_logprobs", "logprobs"),
+                 *_stop_renames(req), ("sampling.", "")),
         fields=frozenset(CompletionRequest.model_fields))
 
 
@@ -111,21 +119,15 @@ def refuse_unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """400 for what would change the answer but that tandem cannot do (yet)."""
     if req.n != 1:
         raise invalid("n", f"only n=1 is supported (one choice per request), got {req.n}")
-    # Log-probabilities: the router does not return them yet. When it does, these become
-    # sampling fields and the response models' `logprobs` (schemas.py) get filled.
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs:
-            raise invalid("logprobs", "not supported yet")
-        if req.top_logprobs is not None:
-            raise invalid("top_logprobs", "not supported yet")
+        if req.top_logprobs and not req.logprobs:  # as OpenAI: alternatives need logprobs
+            raise invalid("top_logprobs", "needs logprobs: true")
         if req.tools or req.tool_choice not in (None, "none"):
             raise invalid("tools" if req.tools else "tool_choice",
                           "tool calls are not supported")
         if req.response_format is not None and req.response_format.get("type") != "text":
             raise invalid("response_format", "only {'type': 'text'} is supported")
     else:
-        if req.logprobs is not None:
-            raise invalid("logprobs", "not supported yet")
         if req.echo:
             raise invalid("echo", "not supported")
         if req.suffix:
@@ -168,10 +170,15 @@ def _max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
 def _sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
               ) -> SamplingInput:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if isinstance(req, ChatCompletionRequest):
+        logprobs, top_logprobs = bool(req.logprobs), req.top_logprobs
+    else:  # completions' `logprobs: n`: the returned token's and n alternatives
+        logprobs, top_logprobs = req.logprobs is not None, req.logprobs
     return SamplingInput(
         max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
         min_p=req.min_p, seed=req.seed, stop=stop,
-        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def _stop_renames(req: ChatCompletionRequest | CompletionRequest) -> tuple[tuple[str, str], ...]:
@@ -207,29 +214,39 @@ def response_id(call: Call, request_id: str) -> str:
     return f"{'chatcmpl' if call.endpoint is Endpoint.CHAT else 'cmpl'}-{request_id}"
 
 
-def whole_body(call: Call, text: str, final: GenerateOutput) -> ChatCompletion | Completion:
-    """The answer to a request without `stream`."""
+Logprobs = ChatLogprobs | CompletionLogprobs  # the endpoint's shape (http_api/logprobs.py)
+
+
+def whole_body(call: Call, text: str, final: GenerateOutput,
+               logprobs: Logprobs | None = None) -> ChatCompletion | Completion:
+    """The answer to a request without `stream`; `logprobs` when it asked, for every token."""
     rid = response_id(call, final.request_id)
     reason = finish_reason(final.finish_reason)
     if call.endpoint is Endpoint.CHAT:
         return ChatCompletion(
             id=rid, created=call.created, model=call.model, usage=usage(final),
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)])
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=reason,
+                                logprobs=logprobs)])
     return Completion(id=rid, created=call.created, model=call.model, usage=usage(final),
-                      choices=[CompletionChoice(text=text, finish_reason=reason)])
+                      choices=[CompletionChoice(text=text, finish_reason=reason,
+                                                logprobs=logprobs)])
 
 
 def chunk_body(call: Call, request_id: str, text: str, reason: FinishReason | None,
-               first: bool) -> ChatCompletionChunk | Completion:
-    """One streamed chunk; a chat stream's first chunk names the role."""
+               first: bool, logprobs: Logprobs | None = None
+               ) -> ChatCompletionChunk | Completion:
+    """One streamed chunk; a chat stream's first chunk names the role. `logprobs`: the chunk's
+    tokens' when the request asked."""
     rid = response_id(call, request_id)
     if call.endpoint is Endpoint.CHAT:
         delta = ChatFirstDelta(content=text) if first else ChatDelta(content=text)
         return ChatCompletionChunk(
             id=rid, created=call.created, model=call.model,
-            choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason(reason))])
+            choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason(reason),
+                                     logprobs=logprobs)])
     return Completion(id=rid, created=call.created, model=call.model,
-                      choices=[CompletionChoice(text=text, finish_reason=finish_reason(reason))])
+                      choices=[CompletionChoice(text=text, finish_reason=finish_reason(reason),
+                                                logprobs=logprobs)])
 
 
 def usage_body(call: Call, final: GenerateOutput) -> ChatCompletionChunk | Completion:

@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tandem.http_api.convert import Call, chunk_body, finish_reason, usage_body, whole_body
+from tandem.http_api.convert import (Call, Endpoint, Logprobs, chunk_body, finish_reason,
+                                     usage_body, whole_body)
 from tandem.http_api.errors import ApiError, from_router_error, send_error
 from tandem.http_api.hooks import Observer, RequestRecord
+from tandem.http_api.logprobs import TokenNamer, chat_logprobs, completion_logprobs
 from tandem.http_api.schemas import ErrorBody, ErrorInfo
+from tandem.messages import TokenLogprob
 from tandem.router import GenerateOutput, Router, RouterError
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,10 @@ class GenerationResponse(Response):
         self.started_at, self.observer = started_at, observer
         self.background = None
         self._outcome = _Outcome()
+        # Names returned tokens when the request asks for logprobs (None: it does not)
+        self._namer = (TokenNamer(router.tokenizer(call.model))
+                       if call.inp.sampling.logprobs else None)
+        self._text_offset = 0  # completions: where the next token's text starts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         answer = asyncio.create_task(self._answer(send))
@@ -99,11 +106,12 @@ class GenerationResponse(Response):
                 await self._whole(send, outputs, first)
 
     async def _whole(self, send: Send, outputs, out: GenerateOutput) -> None:
-        texts = [out.text_delta]
+        texts, lps = [out.text_delta], list(out.logprobs)
         try:
             while out.finish_reason is None:
                 out = await anext(outputs)
                 texts.append(out.text_delta)
+                lps += out.logprobs
         except RouterError as exc:
             await self._refuse(send, from_router_error(exc, self.call.rename))
             return
@@ -112,7 +120,8 @@ class GenerationResponse(Response):
             await self._refuse(send, _internal())
             return
         self._outcome.final = out
-        body = whole_body(self.call, "".join(texts), out).model_dump_json().encode()
+        body = whole_body(self.call, "".join(texts), out,
+                          self._logprobs(lps)).model_dump_json().encode()
         await _send_json(send, body)
         self._outcome.status = 200
 
@@ -121,15 +130,18 @@ class GenerationResponse(Response):
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         self._outcome.status = 200
         first = True
+        held: list[TokenLogprob] = []  # logprobs of outputs not sent yet (no text)
         try:
             while True:
                 # Chunks without text (a token that ends inside a UTF-8 character) wait for the
                 # next; the first chunk goes anyway (it names the role), and so does the last.
+                # Their tokens' logprobs go with the next chunk sent.
+                held += out.logprobs
                 if out.text_delta or first or out.finish_reason is not None:
                     body = chunk_body(call, out.request_id, out.text_delta, out.finish_reason,
-                                      first)
+                                      first, self._logprobs(held))
                     await _send_event(send, body.model_dump_json())
-                    first = False
+                    first, held = False, []
                 if out.finish_reason is not None:
                     break
                 out = await anext(outputs)
@@ -148,6 +160,15 @@ class GenerationResponse(Response):
             ).model_dump_json())
         await _send_event(send, "[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> Logprobs | None:
+        """`lps` in the endpoint's shape; None when the request did not ask."""
+        if self._namer is None:
+            return None
+        if self.call.endpoint is Endpoint.CHAT:
+            return chat_logprobs(lps, self._namer)
+        shape, self._text_offset = completion_logprobs(lps, self._namer, self._text_offset)
+        return shape
 
     async def _refuse(self, send: Send, err: ApiError) -> None:
         self._outcome.status, self._outcome.error_type = err.status, err.type

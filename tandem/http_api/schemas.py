@@ -4,9 +4,9 @@ what a value may be (temperature >= 0, top_p in (0, 1], ...) is the router's val
 fronts refuse the same requests (http_api/convert.py maps the fields).
 
 Requests ignore fields they do not know (clients send `store`, `metadata`, ...); fields that
-would change the answer if ignored (penalties, tools, logprobs, ...) are declared here so that
-convert.py can refuse them by name. Response models carry `logprobs` already (always null for
-now): the router does not return log-probabilities yet.
+would change the answer if ignored (penalties, tools, ...) are declared here so that convert.py
+can refuse them by name. Response choices carry `logprobs` when the request asked (null
+otherwise), in OpenAI's shape for the endpoint (http_api/logprobs.py).
 """
 
 from __future__ import annotations

@@ -121,3 +121,79 @@ def test_grpc_top_logprobs_out_of_range_is_invalid_argument(stub, sampling, mess
         list(stub.Generate(_request(**sampling), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(message)
+
+
+# ---- the HTTP front, through the real openai SDK ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(system):
+    from http_helpers import openai_client
+
+    c = openai_client(system.http_port)
+    yield c
+    c.close()
+
+
+EXTRA = {"ignore_eos": True}  # the random model may draw its EOS id at any step
+
+
+def _word(token_id: int) -> str:
+    return f"w{token_id}"  # the word tokenizer's text of a token
+
+
+def _check_chat(content, ref: Completion) -> None:
+    assert len(content) == len(ref.logprobs) == N
+    for got, want in zip(content, ref.logprobs):
+        assert got.token == _word(want.token_id)
+        assert got.bytes == list(_word(want.token_id).encode())
+        assert got.logprob == pytest.approx(want.logprob, abs=TOL)
+        assert [t.token for t in got.top_logprobs] == [_word(t) for t in want.top_ids]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(want.top_logprobs,
+                                                                      abs=TOL)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_http_chat_logprobs_equal_plain_decoding(system, client, stream):
+    ref = system.refs["chat"]
+    answer = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=N,
+                                            logprobs=True, top_logprobs=TOP, stream=stream,
+                                            extra_body=EXTRA)
+    if stream:
+        content = [t for ch in answer if ch.choices and ch.choices[0].logprobs
+                   for t in ch.choices[0].logprobs.content]
+    else:
+        assert answer.choices[0].message.content == ref.text
+        content = answer.choices[0].logprobs.content
+    _check_chat(content, ref)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_http_completion_logprobs_equal_plain_decoding(system, client, stream):
+    ref = system.refs["prompt"]
+    answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, logprobs=TOP,
+                                       stream=stream, extra_body=EXTRA)
+    parts = [ch.choices[0].logprobs for ch in answer if ch.choices and ch.choices[0].logprobs] \
+        if stream else [answer.choices[0].logprobs]
+    tokens = [t for p in parts for t in p.tokens]
+    values = [v for p in parts for v in p.token_logprobs]
+    tops = [d for p in parts for d in p.top_logprobs]
+    offsets = [o for p in parts for o in p.text_offset]
+    assert tokens == [_word(t) for t in ref.output_ids]
+    assert values == pytest.approx([lp.logprob for lp in ref.logprobs], abs=TOL)
+    for top, want in zip(tops, ref.logprobs):  # greedy: the token is the first alternative
+        assert list(top) == [_word(t) for t in want.top_ids]
+        assert list(top.values()) == pytest.approx(want.top_logprobs, abs=TOL)
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_http_top_logprobs_21_is_400_naming_it(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2,
+                                       logprobs=True, top_logprobs=21)
+    assert e.value.status_code == 400 and e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=21)
+    assert e.value.status_code == 400 and e.value.body["param"] == "logprobs"

@@ -24,7 +24,7 @@ from tandem.http_api import HttpConfig, HttpServer, RequestRecord
 from tandem.http_api.convert import completion_call
 from tandem.http_api.errors import from_router_error, from_validation_errors
 from tandem.http_api.schemas import CompletionRequest
-from tandem.messages import FinishReason
+from tandem.messages import FinishReason, TokenLogprob
 from tandem.router import (
     CapacityExceeded,
     Code,
@@ -54,7 +54,8 @@ HEALTHY = [WorkerInfo(name="w0", role=WorkerRole.COLOCATED, model="tiny", num_pa
 class ScriptedDispatcher:
     """Streams the words w10, w11, ... (one token each, text " w10", ...) `delay_s` apart, up to
     `num_tokens` or max_new_tokens; `error` is raised after `error_after` chunks. Records every
-    request and the streams closed before their last chunk (what an abort looks like here)."""
+    request and the streams closed before their last chunk (what an abort looks like here).
+    A request that asks for logprobs gets `scripted_logprob(i, top_logprobs)` for token i."""
 
     def __init__(self) -> None:
         self.num_tokens, self.delay_s = 3, 0.0
@@ -85,8 +86,11 @@ class ScriptedDispatcher:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 finished = i == n - 1
+                p = request.params
                 yield TokenChunk(request_id=rid, token_ids=(10 + i,), text_delta=f" w{10 + i}",
-                                 finish_reason=FinishReason.LENGTH if finished else None)
+                                 finish_reason=FinishReason.LENGTH if finished else None,
+                                 logprobs=(scripted_logprob(i, p.top_logprobs),)
+                                 if p.logprobs else ())
         finally:
             self.live.discard(rid)
             if not finished:
@@ -247,8 +251,8 @@ def _error(exc_info) -> dict:
     ({"stop": ["w1", ""]}, "stop[1]"),
     ({"stop": 5}, "stop"),
     ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"seed": 2**70}, "seed"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -268,10 +272,63 @@ def test_a_bad_chat_field_is_400_naming_it(front, kw, param):
     assert not front.dispatcher.submitted
 
 
-def test_logprobs_are_refused_for_now(front):
+def test_logprobs_out_of_range_name_the_request_field(front):
     with pytest.raises(openai.BadRequestError) as e:
-        front.client.completions.create(model="tiny", prompt="w1", logprobs=1)
-    assert _error(e)["message"] == "logprobs: not supported yet"
+        front.client.chat.completions.create(model="tiny", messages=CHAT, logprobs=True,
+                                             top_logprobs=21)
+    assert _error(e)["param"] == "top_logprobs"
+    assert _error(e)["message"] == "top_logprobs: must be in [0, 20], got 21"
+    with pytest.raises(openai.BadRequestError) as e:
+        front.client.completions.create(model="tiny", prompt="w1", logprobs=21)
+    assert _error(e)["param"] == "logprobs"
+    assert _error(e)["message"] == "logprobs: must be in [0, 20], got 21"
+    assert not front.dispatcher.submitted
+
+
+def scripted_logprob(i: int, top: int) -> TokenLogprob:
+    """Token i (w{10+i}) at logprob -(i+1)/4, its alternatives w{10+i}, w200, w201, ..."""
+    alts = (10 + i, *range(200, 200 + top - 1))[:top]
+    return TokenLogprob(token_id=10 + i, logprob=-(i + 1) / 4, top_ids=alts,
+                        top_logprobs=tuple(-(i + 1) / 4 - j for j in range(top)))
+
+
+def test_chat_logprobs_in_openai_shape(front):
+    c = front.client
+    whole = c.chat.completions.create(model="tiny", messages=CHAT, logprobs=True,
+                                      top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert [t.token for t in content] == ["w10", "w11", "w12"]
+    assert [t.logprob for t in content] == [-0.25, -0.5, -0.75]
+    assert content[1].bytes == list(b"w11")
+    assert [(a.token, a.logprob, a.bytes) for a in content[1].top_logprobs] == [
+        ("w11", -0.5, list(b"w11")), ("w200", -1.5, list(b"w200"))]
+    assert front.dispatcher.submitted[-1].params.top_logprobs == 2
+    chunks = list(c.chat.completions.create(model="tiny", messages=CHAT, logprobs=True,
+                                            stream=True))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob, t.top_logprobs) for t in streamed] == [
+        ("w10", -0.25, []), ("w11", -0.5, []), ("w12", -0.75, [])]
+    plain = c.chat.completions.create(model="tiny", messages=CHAT)
+    assert plain.choices[0].logprobs is None
+    assert not front.dispatcher.submitted[-1].params.logprobs
+
+
+def test_completion_logprobs_in_the_legacy_shape(front):
+    c = front.client
+    whole = c.completions.create(model="tiny", prompt="w1", logprobs=2)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == ["w10", "w11", "w12"]
+    assert lp.token_logprobs == [-0.25, -0.5, -0.75]
+    assert lp.top_logprobs[0] == {"w10": -0.25, "w200": -1.25}  # the token is among them
+    assert lp.text_offset == [0, 3, 6]
+    zero = c.completions.create(model="tiny", prompt="w1", logprobs=0)
+    assert zero.choices[0].logprobs.top_logprobs[2] == {"w12": -0.75}  # the token alone
+    chunks = list(c.completions.create(model="tiny", prompt="w1", logprobs=1, stream=True))
+    got = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [t for g in got for t in g.tokens] == ["w10", "w11", "w12"]
+    assert [o for g in got for o in g.text_offset] == [0, 3, 6]  # continued across chunks
+    assert c.completions.create(model="tiny", prompt="w1").choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("kw, param", [

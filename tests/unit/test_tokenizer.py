@@ -86,6 +86,27 @@ def test_decode_round_trips(tok: Tokenizer, ref_tok: PreTrainedTokenizerBase, te
     assert tok.decode(ids) == ref_tok.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("text", STRINGS + DIGIT_AFTER_SPACES)
+def test_token_bytes_concatenate_to_the_text(tok: Tokenizer, text: str) -> None:
+    """Each token's bytes (what logprobs return per token): a character split over several
+    byte-level tokens has part of its UTF-8 in each, and together they spell the text."""
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_other_tokenizers() -> None:
+    from tokenizers import models
+
+    word = HFBackendTokenizer(models.WordLevel(vocab={"w0": 0, "w1": 1}, unk_token="w0"))
+    t = Tokenizer(tokenizer=word, chat_template=None, special_tokens={})
+    assert t.token_bytes(1) == b"w1"
+    assert t.token_bytes(5) == b""  # outside the vocabulary
+    bpe = HFBackendTokenizer(models.BPE(vocab={"<0xE2>": 0, "<0x82>": 1, "a": 2}, merges=[],
+                                        byte_fallback=True))
+    t = Tokenizer(tokenizer=bpe, chat_template=None, special_tokens={})
+    assert [t.token_bytes(i) for i in range(3)] == [b"\xe2", b"\x82", b"a"]
+
+
 def test_special_tokens_and_properties(tok: Tokenizer) -> None:
     assert tok.encode("<|im_start|>") == [1] and tok.encode("<|im_end|>") == [2]
     assert tok.decode(tok.encode("<|im_start|>assistant\nHi<|im_end|>")) == "assistant\nHi"
