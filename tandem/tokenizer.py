@@ -360,16 +360,9 @@ def _max_token_bytes(spec: dict) -> int | None:
 def _byte_level_chars() -> dict[str, int]:
     """Byte-level BPE's alphabet (GPT-2's): the character standing for each byte. Printable
     Latin-1 bytes stand for themselves, the other 68 for code points 256, 257, ... in order."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)}
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 _BYTE_OF_CHAR = _byte_level_chars()
