@@ -4,7 +4,8 @@ the router's follower (router/flight.py), as the disaggregated dispatcher does. 
 token's logprob comes from the prefill worker (`FirstToken`, or `PrefillResult` when it ends the
 request) -- or, when decode's first output reaches the router first, from the seed -- and the
 rest from `DecodeOutput`; together they equal the colocated speculative engine's, value for
-value (float32, greedy and seeded sampling, chain and tree)."""
+value (float32, greedy and seeded sampling, chain and tree). Once more on Ray, with Mooncake and
+the router's `DisaggregatedDispatcher`."""
 
 from __future__ import annotations
 
@@ -123,3 +124,56 @@ def test_disaggregated_logprobs_equal_colocated(dirs, spec, hold_first):
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.slow
+def test_ray_disaggregated_logprobs_equal_colocated(dirs):
+    """The same through Ray: prefill and decode actors, KV over Mooncake, the router's
+    `DisaggregatedDispatcher` (channels, events, the follower)."""
+    ray = pytest.importorskip("ray")
+    from tandem.deploy.config import DeployConfig, GroupConfig
+    from tandem.deploy.launcher import init_ray, launch
+    from tandem.engine import EngineConfig
+    from tandem.router.disagg import DisaggregatedDispatcher
+    from tandem.router.dispatch import ModelInfo
+
+    model_dir, head_dir = dirs
+    cfg = DeployConfig(
+        engine=EngineConfig(model=str(model_dir), dtype="float32", page_size=4, num_pages=256),
+        spec=SpecConfig(draft_model=str(head_dir), num_steps=3),
+        transfer_backend="mooncake", transfer_timeout_s=10.0,
+        prefill=GroupConfig(num_cpus=0.5), decode=GroupConfig(num_cpus=0.5))
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 24))] for _ in range(5)]
+    params = _params()
+    colocated = SpecEngine.from_config(cfg.engine, cfg.spec).generate(prompts, params)
+    init_ray(num_cpus=4)
+    dep = launch(cfg)
+    try:
+        disp = DisaggregatedDispatcher(
+            dep.prefill, dep.decode, dep.endpoints,
+            ModelInfo(name="default", vocab_size=256, max_model_len=512, max_request_tokens=900),
+            num_steps=3)
+
+        async def one(i: int):
+            req = RoutedRequest(request_id=f"r{i}", room=8000 + i, model="default",
+                                prompt_ids=tuple(prompts[i]), params=params[i],
+                                placement=Placement(prefill_worker="prefill-0",
+                                                    decode_worker="decode-0"),
+                                deadline=time.time() + 60)
+            return [c async for c in disp.submit(req)]
+
+        async def run_all():
+            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+        for i, (chunks, want) in enumerate(zip(asyncio.run(run_all()), colocated)):
+            assert tuple(t for c in chunks for t in c.token_ids) == want.output_ids, i
+            lps = tuple(lp for c in chunks for lp in c.logprobs)
+            assert len(lps) == len(want.logprobs), i
+            for a, b in zip(lps, want.logprobs):
+                assert a.token_id == b.token_id and a.top_ids == b.top_ids
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+                assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-5)
+    finally:
+        dep.shutdown()
+        ray.shutdown()
