@@ -102,11 +102,12 @@ def read_sampled(out: SampleOutput) -> tuple[list[int], list[TokenLogprob | None
     """The tokens of `out` and their logprobs ([n] each; None for a row that did not ask) on the
     host, read together: one wait (`HostCopy`), the step's one host sync."""
     lp = out.logprobs
-    copy = HostCopy.start((out.tokens, *(lp.tensors() if lp is not None else ())))
+    if lp is None:  # no row asks: the plain read, nothing else
+        tokens = out.tokens.tolist()  # SYNC: the step's one host read
+        return tokens, [None] * len(tokens)
+    copy = HostCopy.start((out.tokens, *lp.tensors()))
     tokens_h, *lp_h = copy.wait()  # SYNC: the step's one host read, tokens and logprobs
     tokens = tokens_h.tolist()
-    if lp is None:
-        return tokens, [None] * len(tokens)
     return tokens, HostLogprobs.of(lp, lp_h).per_row(tokens)
 
 

@@ -63,14 +63,17 @@ def accept(
                                fault)
     argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
     nodes = node_logprobs(verify, logits, argmax, params)  # None: no row asks
-    copy = HostCopy.start((torch.stack([verify.tokens, argmax]),
-                           *(nodes.tensors() if nodes is not None else ())))
-    # SYNC: the one host read of the round: draft tokens and target argmax together (and the
-    # logprobs of the rows that ask).
-    both_h, *lp_h = copy.wait()
-    both = both_h.tolist()
+    both_d = torch.stack([verify.tokens, argmax])  # [2, bs, N]
+    host = None
+    if nodes is None:
+        # SYNC: the one host read of the round: draft tokens and target argmax together.
+        both = both_d.tolist()
+    else:
+        # SYNC: the one host read of the round: draft tokens, target argmax and the logprobs
+        # of the rows that ask, together.
+        both_h, *lp_h = HostCopy.start((both_d, *nodes.tensors())).wait()
+        both, host = both_h.tolist(), nodes.read(lp_h)
     tokens_h, argmax_h = both[0], both[1]
-    host = nodes.read(lp_h) if nodes is not None else None
     paths, new_tokens, errors, logprobs = [], [], [""] * verify.batch_size, []
     for r in range(verify.batch_size):
         kids = children_of(verify.parents[r])
