@@ -1,6 +1,7 @@
 """The records of one prefill-side send: the decode peer it goes to (`DecodePeer`), a write built
-ahead of its grant (`BuiltWrite`), and a leg's whole state (`SendLeg`). `PrefillSender` owns
-them (its table of legs); `LegWriter` posts a leg's writes."""
+ahead of its grant (`BuiltWrite`), a leg's whole state (`SendLeg`), and a room's (`SendRoom`: its
+legs and outcome). `PrefillSender` owns them (its table of rooms); `LegWriter` posts a leg's
+writes."""
 
 from __future__ import annotations
 
@@ -68,4 +69,15 @@ class SendLeg:
     error: TransferError | None = None
     drain_deadline: float = float("inf")  # monotonic s: stop waiting for posted writes
     final_said: bool = False  # decode got (or can no longer get) our final word
+    # Terminal, its final word said, nothing of it in flight: it only waits for its siblings
+    retired: bool = False
+
+
+@dataclass(slots=True)
+class SendRoom:
+    """One room at the sender, from its first leg's start until its last leg retires."""
+
+    legs: list[SendLeg] = field(default_factory=list)  # one per decode endpoint, in start order
+    error: TransferError | None = None  # its first leg failure: the room's outcome
+    reported: bool = False  # its outcome went out (once every leg was terminal)
 

@@ -1,9 +1,10 @@
 """`PrefillSender`: the prefill rank's side of the contract (`KVSender`), over any backend.
 
-Owns: its backend instance, the table of active sends (one `SendLeg` per room and decode
-endpoint, send_leg.py), and the memory of recently finished rooms; its `LegWriter` layer
-(leg_writer.py) owns the aux staging slots and posts the writes. Single-threaded; `poll()`
-progresses.
+Owns: its backend instance, the table of rooms being sent (room -> `SendRoom`, send_leg.py: one
+`SendLeg` per decode endpoint, the room's first failure and whether its outcome went out; a room
+leaves it when its last leg retires), and the memory of recently finished rooms; its
+`LegWriter` layer (leg_writer.py) owns the aux staging slots and posts the writes.
+Single-threaded; `poll()` progresses.
 
 Per room: `start` sends BEGIN and waits (without blocking) for GO; `push_layers` queues page
 batches, posted once GO arrived; `finish` stages the aux seed; the aux write goes out carrying
@@ -42,7 +43,7 @@ from tandem.kvtransfer.layout import (KVLayout, layout_mismatches, plan_layers, 
                                       validate_pages)
 from tandem.kvtransfer.leg_writer import LegWriter
 from tandem.kvtransfer.reslice import geometry, plan_slice_entries, slice_for_peer
-from tandem.kvtransfer.send_leg import DecodePeer, SendLeg
+from tandem.kvtransfer.send_leg import DecodePeer, SendLeg, SendRoom
 from tandem.kvtransfer.wire import Message, MsgKind, decode_message
 
 
@@ -60,10 +61,7 @@ class PrefillSender(LegWriter):
         self._dice = FaultDice(faults)
         self._peers: dict[int, DecodePeer] = {}  # receiver session -> peer
         self._hello: dict[str, Message] = {}  # peer id -> WELCOME/REFUSE awaiting connect()
-        self._sends: dict[tuple[int, int], SendLeg] = {}  # (room, decode session) -> live leg
-        self._rooms: dict[int, list[SendLeg]] = {}  # room -> every leg, until all retired
-        self._room_error: dict[int, TransferError] = {}  # room -> its first leg failure
-        self._reported: set[int] = set()  # rooms whose outcome went out
+        self._rooms: dict[int, SendRoom] = {}  # room -> its legs, until the last one retired
         self._recent: OrderedDict[int, tuple[TransferState, TransferError | None]] = OrderedDict()
         self._outcomes: list[SendOutcome] = []
 
@@ -110,9 +108,9 @@ class PrefillSender(LegWriter):
         if not peer.alive:
             raise TransferError(ErrorKind.PEER_DEAD, f"decode {peer.peer_id} is gone or fenced; "
                                 "connect() again", room=dest.room)
-        legs = self._rooms.get(dest.room, [])
-        if any(leg.dest.receiver_session == dest.receiver_session or leg.pushed
-               or leg.state.terminal for leg in legs):
+        entry = self._rooms.get(dest.room)
+        if entry is not None and any(leg.dest.receiver_session == dest.receiver_session
+                                     or leg.pushed or leg.state.terminal for leg in entry.legs):
             raise TransferError(ErrorKind.INVALID, "room already being sent", room=dest.room)
         validate_pages(self.layout, peer.layout, src_page_ids, dest.page_ids, room=dest.room)
         now = self.clock()
@@ -120,8 +118,9 @@ class PrefillSender(LegWriter):
                   runs=coalesce.page_runs(src_page_ids, dest.page_ids), deadline=now + dest.timeout_s,
                   started_at=now, fault=self._dice.draw(),
                   piece=slice_for_peer(self.compat, self.layout, peer.compat, peer.layout))
-        self._sends[(dest.room, peer.session)] = s
-        self._rooms.setdefault(dest.room, []).append(s)
+        if entry is None:
+            entry = self._rooms[dest.room] = SendRoom()
+        entry.legs.append(s)
         self._recent.pop(dest.room, None)
         self.backend.send_message(peer.peer_id, Message(
             kind=MsgKind.BEGIN, room=dest.room, session=peer.session,
@@ -194,7 +193,7 @@ class PrefillSender(LegWriter):
         at its deadline. Legs already begun are aborted (their final word follows once
         nothing of theirs can land)."""
         for dest in dests:
-            legs = self._rooms.get(dest.room, ())
+            legs = self._legs(dest.room)
             peer = self._peers.get(dest.receiver_session)
             if (peer is None or not peer.alive or dest.room in self._recent
                     or any(leg.dest.receiver_session == dest.receiver_session for leg in legs)):
@@ -205,7 +204,7 @@ class PrefillSender(LegWriter):
             self.abort(room)
 
     def abort(self, room: int) -> None:
-        for s in self._rooms.get(room, []):
+        for s in self._legs(room):
             if not s.state.terminal:
                 self._terminate(s, TransferError(ErrorKind.ABORTED, "aborted by prefill",
                                                  room=room))
@@ -228,11 +227,11 @@ class PrefillSender(LegWriter):
     def close(self) -> None:
         if self._closed:
             return
-        for s in list(self._sends.values()):
+        for s in self._live_legs():
             if not s.state.terminal:
                 self._terminate(s, TransferError(ErrorKind.ABORTED, "prefill closing", room=s.room))
         end = self.clock() + min(self.config.drain_timeout_s, 2.0)
-        while self._sends and self.clock() < end:  # best effort: let decode release promptly
+        while self._rooms and self.clock() < end:  # best effort: let decode release promptly
             self._pump()
             time.sleep(self.config.poll_sleep_s)
         for peer in self._peers.values():
@@ -251,7 +250,7 @@ class PrefillSender(LegWriter):
     def _pump(self) -> None:
         for ev in self.backend.poll_events():
             self._on_event(ev)
-        for s in list(self._sends.values()):
+        for s in self._live_legs():
             self._progress(s)
 
     def _pump_room(self, room: int) -> None:
@@ -261,15 +260,15 @@ class PrefillSender(LegWriter):
         sender's pushes cost O(rooms in flight), and polling this room's own just-posted writes
         only delayed the next post."""
         now = self.clock()
-        for s in list(self._rooms.get(room, ())):
-            if ((s.room, s.peer.session) in self._sends and s.state is TransferState.TRANSFERRING
+        for s in list(self._legs(room)):
+            if (not s.retired and s.state is TransferState.TRANSFERRING
                     and now >= s.post_after and now < s.deadline):
                 self._post_queued(s)
                 if s.state is TransferState.TRANSFERRING:
                     self._maybe_post_final(s)
 
     def _live(self, room: int) -> list[SendLeg]:
-        legs = self._rooms.get(room)
+        legs = self._legs(room)
         if not legs:
             raise TransferError(ErrorKind.INVALID, "unknown room: start() first", room=room)
         for s in legs:
@@ -278,12 +277,22 @@ class PrefillSender(LegWriter):
                 raise s.error or TransferError(ErrorKind.INVALID, "room already done", room=room)
         return legs
 
+    def _legs(self, room: int) -> list[SendLeg]:
+        """Every leg of `room`, retired ones included (none: not being sent)."""
+        entry = self._rooms.get(room)
+        return entry.legs if entry is not None else []
+
+    def _live_legs(self) -> list[SendLeg]:
+        """The legs not retired yet, of every room (a snapshot: progress may retire them)."""
+        return [s for entry in self._rooms.values() for s in entry.legs if not s.retired]
+
     def _room_state(self, room: int) -> tuple[TransferState, TransferError | None]:
         """A room's state over its legs: failed if any failed, DONE when all are, else the
         least advanced leg's state."""
-        legs = self._rooms[room]
-        if room in self._room_error:
-            err = self._room_error[room]
+        entry = self._rooms[room]
+        legs = entry.legs
+        if entry.error is not None:
+            err = entry.error
             return (TransferState.ABORTED if err.kind is ErrorKind.ABORTED
                     else TransferState.FAILED), err
         if all(s.state is TransferState.DONE for s in legs):
@@ -295,15 +304,15 @@ class PrefillSender(LegWriter):
     def _leg_terminal(self, s: SendLeg) -> None:
         """A leg reached a terminal state: a failure aborts the sibling legs; the room's outcome
         goes out once, when every leg is terminal."""
-        if s.error is not None and s.room not in self._room_error:
-            self._room_error[s.room] = s.error
-            for other in self._rooms[s.room]:
+        entry = self._rooms[s.room]
+        if s.error is not None and entry.error is None:
+            entry.error = s.error
+            for other in entry.legs:
                 if not other.state.terminal:
                     self._terminate(other, TransferError(s.error.kind, s.error.message,
                                                          room=s.room))
-        legs = self._rooms[s.room]
-        if s.room not in self._reported and all(leg.state.terminal for leg in legs):
-            self._reported.add(s.room)
+        if not entry.reported and all(leg.state.terminal for leg in entry.legs):
+            entry.reported = True
             state, error = self._room_state(s.room)
             self._outcomes.append(SendOutcome(room=s.room, state=state, error=error))
 
@@ -320,8 +329,8 @@ class PrefillSender(LegWriter):
         elif msg.kind is MsgKind.BYE:
             self._peer_gone(ev.peer_id, TransferError(ErrorKind.PEER_DEAD, "decode closed"))
         elif msg.kind in (MsgKind.GO, MsgKind.DENY, MsgKind.ABORT):
-            s = next((leg for leg in self._sends.values()
-                      if leg.room == msg.room and leg.peer.peer_id == ev.peer_id), None)
+            s = next((leg for leg in self._legs(msg.room)
+                      if not leg.retired and leg.peer.peer_id == ev.peer_id), None)
             if s is None:
                 if msg.kind is MsgKind.ABORT and msg.room in self._recent:
                     self._say_final(ev.peer_id, msg.room, *self._recent[msg.room])
@@ -340,7 +349,7 @@ class PrefillSender(LegWriter):
         for peer in self._peers.values():
             if peer.peer_id == peer_id:
                 peer.alive = False
-        for s in list(self._sends.values()):
+        for s in self._live_legs():
             if s.peer.peer_id == peer_id and not s.state.terminal:
                 self._terminate(s, TransferError(error.kind, error.message, room=s.room))
 
@@ -421,12 +430,10 @@ class PrefillSender(LegWriter):
 
     def _retire(self, s: SendLeg) -> None:
         self._drop_ready(s)  # nothing is left on a terminal leg; kept as a guard
-        del self._sends[(s.room, s.peer.session)]
-        if any((leg.room, leg.peer.session) in self._sends for leg in self._rooms[s.room]):
+        s.retired = True
+        if any(not leg.retired for leg in self._rooms[s.room].legs):
             return  # siblings still draining: the room stays until its last leg retires
         self._recent[s.room] = self._room_state(s.room)
         del self._rooms[s.room]
-        self._room_error.pop(s.room, None)
-        self._reported.discard(s.room)
         while len(self._recent) > self.config.recent_outcomes:
             self._recent.popitem(last=False)

@@ -287,8 +287,8 @@ def test_writes_built_before_go_are_posted_once_or_dropped(ends):
     rooms = {10 + i: [12 + i] for i in range(4)}
     for room, pages in rooms.items():
         tx.start(rx.expect(room, pages, room % 4), [room])
-    assert [tx._sends[(r, s.peer.session)].ready_final is not None
-            for r in rooms for s in tx._rooms[r]] == [True, True, True, False]
+    assert [s.ready_final is not None
+            for r in rooms for s in tx._rooms[r].legs] == [True, True, True, False]
     for room in rooms:
         for region in smem.layout.regions:
             tx.push_layers(room, region.name, range(region.num_layers))
@@ -297,7 +297,7 @@ def test_writes_built_before_go_are_posted_once_or_dropped(ends):
     assert sorted(e.room for e in events if isinstance(e, Received)) == sorted(rooms)
     assert be.num_prepared == 9 + 4 * 2 + 3 and be.num_prepared_dropped == 5
     assert be.num_prepared_posts == be.num_prepared - be.num_prepared_dropped
-    pump(lambda: not tx._sends)
+    pump(lambda: not tx._rooms)
     assert sorted(tx._free_staging) == [0, 1, 2, 3]
 
 
@@ -332,5 +332,5 @@ def test_a_partial_push_keeps_the_built_writes_already_queued(ends):
     be = tx.backend
     assert be.num_prepared_posts == 1  # the draft's built write
     assert be.num_prepared_dropped == be.num_prepared - 1
-    pump(lambda: not tx._sends)
+    pump(lambda: not tx._rooms)
     assert sorted(tx._free_staging) == [0, 1, 2, 3]
