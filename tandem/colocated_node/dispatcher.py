@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from tandem import trace
+from tandem import otel, trace
 from tandem.engine.engine_loop import (
     AcceptanceSnapshot,
     EngineLoop,
@@ -118,13 +118,16 @@ class ColocatedDispatcher:
             raise WorkerUnavailable(worker.name, worker.loop.error
                                     or f"worker '{worker.name}' is not running")
         trace.mark(request.room, "router.submit")
+        # The engine's part of the request (queue, prefill, decode), under the request's span
+        span = otel.start("router.dispatch", request.traceparent)
+        span.set("tandem.worker", worker.name)
         stream = worker.loop.submit(LoopRequest(
             req_id=request.request_id, prompt_ids=request.prompt_ids, params=request.params,
             deadline=request.deadline))
         self._in_flight[request.request_id] = worker
         speculative = getattr(worker.loop.engine, "spec", None) is not None
         rounds: list[int] = []  # tokens per speculative round
-        num_outputs = 0
+        num_outputs = num_tokens = 0
         try:
             async for out in stream:
                 if out.error is not None:
@@ -133,16 +136,25 @@ class ColocatedDispatcher:
                     rounds.append(len(out.token_ids))
                 elif num_outputs == 0:
                     trace.mark(request.room, "router.first")
+                    span.event("first_token")
                 num_outputs += 1
+                num_tokens += len(out.token_ids)
+                if out.finish_reason is not None:
+                    span.set("gen_ai.response.finish_reasons", out.finish_reason.value)
                 spec = None
                 if out.finish_reason is not None and speculative:
                     spec = acceptance_from_rounds(rounds, worker.loop.engine.spec.num_steps)
                 yield TokenChunk(request_id=request.request_id, token_ids=out.token_ids,
                                  text_delta=out.text_delta, finish_reason=out.finish_reason,
                                  spec=spec, logprobs=out.logprobs)
+        except DispatchError as exc:
+            span.fail(exc)
+            raise
         finally:
             stream.cancel()  # no-op when the stream ended; otherwise aborts in the engine
             self._in_flight.pop(request.request_id, None)
+            span.set("gen_ai.usage.output_tokens", num_tokens)
+            span.end()
 
     async def abort(self, request_id: str) -> bool:
         worker = self._in_flight.get(request_id)

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from tandem import otel
 from tandem.http_api.config import HttpConfig
 from tandem.http_api.convert import Call, chat_call, completion_call
 from tandem.http_api.errors import ApiError, from_validation_errors
@@ -49,8 +50,10 @@ def build_app(router: Router, cfg: HttpConfig, *, observer: Observer | None = No
         client = request.client
         # The router's id space for this client (as the gRPC front uses its peer address).
         caller = f"http:{client.host}:{client.port}" if client is not None else "http"
+        # The client's W3C trace context, the parent of the request's span (tracing on only)
+        traceparent = request.headers.get("traceparent", "") if otel.enabled() else ""
         return GenerationResponse(router, call, caller=caller, started_at=started_at,
-                                  observer=observer)
+                                  observer=observer, traceparent=traceparent)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

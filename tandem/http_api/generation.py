@@ -57,9 +57,10 @@ class _Outcome:
 
 class GenerationResponse(Response):
     def __init__(self, router: Router, call: Call, *, caller: str, started_at: float,
-                 observer: Observer | None) -> None:
+                 observer: Observer | None, traceparent: str = "") -> None:
         # No Response.__init__: this class sends its own messages (see __call__).
         self.router, self.call, self.caller = router, call, caller
+        self.traceparent = traceparent  # the client's W3C trace context ("": none)
         self.started_at, self.observer = started_at, observer
         self.background = None
         self._outcome = _Outcome()
@@ -89,7 +90,9 @@ class GenerationResponse(Response):
 
     async def _answer(self, send: Send) -> None:
         call = self.call
-        async with aclosing(self.router.generate(call.inp, caller=self.caller)) as outputs:
+        async with aclosing(self.router.generate(call.inp, caller=self.caller,
+                                                 traceparent=self.traceparent,
+                                                 api=call.endpoint.value)) as outputs:
             try:
                 first = await anext(outputs)
             except RouterError as exc:

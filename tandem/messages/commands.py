@@ -12,6 +12,9 @@ Two hops:
       `GetEndpoint`, `Connect`, `SubmitPrompt`, `RoutePrompt`, `Abort` on a prefill worker;
       `GetEndpoint`, `ReserveRoom`, `Abort` on a decode worker. Each rank's result comes back.
 A value that differs per rank travels as `PerRank`; rank r's worker reads `values[r]`.
+A request's commands carry its W3C `traceparent` when it is traced (tandem/otel.py): the
+router's dispatch span on the way to the actor, the actor's span of the request on the way to
+its worker, so each process's spans hang under the one that sent the command.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class StartPrefill:
     room: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    traceparent: str = ""  # W3C trace context of the router's dispatch span ("": untraced)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +48,7 @@ class Reserve:
     room: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    traceparent: str = ""  # W3C trace context of the router's dispatch span ("": untraced)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +104,7 @@ class SubmitPrompt:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     destinations: PerRank | None  # per rank: tuple of encoded Destination (maybe empty)
+    traceparent: str = ""  # the request's span on this worker ("": untraced)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,6 +123,7 @@ class ReserveRoom:
     room: int
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    traceparent: str = ""  # the request's span on this worker ("": untraced)
 
 
 PrefillWorkerCommand = GetEndpoint | Connect | SubmitPrompt | RoutePrompt | Abort

@@ -26,6 +26,11 @@ and room of its current attempt, whether it was aborted, how long it waited; one
 request, dropped in one place when it ends), the event channels and the admission. How one
 attempt's events become chunks is `flight.follow`. Worker health comes from a background poll
 of every actor (router/worker_health.py), so `workers()` is a cheap snapshot.
+
+Tracing (tandem/otel.py; no-ops when off): under the request's span, `router.admission` (the
+wait for a running slot) and per attempt `router.dispatch`, whose traceparent rides the
+attempt's `StartPrefill` and `Reserve` so that the workers' spans hang under it;
+`router.wait_for_pages` under it while decode is full.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 
-from tandem import trace
+from tandem import otel, trace
 from tandem.messages import Abort, OutOfCapacity, Reserve, Route, StartPrefill
 from tandem.router.admission import Admission, AdmissionConfig
 from tandem.router.dispatch import (
@@ -146,9 +151,11 @@ class DisaggregatedDispatcher:
             self._admission, self._admission_loop = Admission(self._admission_cfg), loop
         flight = self._flights[rid] = Flight(prefill=pname, decode=dname, room=request.room)
         since = time.perf_counter()
+        queued = otel.start("router.admission", request.traceparent)  # the wait for a slot
         try:
             async with self._admission.slot(rid, request.deadline):
                 flight.waited_s += time.perf_counter() - since
+                queued.end()
                 streamed = False
                 try:
                     async for chunk in self._run(request, flight):
@@ -169,6 +176,7 @@ class DisaggregatedDispatcher:
                 async for chunk in self._run(request, flight):
                     yield flight.on_last(chunk)
         finally:
+            queued.end()  # refused, or its deadline passed in the queue
             self._flights.pop(rid, None)
 
     async def _prefill_for_retry(self, dead: str, request: RoutedRequest) -> str:
@@ -202,6 +210,11 @@ class DisaggregatedDispatcher:
         release_decode = False  # decode reserved pages nothing will be sent into
         retried = False  # decode was full at an earlier attempt
         dead: str | None = None  # a worker that died under this request
+        # This attempt's span; the workers' spans go under it (its traceparent rides the commands)
+        span = otel.start("router.dispatch", request.traceparent, kind=otel.CLIENT)
+        span.set("tandem.prefill_worker", pname)
+        span.set("tandem.decode_worker", dname)
+        traceparent = span.traceparent
         try:
             while True:
                 if flight.aborted:  # aborted while it waited for a slot or for pages
@@ -216,11 +229,11 @@ class DisaggregatedDispatcher:
                 # reserves first, so that waiting for pages costs no prefill forwards.
                 prompt_ids = tuple(request.prompt_ids)
                 start = StartPrefill(channel=self._channel_id, room=room, prompt_ids=prompt_ids,
-                                     params=request.params)
+                                     params=request.params, traceparent=traceparent)
                 submitted = prefill.command.remote(start) if not retried else None
                 reserved = decode.command.remote(Reserve(
                     channel=self._channel_id, room=room, prompt_ids=prompt_ids,
-                    params=request.params))
+                    params=request.params, traceparent=traceparent))
                 trace.mark(room, "router.reserve_sent")
                 try:
                     dest = await self._call(dname, reserved, request)
@@ -233,7 +246,11 @@ class DisaggregatedDispatcher:
                     if submitted is not None:
                         await self._abort_one(pname, prefill, room)
                     t_wait = time.perf_counter()
-                    await self._admission.wait_for_capacity(rid, request.deadline)
+                    waiting = otel.start("router.wait_for_pages", span)
+                    try:
+                        await self._admission.wait_for_capacity(rid, request.deadline)
+                    finally:
+                        waiting.end()
                     flight.waited_s += time.perf_counter() - t_wait
                     room, retried = _fresh_room(), True
                     flight.room = room
@@ -242,6 +259,7 @@ class DisaggregatedDispatcher:
                     submitted = prefill.command.remote(start)
                 break
             trace.mark(room, "router.reserved")
+            span.set("tandem.room", str(room))
             prefill.command.remote(Route(room=room, destination=dest,  # outcome: its events
                                          decode_endpoint=self.table.endpoint(dname)))
             await self._call(pname, submitted, request)  # answered long ago, normally
@@ -253,8 +271,13 @@ class DisaggregatedDispatcher:
                 yield chunk
         except WorkerUnavailable as exc:
             dead = exc.worker  # nothing to abort there: its process is gone
+            span.fail(exc)
+            raise
+        except Exception as exc:
+            span.fail(exc)
             raise
         finally:
+            span.end()
             pch.close(room)
             dch.close(room)
             if not finished or release_decode:  # cancelled, deadline, error, or decode's

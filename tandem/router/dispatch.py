@@ -103,6 +103,9 @@ class RoutedRequest:
     params: SamplingParams  # validated; max_new_tokens fits the context and the KV pool
     placement: Placement
     deadline: float | None  # time.time() seconds (wall clock: workers may be other hosts)
+    # The request's span (its W3C traceparent, tandem/otel.py) that the dispatcher's spans go
+    # under; "" when the request is not traced
+    traceparent: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from tandem import otel
 from tandem.messages import FinishReason, TokenLogprob
 from tandem.router.dispatch import (
     DeadlineExceeded,
@@ -54,6 +55,7 @@ from tandem.router.metrics import OK, RouterMetrics, render
 from tandem.router.placement import place
 from tandem.router.policy import PlacementQuery, Policy, WorkerState, make_policy
 from tandem.router.registry import WorkerRegistry
+from tandem.router import request_span
 from tandem.router.request_table import PreparedRequest, RequestTable
 from tandem.router.validate import (
     GenerateInput,
@@ -177,8 +179,24 @@ class Router:
     # ---- requests ---------------------------------------------------------------------------
 
     async def prepare(self, inp: GenerateInput, timeout_s: float | None = None, *,
-                      caller: str = LOCAL_CALLER) -> PreparedRequest:
-        """Validate, tokenize and place; raises RouterError. Does not register the request."""
+                      caller: str = LOCAL_CALLER, span: otel.Span = otel.NOOP
+                      ) -> PreparedRequest:
+        """Validate, tokenize and place; raises RouterError. Does not register the request.
+        `span`: the request's span; the work shows as its child `router.prepare`, and the
+        prepared request carries it to the dispatcher (`RoutedRequest.traceparent`)."""
+        step = otel.start("router.prepare", span)
+        try:
+            prepared = await self._prepare(inp, timeout_s, caller, span.traceparent)
+        except Exception as exc:
+            step.fail(exc)
+            raise
+        finally:
+            step.end()
+        request_span.describe(span, prepared)
+        return prepared
+
+    async def _prepare(self, inp: GenerateInput, timeout_s: float | None, caller: str,
+                       traceparent: str) -> PreparedRequest:
         check_request_id(inp.request_id)
         model = resolve_model(inp.model, self._models)
         args = (inp, model, self._tokenizers.get(model.name), self.cfg.default_max_tokens)
@@ -201,24 +219,32 @@ class Router:
         routed = RoutedRequest(
             request_id=self._in_flight.routed_id(request_id), room=self._in_flight.new_room(),
             model=model.name, prompt_ids=valid.prompt_ids, params=valid.params,
-            placement=placement, deadline=None if budget is None else time.time() + budget)
+            placement=placement, deadline=None if budget is None else time.time() + budget,
+            traceparent=traceparent)
         return PreparedRequest(caller=caller, request_id=request_id, routed=routed)
 
     async def generate(self, inp: GenerateInput, timeout_s: float | None = None, *,
-                       caller: str = LOCAL_CALLER) -> AsyncIterator[GenerateOutput]:
+                       caller: str = LOCAL_CALLER, traceparent: str = "", api: str = "local"
+                       ) -> AsyncIterator[GenerateOutput]:
         """Stream a request's outputs. `timeout_s`: the client's remaining deadline; `caller`:
-        whose id space the request's id lives in. Raises RouterError (validation, placement,
-        worker failure, DEADLINE_EXCEEDED); a cancelled consumer or `aclose()` stops the request
-        on its workers."""
+        whose id space the request's id lives in; `traceparent`: the client's W3C trace context
+        (the parent of the request's root span when tracing is on), `api` which front it came
+        by (a span attribute). Raises RouterError (validation, placement, worker failure,
+        DEADLINE_EXCEEDED); a cancelled consumer or `aclose()` stops the request on its
+        workers."""
         t0 = time.perf_counter()
+        span = otel.start("tandem.request", traceparent, kind=otel.SERVER)
+        span.set("tandem.api", api)
         try:
-            prepared = await self.prepare(inp, timeout_s, caller=caller)
+            prepared = await self.prepare(inp, timeout_s, caller=caller, span=span)
         except PromptTooLong as exc:
+            request_span.refused(span, exc)
             self._counters.rejected += 1
             self.metrics.refused(exc.code.value)
             await asyncio.sleep(self.cfg.too_long_delay_s)
             raise
         except RouterError as exc:
+            request_span.refused(span, exc)
             if exc.code is Code.RESOURCE_EXHAUSTED:  # more KV cache than a worker has
                 self._counters.refused += 1
             else:
@@ -241,6 +267,7 @@ class Router:
                                                          "a finish reason")
                     if ttft_s is None and chunk.token_ids:
                         ttft_s = time.perf_counter() - t0
+                        span.event("first_token")
                     num_tokens += len(chunk.token_ids)
                     timer.chunk(chunk)
                     if not chunk.finished:
@@ -250,6 +277,7 @@ class Router:
                         continue
                     outcome = "aborted" if chunk.finish_reason is FinishReason.ABORT else "finished"
                     code = OK
+                    span.set("gen_ai.response.finish_reasons", chunk.finish_reason.value)
                     yield self._final(prepared, chunk, num_tokens, ttft_s, t0)
                     return
         except RouterError as exc:
@@ -258,13 +286,17 @@ class Router:
             outcome = {Code.DEADLINE_EXCEEDED: "aborted",
                        Code.RESOURCE_EXHAUSTED: "refused"}.get(exc.code, "failed")
             code = exc.code.value
+            span.fail(exc)
             raise
-        except Exception:
+        except Exception as exc:
             outcome, code = "failed", Code.INTERNAL.value
+            span.fail(exc)
             raise
         finally:
             self._unregister(prepared, outcome, num_tokens)
             timer.ended(code)
+            span.set("gen_ai.usage.output_tokens", num_tokens)
+            request_span.ended(span, outcome, code)
 
     async def _next(self, stream: AsyncIterator[TokenChunk], req: RoutedRequest
                     ) -> TokenChunk | None:

@@ -8,6 +8,9 @@ Whose request: Generate and Abort pass the client's connection (`context.peer()`
 router's `caller`, so request ids are per connection: an Abort reaches only requests started on
 the same connection (the same channel), and a duplicate id is refused only within it (see
 router/router.py). Clients that abort by id do it on the channel that generates.
+
+With tracing on (tandem/otel.py), a Generate call's `traceparent` metadata (W3C trace context)
+becomes the parent of the request's span; with tracing off the metadata is not read.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from contextlib import aclosing
 
 import grpc
 
+from tandem import otel
 from tandem.proto import router_pb2 as pb
 from tandem.router import convert
 from tandem.router.errors import RouterError
@@ -38,7 +42,9 @@ class RouterServicer:
         try:
             async with aclosing(self.router.generate(convert.generate_input(request),
                                                      context.time_remaining(),
-                                                     caller=context.peer())) as outputs:
+                                                     caller=context.peer(),
+                                                     traceparent=_traceparent(context),
+                                                     api="grpc")) as outputs:
                 async for out in outputs:
                     await context.write(convert.generate_response(out))
         except RouterError as exc:
@@ -64,6 +70,13 @@ class RouterServicer:
                     context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         await _decoded(request, context)
         return convert.stats_response(self.router.stats())
+
+
+def _traceparent(context: grpc.aio.ServicerContext) -> str:
+    """The client's W3C trace context (`traceparent` metadata), read only while tracing is on."""
+    if not otel.enabled():
+        return ""
+    return next((v for k, v in context.invocation_metadata() or () if k == "traceparent"), "")
 
 
 def status_code(exc: RouterError) -> grpc.StatusCode:
