@@ -1,7 +1,8 @@
 """`DecodeReceiver`: the decode rank's side of the contract (`KVReceiver`), over any backend.
 
-Owns: its backend instance, the `ReceiveTable` (page/slot claims and the release callback), and
-the set of connected writers (prefill ranks that passed the handshake). Single-threaded; `poll()`
+Owns: its backend instance, the `ReceiveTable` (page/slot claims and the release callback), what
+it learned of each claimed room's writes until the room's release (`_incoming`: room ->
+`_Incoming`), and the set of connected writers (prefill ranks that passed the handshake). Single-threaded; `poll()`
 answers handshakes and grants, verifies completions, enforces deadlines and leases.
 
 A room is `Received` only if: the granted writer's FINAL(done) arrived (after all its writes) and
@@ -29,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.kvtransfer.aux_slot import HEADER_BYTES, check_aux
 from tandem.kvtransfer.backend import BackendOptions, PeerEvent, TransferBackend
@@ -53,6 +54,21 @@ class _Writer:
     fenced: bool = False  # disconnected after a lease expiry: must connect() again
 
 
+@dataclass(slots=True)
+class _Incoming:
+    """What the writes of one claimed room told so far (its claim is the `ReceiveTable`'s). Kept
+    until the room's release: after an abort the DATA counts still tell when a FINAL(done)'s page
+    writes have all landed."""
+
+    # writer -> (DATA notifications, their bytes) so far
+    data: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # writer -> its FINAL(done), come before all of its DATA (waits for the rest)
+    finals: dict[str, Message] = field(default_factory=dict)
+    # Re-sliced (several writers): prefill ranks whose FINAL(done) arrived, the primary's seed
+    done_ranks: set[int] = field(default_factory=set)
+    seed: bytes | None = None
+
+
 class DecodeReceiver(EndpointBase):
     """KVReceiver for one decode TP rank. `release` is called exactly once per expected room
     (see leases.ReceiveTable for when)."""
@@ -68,13 +84,7 @@ class DecodeReceiver(EndpointBase):
         self.table = ReceiveTable(self._on_release, clock=clock)
         self._writers: dict[str, _Writer] = {}
         self._events: list[ReceiveEvent] = []
-        # room -> prefill ranks whose FINAL(done) arrived, and the verified seed (primary's)
-        self._parts: dict[int, tuple[set[int], bytes | None]] = {}
-        # (room, writer) -> (DATA notifications, their bytes) so far; a FINAL(done) that came
-        # before all of its DATA waits in _finals. Kept until the room's release: after an
-        # abort they still tell when a FINAL(done)'s page writes have all landed.
-        self._data: dict[tuple[int, str], tuple[int, int]] = {}
-        self._finals: dict[tuple[int, str], Message] = {}
+        self._incoming: dict[int, _Incoming] = {}  # room -> its writes so far, until released
 
     # -- per-room API ---------------------------------------------------------------------------
     def expect(self, room: int, page_ids: Sequence[int], aux_slot: int, *,
@@ -136,19 +146,13 @@ class DecodeReceiver(EndpointBase):
 
     def _on_release(self, rel: Release) -> None:
         """The table gave the room up (no writer can touch it): drop what we kept about it."""
-        self._parts.pop(rel.room, None)
-        self._forget(rel.room)
+        self._incoming.pop(rel.room, None)
         self._release(rel)
 
-    def _forget(self, room: int) -> None:
-        """Drop the DATA counts and waiting FINALs of a room that reached its end here."""
-        for key in [k for k in self._data if k[0] == room]:
-            del self._data[key]
-        for key in [k for k in self._finals if k[0] == room]:
-            del self._finals[key]
-
     def _failed(self, room: int, error: TransferError) -> None:
-        self._parts.pop(room, None)
+        incoming = self._incoming.get(room)
+        if incoming is not None:  # no completion counts any more (the DATA counts still do)
+            incoming.done_ranks, incoming.seed = set(), None
         # Other senders of a re-sliced room still writing: stop them (one failure fails all).
         for writer in self.table.claim(room).live_writers() if room in self.table else ():
             self._send(writer, Message(kind=MsgKind.ABORT, room=room))
@@ -244,12 +248,12 @@ class DecodeReceiver(EndpointBase):
         room = msg.room
         if room not in self.table or self.table.claim(room).writers.get(writer.peer_id, True):
             return  # stale (released), not this writer's room, or it already gave its final word
-        key = (room, writer.peer_id)
-        n, nbytes = self._data.get(key, (0, 0))
-        self._data[key] = (n + 1, nbytes + msg.nbytes)
-        final = self._finals.get(key)
+        incoming = self._incoming.setdefault(room, _Incoming())
+        n, nbytes = incoming.data.get(writer.peer_id, (0, 0))
+        incoming.data[writer.peer_id] = (n + 1, nbytes + msg.nbytes)
+        final = incoming.finals.get(writer.peer_id)
         if final is not None and n + 1 >= final.count:
-            del self._finals[key]
+            del incoming.finals[writer.peer_id]
             self._on_final(writer, final)
 
     def _on_final(self, writer: _Writer, msg: Message) -> None:
@@ -260,14 +264,14 @@ class DecodeReceiver(EndpointBase):
         if writer.peer_id not in claim.writers:
             self._on_decline(writer, msg)
             return
-        key = (room, writer.peer_id)
+        incoming = self._incoming.setdefault(room, _Incoming())
         if msg.outcome == "done":
-            n, data_bytes = self._data.get(key, (0, 0))
+            n, data_bytes = incoming.data.get(writer.peer_id, (0, 0))
             if n < msg.count:  # page writes whose bytes have not been confirmed yet: they may
-                self._finals[key] = msg  # still land, aborted room or not (a FINAL(done) on
-                return                   # the aux write does not wait for them)
+                incoming.finals[writer.peer_id] = msg  # still land, aborted room or not (a
+                return  # FINAL(done) on the aux write does not wait for them)
         if msg.outcome == "done" and not claim.state.terminal:
-            self._data.pop(key, None)
+            incoming.data.pop(writer.peer_id, None)
             if msg.count and data_bytes != msg.nbytes:
                 error = TransferError(ErrorKind.CORRUPT, f"completion says {msg.nbytes} B, the "
                                       f"page writes' notifications {data_bytes} B", room=room)
@@ -293,20 +297,18 @@ class DecodeReceiver(EndpointBase):
             self._failed(room, e)
             return
         if writer.piece is not None:
-            done, seed = self._parts.setdefault(room, (set(), None))
-            done.add(writer.piece.prefill_rank)
-            seed = payload if writer.piece.primary else seed
-            self._parts[room] = (done, seed)
+            incoming.done_ranks.add(writer.piece.prefill_rank)
+            if writer.piece.primary:
+                incoming.seed = payload
             expected = {p.prefill_rank for p in slices_to_decode(
                 self.compat.tp_rank, self.compat.tp_size, writer.prefill_tp, self.compat.num_kv_heads)}
             claim.writers[writer.peer_id] = True  # its final word: it writes no more
-            if done != expected:
+            if incoming.done_ranks != expected:
                 return  # other senders' heads still to come
-            del self._parts[room]
-            assert seed is not None
-            payload = seed
+            assert incoming.seed is not None
+            payload = incoming.seed
         latency = self.clock() - claim.granted_at
-        self._forget(room)
+        del self._incoming[room]  # its end here: nothing more to count
         self.table.complete(room)  # releases with outcome DONE: the pages now hold the request
         self._metrics.record_done(msg.nbytes + HEADER_BYTES + len(payload), latency)
         self._events.append(Received(room=room, page_ids=claim.page_ids[: claim.num_pages],
