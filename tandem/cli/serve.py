@@ -1,6 +1,7 @@
 """`tandem serve`: the gRPC API over one colocated engine, or over Ray workers (--config); with
 --http-port (or the config's `http:`) the OpenAI-compatible HTTP API too, over the same router and
-on the same event loop."""
+on the same event loop; with --otlp-endpoint (or the config's `observability:`) an OpenTelemetry
+trace of every request."""
 
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ def add_parser(subparsers) -> None:
                    help="Default: %(default)s")
     p.add_argument("--decode-policy", choices=sorted(POLICIES), default="power-of-two",
                    help="Default: %(default)s")
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="Export an OpenTelemetry trace of every request over OTLP/HTTP to this "
+                        "collector (e.g. http://localhost:4318; /v1/traces is appended unless "
+                        "given); with --config the workers' spans too. Default: the config's "
+                        "observability.otlp_endpoint, else $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT; none of them: no tracing")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         return _serve_disaggregated(args, server_cfg, router_cfg)
     http_cfg = _http_config(args, server_cfg)
+    tracing = _tracing(args, None)
     engine_cfg = engine_config_from_args(args)
     t0 = time.perf_counter()
     if args.speculative:
@@ -132,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         mode = "speculative" if args.speculative else "target only"
         print(f"tandem serve: model '{model}' ({mode}) loaded in {time.perf_counter() - t0:.1f} s; "
               f"listening on {args.host}:{server.port} ({'TLS' if server_cfg.tls else 'plaintext'}"
-              f"{', token auth' if server_cfg.auth_token else ''}){_http_line(fronts)}. "
+              f"{', token auth' if server_cfg.auth_token else ''}){_http_line(fronts)}{tracing}. "
               "Ctrl-C stops.", flush=True)
 
     return _serve(router, server_cfg, ready, fronts)
@@ -152,6 +160,7 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
     cfg = dataclasses.replace(cfg, engine=engine_config_from_args(args, base=cfg.engine))
     cfg = _spec_flags_over(args, cfg)
     http_cfg = _http_config(args, server_cfg, cfg.http)
+    tracing = _tracing(args, cfg.observability.otlp_endpoint)  # before the workers start
     t0 = time.perf_counter()
     init_ray(args.ray_address)
     print(f"tandem serve: starting {cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
@@ -161,8 +170,8 @@ def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,
 
     def ready(server) -> None:
         print(f"tandem serve: model '{cfg.model_name}' up in {time.perf_counter() - t0:.1f} s; "
-              f"listening on {args.host}:{server.port}{_http_line(fronts)}. Ctrl-C stops.",
-              flush=True)
+              f"listening on {args.host}:{server.port}{_http_line(fronts)}{tracing}. "
+              "Ctrl-C stops.", flush=True)
 
     try:
         return _serve(router, server_cfg, ready, fronts)
@@ -229,6 +238,21 @@ def _http_config(args: argparse.Namespace, server_cfg: ServerConfig,
     return HttpConfig(host=host, port=port, auth_token=server_cfg.auth_token,
                       tls_cert=server_cfg.tls_cert, tls_key=server_cfg.tls_key,
                       max_body_bytes=server_cfg.max_message_bytes)
+
+
+def _tracing(args: argparse.Namespace, configured: str | None) -> str:
+    """Turn request tracing on when --otlp-endpoint, the config's observability.otlp_endpoint or
+    the standard OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT names a collector (tandem/otel.py; the
+    workers the launcher starts afterwards inherit it); the startup line's note about it."""
+    import os
+
+    from tandem import otel
+
+    url = otel.endpoint_from(args.otlp_endpoint, configured, os.environ)
+    if url is None:
+        return ""
+    otel.configure(url, "tandem-router")
+    return f"; traces to {url}"
 
 
 def _fronts(router, http_cfg: HttpConfig | None) -> list:

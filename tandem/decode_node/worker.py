@@ -31,8 +31,9 @@ requests, pages, seed slots and receivers; `sync` then spans the DP ranks:
 
 Owns: the room table (`_rooms`: one `_Room` per request from `reserve` until it is admitted or
 its pages go back; its `state` says whether it still goes to the client), the free seed slots,
-the receiver. An admitted request belongs to the engine (its scheduler's request table), which
-frees its pages when it ends; the worker keeps no second record of it.
+the receiver (and `spans`, the phases of its traced rooms: worker/spans.py). An admitted
+request belongs to the engine (its scheduler's request table), which frees its pages when it
+ends; the worker keeps no second record of it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from tandem.messages import (Abort, DecodeOutput, DecodeWorkerCommand, GetEndpoi
                              ReserveRoom)
 from tandem.spec.engine import SpecStats
 from tandem.spec.handoff import decode_first_logprob, decode_seed
-from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
+from tandem.worker import (SOLO, RankSync, RoomSpans, WorkerConfig, aux_buffer, build_engine,
+                           compat_info, kv_layout)
 
 log = logging.getLogger(__name__)
 
@@ -197,12 +199,18 @@ class DecodeWorker:
         self._group_busy = False  # DP: whether any rank was busy after the last step
         self._group_load: PoolLoad | None = None  # DP: every rank's load after the last step
         self._group_spec: SpecTotals | None = None  # DP: every rank's acceptance, summed
+        # Traced rooms' phases, reported by the rank that holds the room (rank 0 of a TP group)
+        self.spans = RoomSpans(reporting=self._tp_sync.rank == 0,
+                               page_bytes=self.receiver.layout.bytes_per_page)
 
     def apply(self, cmd: DecodeWorkerCommand) -> bytes | None:
         """A command from the worker's front (messages/commands.py), between two steps."""
         match cmd:
             case ReserveRoom():
-                return self.reserve(cmd.room, list(cmd.prompt_ids), cmd.params)
+                dest = self.reserve(cmd.room, list(cmd.prompt_ids), cmd.params)
+                if dest is not None:  # this rank took the room
+                    self.spans.open(cmd.room, cmd.traceparent, "kv.receive")
+                return dest
             case Abort():
                 return self.abort(cmd.room)
             case GetEndpoint():
@@ -251,6 +259,7 @@ class DecodeWorker:
         return dest.encode()
 
     def abort(self, room: int) -> None:
+        self.spans.aborted(room)
         entry = self._rooms.get(room)
         if entry is not None:
             # The receiver releases the pages when no writer can touch them any more (a no-op
@@ -282,6 +291,7 @@ class DecodeWorker:
             # of TTFT). Every TP rank admitted the same requests, so all of them skip the
             # round together; the loop steps again at once (the engine has work).
             out, self._outputs = self._outputs, []
+            self.spans.outputs(out)
             return out
         has_work = self.engine.has_unfinished()
         if self._dp_sync.size > 1:
@@ -292,6 +302,7 @@ class DecodeWorker:
         if has_work:
             self._outputs += [output_of(o) for o in self.engine.step()]
         out, self._outputs = self._outputs, []
+        self.spans.outputs(out)  # this rank's own (before DP gathers every rank's)
         if self._dp_sync.size > 1:  # rank 0 streams every rank's outputs
             reports = self._dp_sync.all_gather(
                 _StepReport(outputs=tuple(out), busy=self._busy_here(), load=self.pool_load(),
@@ -329,6 +340,7 @@ class DecodeWorker:
         for ev in self.receiver.poll():
             if isinstance(ev, Received):
                 trace.mark(ev.room, "decode.landed")
+                self.spans.pages(ev.room, len(ev.page_ids))
                 landed.append((ev.room, ev.aux_payload))
             elif isinstance(ev, ReceiveFailed):
                 failed.append((ev.room, str(ev.error)))
@@ -401,6 +413,7 @@ class DecodeWorker:
                                               error=f"seed: {exc}"))
             return False
         trace.mark(room, "decode.admitted")
+        self.spans.phase(room, "decode.generate")
         self._outputs.append(output_of(first))  # a failed first token: error "request"
         return True
 

@@ -19,6 +19,11 @@ the KV heads re-slice: each prefill rank then pushes its heads to the decode ran
 
 The launcher wraps these classes with `ray.remote`; nothing here imports Ray, so the classes
 can also be used in-process.
+
+Tracing (tandem/otel.py): a command that carries a traceparent (the router's dispatch span)
+starts the request's span on this worker, `prefill` (StartPrefill -> its outcome) or `decode`
+(Reserve -> its last output); the command passed on to the worker carries that span's
+traceparent, and the worker's phases (worker/spans.py) go under it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tandem import trace
+from tandem import otel, trace
 from tandem.decode_node.worker import DecodeWorker
 from tandem.kvtransfer import ErrorKind, TransferError
 from tandem.messages import (Abort, Connect, DecodeCommand, DecodeOutput, FirstToken, PerRank,
@@ -148,6 +153,12 @@ class PrefillActor(WorkerFront):
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, cmd: StartPrefill) -> None:
+        # The request's span on this worker (traced requests only): the worker's phases go
+        # under it, as the command it passes on carries its traceparent instead of the router's
+        span = _request_span("prefill", self.cfg.name, cmd.traceparent, cmd.room,
+                             len(cmd.prompt_ids))
+        if span is not otel.NOOP:
+            cmd = dataclasses.replace(cmd, traceparent=span.traceparent)
         try:
             res = await self._prefill_room(cmd)
         except Exception as exc:  # noqa: BLE001 -- the room fails, the worker serves on
@@ -155,6 +166,12 @@ class PrefillActor(WorkerFront):
             res = PrefillResult(room=cmd.room, ok=False, error=f"prefill worker: {exc!r}"[:300],
                                 error_kind="worker")
         self.channels.emit(cmd.room, res, last=True)
+        span.set("tandem.finished_on_prefill", res.finished)
+        if not res.ok:
+            span.set("tandem.error_kind", res.error_kind)
+            if res.error_kind != "aborted":  # the router's abort is no failure here
+                span.fail(res.error or res.error_kind)
+        span.end()
 
     async def _prefill_room(self, cmd: StartPrefill) -> PrefillResult:
         """Prefill and push one request; returns when its transfer reached a terminal state
@@ -180,7 +197,8 @@ class PrefillActor(WorkerFront):
         try:
             if early:
                 await self._apply(SubmitPrompt(room=room, prompt_ids=cmd.prompt_ids,
-                                               params=cmd.params, destinations=None))
+                                               params=cmd.params, destinations=None,
+                                               traceparent=cmd.traceparent))
             try:  # a router that died before its `Route` must not hold the forward's pages
                 got = await asyncio.wait_for(asyncio.shield(r.route), self.route_wait_s)
             except asyncio.TimeoutError:
@@ -209,7 +227,8 @@ class PrefillActor(WorkerFront):
                 await self._apply(RoutePrompt(room=room, destinations=dests))
             else:
                 await self._apply(SubmitPrompt(room=room, prompt_ids=cmd.prompt_ids,
-                                               params=cmd.params, destinations=dests))
+                                               params=cmd.params, destinations=dests,
+                                               traceparent=cmd.traceparent))
             trace.mark(room, "prefill.routed")
         except Exception as exc:  # bad request, aborted before its route, handshake
             if early:
@@ -242,6 +261,19 @@ class PrefillActor(WorkerFront):
 ENDED_ROOMS = 4096
 
 
+def _request_span(role: str, worker: str, traceparent: str, room: int,
+                  num_prompt_tokens: int) -> otel.Span:
+    """A traced request's span on worker `worker` (NOOP for an untraced one: tracing on in this
+    process must not start a trace of its own for a request the router does not trace)."""
+    if not traceparent:
+        return otel.NOOP
+    span = otel.start(role, traceparent, kind=otel.SERVER)
+    span.set("tandem.worker", worker)
+    span.set("tandem.room", str(room))  # 64-bit unsigned: beyond an int attribute's range
+    span.set("gen_ai.usage.input_tokens", num_prompt_tokens)
+    return span
+
+
 class _HandshakeFailed(RuntimeError):
     """Connecting to a room's decode endpoints failed (whatever the transfer layer raised)."""
 
@@ -265,6 +297,7 @@ class DecodeActor(WorkerFront):
         # Rooms aborted here lately: a reserve that arrives after its abort (the router
         # dispatches both without waiting) is refused instead of holding pages to its deadline
         self._aborted: OrderedDict[int, None] = OrderedDict()
+        self._spans: dict[int, otel.Span] = {}  # traced rooms' spans, from reserve to their end
         super().__init__(cfg, rank, tp, ep, dp)
 
     def _make_worker(self, parallel, sync) -> DecodeWorker:
@@ -276,6 +309,15 @@ class DecodeActor(WorkerFront):
     def _push(self, outs: list[DecodeOutput]) -> None:
         for o in outs:
             self.channels.emit(o.room, o, last=o.finished)
+            if o.finished and self._spans:
+                self._end_span(o)
+
+    def _end_span(self, out: DecodeOutput) -> None:
+        span = self._spans.pop(out.room, otel.NOOP)
+        span.set("gen_ai.response.finish_reasons", out.finish_reason or "")
+        if out.finish_reason == "error":
+            span.fail(out.error or "failed")
+        span.end()
 
     async def command(self, cmd: DecodeCommand) -> bytes | None:
         """A router's command (messages/commands.py), told apart by type: `Reserve` (answers
@@ -298,16 +340,23 @@ class DecodeActor(WorkerFront):
         if room in self._aborted:
             raise ValueError(f"room: {room} was aborted before its reserve arrived")
         self.channels.bind(room, cmd.channel)
+        span = _request_span("decode", self.cfg.name, cmd.traceparent, room, len(cmd.prompt_ids))
         try:
             per_rank = await self._apply(ReserveRoom(room=room, prompt_ids=cmd.prompt_ids,
-                                                     params=cmd.params))
+                                                     params=cmd.params,
+                                                     traceparent=span.traceparent))
+            if span is not otel.NOOP:  # ends with the room's last output
+                self._spans[room] = span
             if self.ranks.dp == 1:
                 return encode_per_rank(per_rank)
             (owner,) = [r for r, d in enumerate(per_rank) if d is not None]
             return encode_dp_destination(owner // self.ranks.tp,
                                          per_rank[owner : owner + self.ranks.tp])
-        except BaseException:
+        except BaseException as exc:
             self.channels.unbind(room)
+            self._spans.pop(room, None)
+            span.fail(exc)
+            span.end()
             raise
 
     async def _abort(self, room: int) -> None:
@@ -317,8 +366,11 @@ class DecodeActor(WorkerFront):
         await self._apply(Abort(room=room))
         # A reserved request that never started still ends its stream (a started one's abort
         # output follows from the loop and finds the room unbound: dropped).
-        self.channels.emit(room, DecodeOutput(room=room, token_ids=(), text_delta="",
-                                              finished=True, finish_reason="abort"), last=True)
+        aborted = DecodeOutput(room=room, token_ids=(), text_delta="", finished=True,
+                               finish_reason="abort")
+        self.channels.emit(room, aborted, last=True)
+        if self._spans:
+            self._end_span(aborted)
 
     async def limits(self) -> tuple[int, int, int]:
         """(vocab_size, max_model_len, max_request_tokens) the router validates against."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from tandem import otel
 from tandem.worker import TRANSFER_BACKENDS
 from tandem.router.admission import AdmissionConfig
 from tandem.kvtransfer import EndpointConfig, FailureInjection
@@ -110,6 +111,23 @@ class HttpFrontConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ObservabilityConfig:
+    """Request tracing (YAML `observability: {otlp_endpoint: http://collector:4318}`): the
+    router and every worker export OpenTelemetry spans over OTLP/HTTP to that collector
+    (tandem/otel.py). `tandem serve --otlp-endpoint` overrides it; unset, the standard
+    OTEL_EXPORTER_OTLP_ENDPOINT may still turn tracing on (otel.endpoint_from)."""
+
+    otlp_endpoint: str | None = None  # a collector's base URL, or its /v1/traces URL
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint is not None:
+            try:
+                otel.traces_url(self.otlp_endpoint, "otlp_endpoint")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DeployConfig:
     model_name: str = "default"  # what clients put in `model`
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -124,6 +142,7 @@ class DeployConfig:
     router: AdmissionConfig = field(default_factory=AdmissionConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     http: HttpFrontConfig = field(default_factory=HttpFrontConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -180,6 +199,7 @@ def parse_deploy(raw: dict[str, Any]) -> DeployConfig:
         router=_build(AdmissionConfig, raw.get("router"), "router"),
         placement=_build(PlacementConfig, raw.get("placement"), "placement"),
         http=_http(raw.get("http")),
+        observability=_build(ObservabilityConfig, raw.get("observability"), "observability"),
     )
 
 

@@ -100,11 +100,13 @@ def _bind_shim_env() -> dict[str, str]:
 
 def actor_runtime_env() -> dict | None:
     """What every tandem actor's `runtime_env` adds to the job's: the request-trace file when
-    this process traces (tandem/trace.py). A job's environment is fixed when Ray starts, so a
-    bench that turns tracing on in a Ray instance already running passes it per actor."""
-    from tandem import trace
+    this process marks stages (tandem/trace.py), the OTLP collector and OTEL_* settings when it
+    exports spans (tandem/otel.py). A job's environment is fixed when Ray starts, so a bench
+    that turns tracing on in a Ray instance already running passes it per actor."""
+    from tandem import otel, trace
 
-    return {"env_vars": trace.env_vars()} if trace.enabled() else None
+    env = {**trace.env_vars(), **otel.env_vars()}
+    return {"env_vars": env} if env else None
 
 
 # Call slots of a worker actor. Every call is short -- request calls (`submit`, `reserve`) queue

@@ -21,9 +21,10 @@ every rank's transfer is terminal: DONE on all, else a failure.
 
 Owns: the room table (`_rooms`: one `_Room` per request, from `submit` until its result is
 queued; its `state` says where it is and which pages it holds), the rooms that ended before
-their destination came (`_ended_unrouted`), the sender and the layer-wise pusher. A room leaves
-the table where its pages go back: to the engine (PREFILLING: `engine.abort`), from its parked
-hand-off (PARKED), or once its transfer is terminal on every rank (SENDING).
+their destination came (`_ended_unrouted`), the sender and the layer-wise pusher (and `spans`,
+the phases of its traced rooms: worker/spans.py). A room leaves the table where its pages go
+back: to the engine (PREFILLING: `engine.abort`), from its parked hand-off (PARKED), or once its
+transfer is terminal on every rank (SENDING).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import enum
 import logging
 import queue
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +47,8 @@ from tandem.messages import (Abort, Connect, FirstToken, GetEndpoint, PrefillRes
                              PrefillWorkerCommand, RoutePrompt, SubmitPrompt)
 from tandem.prefill_node.layerwise import LayerwisePusher
 from tandem.spec.handoff import PrefillHandoff
-from tandem.worker import SOLO, RankSync, WorkerConfig, aux_buffer, build_engine, compat_info, kv_layout
+from tandem.worker import (SOLO, RankSync, RoomSpans, WorkerConfig, aux_buffer, build_engine,
+                           compat_info, kv_layout)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,8 @@ class PrefillWorker:
         # is pushed: the router streams the first token from here instead of waiting for
         # decode's admission.
         self.on_first: Callable[[FirstToken], None] | None = None
+        # Traced rooms' phases (rank 0 reports them)
+        self.spans = RoomSpans(reporting=sync.rank == 0, page_bytes=layout.bytes_per_page)
 
     def apply(self, cmd: PrefillWorkerCommand) -> bytes | None:
         """A command from the worker's front (messages/commands.py), between two steps; fields
@@ -121,7 +126,9 @@ class PrefillWorker:
         match cmd:
             case SubmitPrompt():
                 dests = None if cmd.destinations is None else cmd.destinations[rank]
-                return self.submit(cmd.room, list(cmd.prompt_ids), cmd.params, dests)
+                self.submit(cmd.room, list(cmd.prompt_ids), cmd.params, dests)
+                self.spans.open(cmd.room, cmd.traceparent, "prefill.queue")
+                return None
             case RoutePrompt():
                 return self.route(cmd.room, cmd.destinations[rank])
             case Abort():
@@ -261,10 +268,15 @@ class PrefillWorker:
         local, self._deferred = self._deferred, []
         handoffs: list[PrefillHandoff] = []
         if self.engine.has_unfinished():
+            queued = self.spans.in_phase("prefill.queue") if self.spans else ()
+            t0 = time.time_ns() if queued else 0
             for o in self.engine.step():
                 if o.finish_reason is FinishReason.ERROR:  # never handed off
                     self._request_failed(int(o.req_id), o.error)
             handoffs = self.engine.take_handoffs()
+            if queued:  # the traced rooms this step took out of the queue began their forward
+                waiting = {r.req_id for r in self.engine.scheduler.waiting}
+                self.spans.started((q for q in queued if str(q) not in waiting), t0)
             self._announce_first(handoffs)  # before posting the KV writes (CPU work)
             self.pusher.pump()  # before the hand-offs sync on their seeds (see pusher.pump)
         failed, self._bad_routes = self._bad_routes, []  # routes that failed in the step
@@ -279,6 +291,7 @@ class PrefillWorker:
                     self._results.append(_finished_here(h))
                 else:  # decode's destination still to come (route)
                     entry.state, entry.handoff = RoomState.PARKED, h
+                    self.spans.phase(room, "prefill.wait_route")
                 continue
             early = self.pusher.started(room)
             if early and (entry is None or h.finished):
@@ -304,6 +317,7 @@ class PrefillWorker:
                           "" if ok else err.kind.value if err else outcome.state.value))
         self._agree_on_outcomes(local)
         out, self._results = self._results, []
+        self.spans.results(out)
         return out
 
     def _request_failed(self, room: int, error: str) -> None:
@@ -323,6 +337,7 @@ class PrefillWorker:
         for h in handoffs:
             room = int(h.req_id)
             trace.mark(room, "prefill.forward_end")
+            self.spans.end_phase(room)
             entry = self._rooms.get(room)
             if (self.on_first is not None and not h.finished and entry is not None
                     and entry.state is not RoomState.SENDING):
@@ -335,6 +350,8 @@ class PrefillWorker:
         failure to start is terminal on this rank at once (into `local`, agreed on in the next
         outcome round)."""
         trace.mark(room, "prefill.hand_off")
+        self.spans.phase(room, "kv.push")
+        self.spans.pages(room, len(h.page_ids))
         entry.state, entry.page_ids = RoomState.SENDING, h.page_ids
         entry.first_token, entry.first_text = h.first_token, h.first_text
         dests = entry.dests

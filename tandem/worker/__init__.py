@@ -11,7 +11,9 @@ Ray actors of deploy/ drive them with.
 - the worker side of the router-worker event stream (`EventChannels`): channels.py;
 - the process a worker runs in (`tune_process`, `node_ip`): process.py;
 - what a worker's Ray actor is made of, without Ray (`WorkerFront`: the worker, its loop, the
-  event channels): front.py.
+  event channels): front.py;
+- the OpenTelemetry spans of a worker's traced requests, phase by phase (`RoomSpans`):
+  spans.py.
 
 The kit imports no node and no deploy module: nodes depend on it, never the other way round.
 """
@@ -44,10 +46,11 @@ from tandem.worker.ranks import (
     rendezvous_address,
     route_to_decode,
 )
+from tandem.worker.spans import RoomSpans
 
 __all__ = [
     "QUIET_ENV", "SOLO", "TRANSFER_BACKENDS", "CommandedWorker", "EventChannels", "GroupLoop",
-    "PrefillRoute", "RankInfo", "RankSync", "SoloSync", "SteppedWorker", "TorchSync",
+    "PrefillRoute", "RankInfo", "RankSync", "RoomSpans", "SoloSync", "SteppedWorker", "TorchSync",
     "WorkerConfig", "WorkerFront", "WorkerLoop", "aux_buffer", "build_engine", "compat_info",
     "decode_per_rank", "encode_dp_destination", "encode_per_rank", "in_ray_actor",
     "join_group", "kv_layout", "leave_group", "node_id", "node_ip", "rendezvous_address",

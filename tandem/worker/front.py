@@ -21,6 +21,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator
 
+from tandem import otel
 from tandem.kvtransfer import TransferMetrics
 from tandem.messages import GetEndpoint, TransferTotals, WorkerHealth
 from tandem.worker.channels import EventChannels
@@ -44,6 +45,9 @@ class WorkerFront:
     def __init__(self, cfg: WorkerConfig, rank: int = 0, tp: int = 1, ep: int = 1,
                  dp: int = 1) -> None:
         tune_process()
+        # Traces when the launcher passed a collector (TANDEM_OTLP_ENDPOINT in the runtime_env)
+        otel.configure_from_env(f"tandem-{self.role}",
+                                instance=cfg.name if rank == 0 else f"{cfg.name}-rank{rank}")
         self.cfg = cfg
         self.ranks = RankInfo(rank=rank, tp=tp, ep=ep, dp=dp)
         self.incarnation = uuid.uuid4().hex
@@ -124,6 +128,7 @@ class WorkerFront:
             self.worker.close()
         if self.ranks.world_size > 1:
             leave_group()
+        otel.flush()  # the spans of the last requests, before the actor is killed
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         if self._aio is None:

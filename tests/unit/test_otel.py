@@ -77,3 +77,77 @@ def test_spans_link_through_traceparents(receiver, monkeypatch):
     env = otel.env_vars()
     assert env[otel.ENDPOINT_ENV] == receiver.url + "/v1/traces"
     assert env["OTEL_BSP_SCHEDULE_DELAY"] == "100"
+
+
+def test_the_yaml_section_and_the_serve_flag(monkeypatch):
+    from tandem.cli.app import build_parser
+    from tandem.cli.serve import _tracing
+    from tandem.deploy.config import ObservabilityConfig, parse_deploy
+    from tandem.engine.config import ConfigError
+
+    assert parse_deploy({}).observability == ObservabilityConfig()  # off unless asked
+    cfg = parse_deploy({"observability": {"otlp_endpoint": "http://jaeger:4318"}})
+    assert cfg.observability.otlp_endpoint == "http://jaeger:4318"
+    for raw, start in [({"otlp_endpoint": "jaeger:4318"}, "observability.otlp_endpoint: must be"),
+                       ({"otlp_endpoint": 4318}, "observability.otlp_endpoint: must be"),
+                       ({"otlp_endpont": "http://j:1"}, "observability.otlp_endpont: unknown key"),
+                       ("http://j:1", "observability: expected a mapping")]:
+        with pytest.raises(ConfigError) as e:
+            parse_deploy({"observability": raw})
+        assert str(e.value).startswith(start), (raw, str(e.value))
+
+    for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(key, raising=False)
+    parse = build_parser().parse_args
+    try:
+        assert _tracing(parse(["serve"]), None) == "" and not otel.enabled()
+        assert _tracing(parse(["serve"]), "http://127.0.0.1:9/") == (
+            "; traces to http://127.0.0.1:9/v1/traces")
+        assert otel.env_vars()[otel.ENDPOINT_ENV] == "http://127.0.0.1:9/v1/traces"
+        note = _tracing(parse(["serve", "--otlp-endpoint", "http://127.0.0.1:8"]),
+                        "http://127.0.0.1:9")  # the flag over the config
+        assert note == "; traces to http://127.0.0.1:8/v1/traces"
+        with pytest.raises(ValueError, match="^--otlp-endpoint: must be"):
+            _tracing(parse(["serve", "--otlp-endpoint", "127.0.0.1:8"]), None)
+    finally:
+        otel.shutdown()
+
+
+def test_a_worker_s_room_spans(receiver):
+    from tandem.messages import DecodeOutput, PrefillResult
+    from tandem.worker import RoomSpans
+
+    parent = otel.start("decode")
+    spans = RoomSpans(page_bytes=100)
+    spans.open(1, "", "kv.receive")  # untraced request: nothing kept
+    RoomSpans(reporting=False).open(2, parent.traceparent, "kv.receive")  # another rank reports
+    assert not spans
+    spans.open(3, parent.traceparent, "kv.receive")
+    spans.open(4, parent.traceparent, "kv.receive")
+    spans.open(5, parent.traceparent, "prefill.queue")
+    assert spans and spans.in_phase("kv.receive") == [3, 4]
+    spans.pages(3, 2)
+    spans.phase(3, "decode.generate")
+    spans.outputs([DecodeOutput(room=3, token_ids=(7, 8), text_delta="", finished=False),
+                   DecodeOutput(room=9, token_ids=(1,), text_delta="", finished=True),
+                   DecodeOutput(room=3, token_ids=(9,), text_delta="", finished=True,
+                                finish_reason="length")])
+    spans.aborted(4)
+    spans.results([PrefillResult(room=5, ok=False, error="transfer timed out",
+                                 error_kind="timeout")])
+    assert not spans
+    parent.end()
+    otel.flush()
+    got = receiver.wait_for(lambda s: len(s) == 5, 10)
+    by = {(s.name, s.attrs.get("tandem.aborted", False)): s for s in got}
+    receive = by["kv.receive", False]
+    assert receive.attrs == {"tandem.kv.pages": 2, "tandem.kv.bytes": 200}
+    generate = by["decode.generate", False]
+    assert generate.attrs == {"gen_ai.usage.output_tokens": 3,
+                              "gen_ai.response.finish_reasons": "length"}
+    assert receive.end_ns <= generate.start_ns and generate.status == 0
+    assert by["kv.receive", True].status == 0  # an abort is no failure
+    queue = by["prefill.queue", False]
+    assert (queue.status, queue.status_message) == (2, "transfer timed out")
+    assert queue.attrs["tandem.error_kind"] == "timeout"
+    assert {s.parent_id for s in got if s.name != "decode"} == {by["decode", False].span_id}
