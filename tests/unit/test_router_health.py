@@ -65,7 +65,7 @@ def test_late_answers_keep_a_worker_up_silence_and_failures_do_not(fast_polls):
         await table.check("prefill-0")
         assert not healthy()
         assert "nothing heard from it" in table.get("prefill-0").error
-        table._asking["prefill-0"].cancel()  # the frozen call (SIGCONT would answer it)
+        table._workers["prefill-0"].asking.cancel()  # the frozen call (SIGCONT would answer it)
         await asyncio.sleep(0.01)
         handle.mode = "ok"
         await table.check("prefill-0")
