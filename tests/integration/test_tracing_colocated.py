@@ -4,9 +4,17 @@ HTTP fronts on 127.0.0.1, exporting to a test OTLP/HTTP receiver on 127.0.0.1.
 Checks: one request is one trace -- the root span `tandem.request` with `router.prepare` and
 `router.dispatch` as its children, their attributes (request id, model, token counts, finish
 reason, worker, first-token event); a client's `traceparent` (HTTP header, gRPC metadata)
-becomes the root span's parent; a refused request's spans end failed."""
+becomes the root span's parent; a refused request's spans end failed; `tandem serve
+--otlp-endpoint` exports the spans of the requests it served (by its exit at the latest)."""
 
 from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import httpx2
@@ -36,12 +44,17 @@ ERROR = 2  # the OTLP status code of a failed span
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory):
+def tiny_dir(tmp_path_factory):
     model_dir, _ = save_tiny("llama", tmp_path_factory.mktemp("otel"))
     write_word_tokenizer(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def system(tiny_dir):
     receiver = OtlpReceiver()
     otel.configure(otel.traces_url(receiver.url, "test"), "tandem-router")
-    engine = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="float32",
+    engine = LLMEngine.from_config(EngineConfig(model=str(tiny_dir), dtype="float32",
                                                 page_size=4, num_pages=64))
     router = build_colocated_router(engine, model="tiny", worker="colocated-0")
     http = HttpServer(router, HttpConfig(port=0))
@@ -142,3 +155,42 @@ def test_a_refused_request_ends_its_spans_failed(system):
     assert root.attrs["tandem.status"] == "INVALID_ARGUMENT"
     assert root.attrs["tandem.outcome"] == "rejected"
     assert root.status_message.startswith("prompt_token_ids")
+
+
+def test_tandem_serve_exports_to_the_otlp_endpoint(tiny_dir):
+    receiver = OtlpReceiver()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "serve", "--model", str(tiny_dir), "--dtype",
+         "float32", "--served-model-name", "tiny", "--port", "0", "--http-port", "0",
+         "--otlp-endpoint", receiver.url],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**env, "PYTHONUNBUFFERED": "1"})
+    trace_id = "6bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        lines, port = [], None
+        deadline = time.monotonic() + 90
+        while port is None:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "tandem serve exited:\n" + "".join(lines)
+            assert time.monotonic() < deadline, "tandem serve did not come up:\n" + "".join(lines)
+            lines.append(line)
+            m = re.search(r"HTTP API on 127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert f"traces to {receiver.url}/v1/traces" in lines[-1]
+        out = _post(port, {"model": "tiny", "prompt": "w3 w1 w4", "max_tokens": 3,
+                           "ignore_eos": True}, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+        assert out.status_code == 200, out.text
+        proc.send_signal(signal.SIGTERM)  # the spans leave by the exit at the latest
+        assert proc.wait(30) == 0, "".join(lines) + proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    spans = receiver.wait_for(lambda s: len([x for x in s if x.trace_id == trace_id]) >= 3, 10)
+    receiver.close()
+    got = {s.name: s for s in spans if s.trace_id == trace_id}
+    assert {"tandem.request", "router.prepare", "router.dispatch"} <= set(got)
+    assert got["tandem.request"].parent_id == CLIENT_SPAN
+    assert got["tandem.request"].service == "tandem-router"
+    assert got["tandem.request"].attrs["gen_ai.usage.output_tokens"] == 3
