@@ -12,7 +12,8 @@ import pytest
 
 @pytest.mark.parametrize("module", ["tandem.router", "tandem.router.disagg",
                                     "tandem.router.server", "tandem.router.servicer",
-                                    "tandem.messages", "tandem.tokenizer", "tandem.trace"])
+                                    "tandem.messages", "tandem.tokenizer", "tandem.trace",
+                                    "tandem.otel"])
 def test_importing_it_loads_no_torch(module):
     code = (f"import sys, {module}; loaded = [m for m in sys.modules if m.split('.')[0] == 'torch'];"
             " assert not loaded, loaded[:5]")
