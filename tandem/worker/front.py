@@ -128,7 +128,9 @@ class WorkerFront:
             self.worker.close()
         if self.ranks.world_size > 1:
             leave_group()
-        otel.flush()  # the spans of the last requests, before the actor is killed
+        # The spans of the last requests, before the actor is killed (bounded: a collector that
+        # is away must not hold up the deployment's shutdown)
+        otel.flush(timeout_s=2.0)
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         if self._aio is None:
