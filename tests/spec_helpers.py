@@ -216,11 +216,12 @@ class ScriptedSpecEngine(SpecEngine):
         self.script, self.draft_too = script, draft_too
         self.rounds: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
 
-    def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
+    def _propose(self, req_ids: list[str], inp: DraftInput, num_drafts: int) -> VerifyInput:
         if self.script is None or self.draft_too:
-            drafted = super()._propose(req_ids, inp)
+            drafted = super()._propose(req_ids, inp, num_drafts)
             if self.script is None:
                 return drafted
+        assert num_drafts == self.spec.num_steps, "scripted drafts have the configured depth"
         trees = [self.script(rid, list(self.scheduler.requests[rid].output_ids)) for rid in req_ids]
         n = len(trees[0].tokens) + 1
         assert all(len(t.tokens) + 1 == n for t in trees), "scripted trees differ in size"
@@ -238,10 +239,10 @@ class ScriptedSpecEngine(SpecEngine):
         return VerifyInput(page_ids=inp.page_ids, num_cached=inp.num_cached, tokens=tokens,
                            parents=tuple(parents), depths=tuple(depths))
 
-    def _commit(self, reqs, result, nxt):
+    def _commit(self, reqs, result, nxt, num_drafts):
         for req, path, toks in zip(reqs, result.path_nodes, result.new_tokens):
             self.rounds.append((req.req_id, path, toks))
-        return super()._commit(reqs, result, nxt)
+        return super()._commit(reqs, result, nxt, num_drafts)
 
     def paths_of(self, req_id: str) -> list[tuple[int, ...]]:
         return [p for r, p, _ in self.rounds if r == req_id]
@@ -363,14 +364,14 @@ class Recorder:
                             phased(spec_engine.draft_extend, "extend"))
         orig_propose = eng._propose
 
-        def propose(req_ids, inp):
+        def propose(req_ids, inp, num_drafts):
             rec.round += 1
             rec.round_num_cached = inp.num_cached
             rec.round_page_ids = inp.page_ids
             rec.round_req_ids.append(list(req_ids))
             prev, rec.phase = rec.phase, "draft_step"
             try:
-                return orig_propose(req_ids, inp)
+                return orig_propose(req_ids, inp, num_drafts)
             finally:
                 rec.phase = prev
 

@@ -15,6 +15,12 @@ class SpecConfig:
     num_steps: int = 4
     topk: int = 1
     num_draft_tokens: int | None = None  # None: num_steps + 1 (chain) or num_steps * topk + 1
+    # Adaptive speculation (spec/adaptive.py): each step picks k in 0 .. num_steps drafts to
+    # maximise expected tokens per second. Chain only. Off: every round drafts num_steps.
+    adaptive: bool = False
+    # A measured StepCostTable (JSON file) to use instead of profiling at start-up; None:
+    # the table cached for this model, dtype and device, or profile and cache one.
+    cost_table: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -27,6 +33,10 @@ class SpecConfig:
                 f"num_draft_tokens: must be in [2, num_steps * topk + 1 = "
                 f"{self.num_steps * self.topk + 1}], got {n}"
             )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive: must be true or false, got {self.adaptive!r}")
+        if self.adaptive and self.topk != 1:
+            raise ValueError(f"adaptive: chain drafting only (topk = 1), got topk {self.topk}")
         if self.topk == 1 and n is not None and n != self.num_steps + 1:
             raise ValueError(f"num_draft_tokens: a chain verifies num_steps + 1 = "
                              f"{self.num_steps + 1} tokens, got {n}")

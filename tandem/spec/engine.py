@@ -31,6 +31,7 @@ from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk, StepPlan
 from tandem.messages import TokenLogprob
 from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
+from tandem.spec.adaptive import KPolicy
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
@@ -63,12 +64,14 @@ class SpecEngine(LLMEngine):
     PREFIX_LOOKAHEAD = 1
 
     def __init__(self, engine_cfg: EngineConfig, spec: SpecConfig, model, head: EagleHead,
-                 tokenizer: object | None = None) -> None:
+                 tokenizer: object | None = None, policy: KPolicy | None = None) -> None:
+        """policy: how many drafts each step proposes (None: the adaptive policy when
+        spec.adaptive, else always spec.num_steps; tests pass a forced one)."""
         super().__init__(engine_cfg, model, tokenizer, extra_kv_groups=[draft_kv_group(head)])
         self.spec, self.head = spec, head
         self.draft = DraftRunner(head, self.kv_pool, self.runner.backend,
                                  max_kv_len=self.max_model_len + spec.slots_per_round)
-        self.spec_scheduler = SpecScheduler(self.scheduler, spec, self.max_model_len)
+        self.spec_scheduler = SpecScheduler(self.scheduler, spec, self.max_model_len, policy)
         self.handoff_only: set[str] = set()  # prefill-only requests still prefilling
         self.handoffs: dict[str, PrefillHandoff] = {}  # prefilled, waiting to be taken
         # Set by a prefill worker for layer-wise KV push: given the chunks of prefill-only
@@ -91,6 +94,10 @@ class SpecEngine(LLMEngine):
                 max_kv_len=self.max_model_len + spec.slots_per_round,
                 capture_layers=self.capture)
             self.spec_graphs.capture()
+        if policy is None and spec.adaptive:  # after the graphs: profiling times them
+            from tandem.spec.cost_profile import adaptive_policy
+
+            self.spec_scheduler.policy = adaptive_policy(self)
 
     @staticmethod
     def from_config(engine_cfg: EngineConfig, spec: SpecConfig,  # type: ignore[override]
@@ -143,8 +150,13 @@ class SpecEngine(LLMEngine):
         # Pages for the round (may preempt); a prompt completed in this step decodes next step.
         reqs = spec_sched.reserve(exclude=frozenset(c.req_id for c in plan.chunks))
         if self.dp_join(bool(reqs)):  # DP: a rank without a round runs an empty verify
-            result, nxt = self._spec_round(spec_sched.round_input(reqs))
-            outputs += self._commit(reqs, result, nxt)
+            # One round, or two when the k policy splits the batch (spec/adaptive.py): then
+            # the step reads the host twice, once per round -- the price of the split, which
+            # the policy takes only where two forwards cost less than one over everybody.
+            split_ok = self.model.par.dp.size == 1
+            for rows, inp in spec_sched.round_inputs(reqs, allow_split=split_ok):
+                result, nxt = self._spec_round(inp)
+                outputs += self._commit(rows, result, nxt, inp.num_drafts)
         return outputs
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
@@ -300,7 +312,7 @@ class SpecEngine(LLMEngine):
         for the token after node j, given x_0 .. x_L and the path down to j."""
         # Draft: from its seed the draft guesses ahead, num_steps deep; a chain (topk = 1) or a
         # tree of topk children per node. A node at depth d guesses x_{L+d}; node 0 is x_L.
-        verify = self._propose(list(inp.req_ids), inp.draft)
+        verify = self._propose(list(inp.req_ids), inp.draft, inp.num_drafts)
         # Verify: ONE target forward over all the nodes, each attending to the cache and its own
         # ancestors only, gives p_j for every node j at once (and writes their target KV).
         out = self._verify_forward(verify)
@@ -335,12 +347,15 @@ class SpecEngine(LLMEngine):
         ext_in = make_extend_input(verify, result, features)
         return result, draft_extend(self.draft, ext_in, self.spec.topk)
 
-    def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
-        """Drafting. A seam for tests that force acceptance patterns with scripted drafts."""
+    def _propose(self, req_ids: list[str], inp: DraftInput, num_drafts: int) -> VerifyInput:
+        """Drafting k = num_drafts tokens. A seam for tests that force acceptance patterns with
+        scripted drafts. The graphs hold num_steps drafts: another k drafts eagerly, and its
+        verify and draft-extend (other shapes) run eagerly too."""
         del req_ids
-        if self.spec_graphs is not None and self.spec_graphs.can_propose(inp):
-            return self.spec_graphs.propose(inp)
-        return propose(self.draft, inp, self.spec)
+        graphs = self.spec_graphs
+        if num_drafts == self.spec.num_steps and graphs is not None and graphs.can_propose(inp):
+            return graphs.propose(inp)
+        return propose(self.draft, inp, self.spec, num_drafts)
 
     def _verify_forward(self, verify: VerifyInput) -> ForwardOutput:
         if self.spec_graphs is not None and self.spec_graphs.can_verify(verify):
@@ -351,7 +366,8 @@ class SpecEngine(LLMEngine):
             input_ids=verify.tokens.reshape(-1), positions=layout.positions, attn=layout.attn,
             logits_indices=torch.arange(n, device=self.device), capture_layers=self.capture))
 
-    def _commit(self, reqs, result: VerifyResult, nxt: DraftInput) -> list[RequestOutput]:
+    def _commit(self, reqs, result: VerifyResult, nxt: DraftInput,
+                num_drafts: int) -> list[RequestOutput]:
         """Append each request's accepted tokens + bonus (through the usual stop checks, one by
         one) and report them as ONE output per request: a round is one streaming chunk. A row
         that failed acceptance, or whose stop checks raise, fails its own request only."""
@@ -362,18 +378,22 @@ class SpecEngine(LLMEngine):
                 outputs.append(self._fail_request(req, result.error_of(r)))
                 continue
             try:
-                outputs.append(self._commit_row(req, toks, seed, result.logprobs_of(r)))
+                outputs.append(self._commit_row(req, toks, seed, num_drafts,
+                                                result.logprobs_of(r)))
             except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
                 log.warning("request '%s' failed after acceptance", req.req_id, exc_info=exc)
                 outputs.append(self._fail_request(req, row_error("detokenizer/stop checks", exc)))
         return outputs
 
-    def _commit_row(self, req: Request, toks: tuple[int, ...], seed: DraftSeed,
+    def _commit_row(self, req: Request, toks: tuple[int, ...], seed: DraftSeed, num_drafts: int,
                     logprobs: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
         """logprobs: [len(toks)] when the request asks, else ()."""
         # tau measures the draft: it counts what verification accepted, even when a stop
-        # condition then ends the request inside the accepted run.
-        self.spec_stats.record(len(toks) - 1, self.spec.num_steps)
+        # condition then ends the request inside the accepted run. A plain (k = 0) round
+        # proposed nothing: it is no round of the draft's.
+        if num_drafts > 0:
+            self.spec_stats.record(len(toks) - 1, num_drafts)
+            self.spec_scheduler.observe(req.req_id, num_drafts, len(toks) - 1)
         parts = []
         for i, tok in enumerate(toks):  # an EOS or stop string ends the request at its token
             parts.append(self._append(req, tok, logprobs[i] if logprobs else None))

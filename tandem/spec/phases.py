@@ -89,6 +89,9 @@ class RoundInput:
     params: tuple[SamplingParams, ...]  # [bs] how the target's token is chosen (acceptance)
     generators: tuple[torch.Generator | None, ...]  # [bs] a seeded row's own RNG, else None
     draft: DraftInput  # [bs] the requests' seeds with their page tables
+    # k: chain drafts this round proposes, 0 .. SpecConfig.num_steps (0: a plain step -- the
+    # root alone is verified, then draft-extended, so the next seed is valid as after any round)
+    num_drafts: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)

@@ -30,10 +30,27 @@ from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.slices import chain_draft_table
 
 
-def propose(draft: DraftRunner, inp: DraftInput, spec: SpecConfig) -> VerifyInput:
+def propose(draft: DraftRunner, inp: DraftInput, spec: SpecConfig,
+            num_drafts: int | None = None) -> VerifyInput:
+    """num_drafts: a chain's k for this round, 0 .. spec.num_steps (None: spec.num_steps;
+    0: the root alone, a plain step). A tree always drafts spec.num_steps levels."""
+    k = spec.num_steps if num_drafts is None else num_drafts
+    if k == 0:
+        return root_only(inp)
     if spec.topk == 1:
-        return _propose_chain(draft, inp, spec.num_steps)
+        return _propose_chain(draft, inp, k)
+    if k != spec.num_steps:
+        raise ValueError(f"num_drafts: a tree drafts num_steps = {spec.num_steps}, got {k}")
     return _propose_tree(draft, inp, spec)
+
+
+def root_only(inp: DraftInput) -> VerifyInput:
+    """k = 0: the verify 'tree' is the root alone -- its forward is a plain decode step, and
+    acceptance emits the target's own token for it (no draft to accept)."""
+    bs = inp.batch_size
+    return VerifyInput(page_ids=inp.page_ids, num_cached=inp.num_cached,
+                       tokens=inp.last_tokens.reshape(bs, 1),  # [bs, 1] int64 the roots
+                       parents=((-1,),) * bs, depths=((0,),) * bs)
 
 
 def _propose_chain(draft: DraftRunner, inp: DraftInput, num_steps: int) -> VerifyInput:

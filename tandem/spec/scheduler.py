@@ -6,7 +6,12 @@ takes a `RoundInput` and returns what the target accepted.
 A step of the speculative engine, with the parts that are this module's marked *:
 
     drop_unrunnable* -> Scheduler.schedule(seeded requests excluded) -> prefill (set_seed*)
-    -> reserve* -> DP join -> round_input* -> round -> stop checks -> commit_round*
+    -> reserve* -> DP join -> round_inputs* -> round(s) -> stop checks -> commit_round*
+
+With a k policy (spec/adaptive.py) `round_inputs` also decides how many drafts the step's
+round proposes (k = 0: a plain step, whose round verifies the root alone and draft-extends its
+one new token, so every seed stays valid) and may split the step into a drafting round and a
+plain one; rounds feed the policy their acceptance through `observe`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from types import MappingProxyType
 
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
+from tandem.spec.adaptive import KPolicy
 from tandem.spec.config import SpecConfig
 from tandem.spec.phases import DraftInput, DraftSeed, RoundInput
 
@@ -30,9 +36,11 @@ class SpecScheduler:
     round's reservation goes through `Scheduler.reserve`, which may preempt.
     """
 
-    def __init__(self, scheduler: Scheduler, spec: SpecConfig, max_model_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, spec: SpecConfig, max_model_len: int,
+                 policy: KPolicy | None = None) -> None:
         self.scheduler, self.spec, self.max_model_len = scheduler, spec, max_model_len
         self._seeds: dict[str, DraftSeed] = {}
+        self.policy = policy  # None: every round drafts spec.num_steps
 
     @property
     def seeds(self) -> Mapping[str, DraftSeed]:
@@ -46,6 +54,7 @@ class SpecScheduler:
 
     def drop_seed(self, req_id: str) -> None:
         self._seeds.pop(req_id, None)
+        self._forget(req_id)
 
     def drop_unrunnable(self) -> None:
         """Before a step, drop the seeds no round may use:
@@ -58,7 +67,7 @@ class SpecScheduler:
         self._drop_stale()
         limit = self.max_model_len - self.spec.num_steps
         for rid in [rid for rid, s in self._seeds.items() if s.num_cached >= limit]:
-            del self._seeds[rid]
+            self.drop_seed(rid)
 
     def reserve(self, exclude: frozenset[str]) -> list[Request]:
         """The requests this step's round advances, in admission order: the seeded running
@@ -81,14 +90,35 @@ class SpecScheduler:
         self._drop_stale()
         return served
 
-    def round_input(self, reqs: Sequence[Request]) -> RoundInput:
+    def round_input(self, reqs: Sequence[Request], num_drafts: int | None = None) -> RoundInput:
         """The round over `reqs` (as `reserve` returned them): their seeds batched with their
-        page tables, and how each samples."""
+        page tables, how each samples, and its k (None: spec.num_steps)."""
+        k = self.spec.num_steps if num_drafts is None else num_drafts
         return RoundInput(
             req_ids=tuple(r.req_id for r in reqs), params=tuple(r.params for r in reqs),
             generators=tuple(r.generator for r in reqs),
             draft=DraftInput.from_seeds([self._seeds[r.req_id] for r in reqs],
-                                        [r.page_ids for r in reqs]))
+                                        [r.page_ids for r in reqs]), num_drafts=k)
+
+    def round_inputs(self, reqs: Sequence[Request], allow_split: bool
+                     ) -> list[tuple[list[Request], RoundInput]]:
+        """This step's rounds over `reqs`, each with its requests: one round at num_steps
+        without a policy; with one, the policy's k, and -- when its plan splits the batch
+        (never with `allow_split` False: DP ranks must run the same number of target
+        forwards) -- the drafting rows' round first, then the plain rows' (k = 0)."""
+        if self.policy is None:
+            return [(list(reqs), self.round_input(reqs))]
+        plan = self.policy.plan([r.req_id for r in reqs], allow_split)
+        drafting = [r for r, d in zip(reqs, plan.drafting) if d or not plan.splits]
+        plain = [r for r, d in zip(reqs, plan.drafting) if plan.splits and not d]
+        return [(rows, self.round_input(rows, k))
+                for rows, k in ((drafting, plan.num_drafts), (plain, 0)) if rows]
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A round of `num_drafts` drafts accepted `num_accepted` of `req_id`'s: the policy
+        learns from it (a plain round teaches nothing)."""
+        if self.policy is not None and num_drafts > 0:
+            self.policy.observe(req_id, num_drafts, num_accepted)
 
     def commit_round(self, req: Request, seed: DraftSeed | None) -> None:
         """A round's tokens went through `req`'s stop checks. Still running (`seed` given): the
@@ -96,7 +126,7 @@ class SpecScheduler:
         seed.num_cached) and `seed` -- the draft-extend's last row -- drafts its next round.
         `seed` None: the request finished inside the round (its pages are back already)."""
         if seed is None:
-            self._seeds.pop(req.req_id, None)
+            self.drop_seed(req.req_id)
             return
         req.num_computed = seed.num_cached
         self._seeds[req.req_id] = seed
@@ -105,4 +135,8 @@ class SpecScheduler:
         """A request no longer running (preempted: its KV is gone) keeps no seed."""
         running = {r.req_id for r in self.scheduler.running}
         for rid in [rid for rid in self._seeds if rid not in running]:
-            del self._seeds[rid]
+            self.drop_seed(rid)
+
+    def _forget(self, req_id: str) -> None:
+        if self.policy is not None:
+            self.policy.forget(req_id)

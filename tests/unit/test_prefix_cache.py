@@ -246,8 +246,8 @@ def _record_drafts(eng: SpecEngine) -> tuple[dict[str, list[list[int]]], dict]:
             seeds.setdefault(rid, seed.hidden.clone())
         return outs
 
-    def recording(req_ids, inp):
-        verify = propose(req_ids, inp)
+    def recording(req_ids, inp, num_drafts):
+        verify = propose(req_ids, inp, num_drafts)
         for rid, row in zip(req_ids, verify.tokens.tolist()):
             drafts.setdefault(rid, []).append(row)
         return verify

@@ -1,0 +1,217 @@
+"""Adaptive speculation: how many draft tokens k the next step proposes (0 = a plain decode
+step), chosen to maximise expected tokens per second. Pure Python, no torch: the engine asks,
+the maths lives here and is unit-tested on its own.
+
+For one request with per-position acceptance p_i = P(draft i accepted | drafts < i accepted),
+a round with k chain drafts commits on average
+
+    E(k) = 1 + sum_{j=1..k} prod_{i<=j} p_i        (the bonus token, plus each accepted prefix)
+
+tokens and costs `cost(k, batch)` seconds (a `StepCostTable`, measured). A batch of requests r
+at k commits sum_r E_r(k) tokens, so the step's rate is
+
+    rate(k) = sum_r E_r(k) / cost(k, batch),   k = 0 .. max_k    (E(0) = 1: a plain step)
+
+and the policy takes the argmax (ties: the smaller k).
+
+Per request: drafting pays for request r only when E_r(k) >= cost(k, batch) / cost(0, batch)
+(its break-even: a drafting row's share of the round must buy at least what a plain row's
+share buys). The rows under it may run as a second, plain (k = 0) round of the same step --
+the batch splits -- when the table says the two forwards together beat one round over
+everybody (`plan_round` compares the options; at small, memory-bound batches one round wins,
+so a split happens only where a target forward's cost grows with the rows it carries).
+
+The estimates are exponentially weighted: a round that proposed k drafts and accepted a
+observes positions 1..a as accepted and position a+1 (if a < k) as rejected; positions past
+a+1 are not observed (the estimate is conditional). A request that does not draft is not
+observed; its estimate relaxes toward the prior at `relax` per step, so a muted request (or a
+whole engine stuck at k = 0) drafts again after a while and is measured afresh.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+POLICY_VERSION = 1  # bump when the table's meaning or the profiling changes (cache key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepCostTable:
+    """Measured seconds per step: `seconds[i][k]` for a batch of `batch_sizes[i]` requests
+    and k drafts per request (k = 0: a plain step). Linear in the batch size between grid
+    points; below the grid the smallest size's row, above it the last segment's slope."""
+
+    batch_sizes: tuple[int, ...]  # ascending, >= 1
+    seconds: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][max_k + 1] seconds, > 0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise ValueError(f"batch_sizes: must be ascending and distinct, "
+                             f"got {self.batch_sizes}")
+        if self.batch_sizes[0] < 1:
+            raise ValueError(f"batch_sizes: must be >= 1, got {self.batch_sizes}")
+        widths = {len(row) for row in self.seconds}
+        if len(self.seconds) != len(self.batch_sizes) or len(widths) != 1 or 0 in widths:
+            raise ValueError("seconds: one row per batch size, all of the same length >= 1")
+        if any(not s > 0 for row in self.seconds for s in row):
+            raise ValueError("seconds: every cost must be > 0")
+
+    @property
+    def max_k(self) -> int:
+        return len(self.seconds[0]) - 1
+
+    def cost(self, k: int, batch_size: int) -> float:
+        """Seconds of a step with k drafts per request over `batch_size` requests."""
+        if not 0 <= k <= self.max_k:
+            raise ValueError(f"k: must be in [0, {self.max_k}], got {k}")
+        sizes = self.batch_sizes
+        if batch_size <= sizes[0] or len(sizes) == 1:
+            return self.seconds[0][k]
+        i = min(bisect.bisect_left(sizes, batch_size), len(sizes) - 1)  # segment [i-1, i]
+        lo, hi = sizes[i - 1], sizes[i]
+        a, b = self.seconds[i - 1][k], self.seconds[i][k]
+        return max(a + (b - a) * (batch_size - lo) / (hi - lo), min(a, b))
+
+    def to_json(self) -> str:
+        return json.dumps({"batch_sizes": list(self.batch_sizes),
+                           "seconds": [list(r) for r in self.seconds]})
+
+    @staticmethod
+    def from_json(text: str) -> StepCostTable:
+        raw = json.loads(text)
+        return StepCostTable(batch_sizes=tuple(int(b) for b in raw["batch_sizes"]),
+                             seconds=tuple(tuple(float(s) for s in r) for r in raw["seconds"]))
+
+
+def expected_tokens(p: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum_{j=1..k} prod_{i<=j} p_i: tokens a k-draft round commits on average."""
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= p[j]
+        total += run
+    return total
+
+
+def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int,
+                alpha: float) -> tuple[float, ...]:
+    """The estimate after a round that proposed `num_drafts` and accepted `num_accepted`:
+    positions 1..a observed accepted, a+1 rejected (when a < k), later ones unobserved."""
+    out = list(p)
+    for i in range(min(num_accepted + 1, num_drafts)):
+        seen = 1.0 if i < num_accepted else 0.0
+        out[i] = (1 - alpha) * out[i] + alpha * seen
+    return tuple(out)
+
+
+def relax(p: Sequence[float], prior: Sequence[float], rate: float) -> tuple[float, ...]:
+    """One unobserved step: the estimate moves `rate` of the way back toward the prior."""
+    return tuple(x + rate * (q - x) for x, q in zip(p, prior))
+
+
+def break_even(table: StepCostTable, k: int, batch_size: int) -> float:
+    """Expected tokens a request must commit per k-round for its drafting to pay."""
+    return table.cost(k, batch_size) / table.cost(0, batch_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundPlan:
+    """What one step runs: rows with `drafting[r]` in a round of `num_drafts` drafts, the
+    others (if any) in a plain round (k = 0) of the same step."""
+
+    num_drafts: int  # k of the drafting round (0: the whole step is plain)
+    drafting: tuple[bool, ...]  # [bs] per row of the step, in the caller's order
+
+    @property
+    def splits(self) -> bool:
+        return self.num_drafts > 0 and not all(self.drafting)
+
+
+def plan_round(table: StepCostTable, estimates: Sequence[Sequence[float]], max_k: int,
+               allow_split: bool = True) -> RoundPlan:
+    """The plan of highest expected tokens per second for a batch whose rows have
+    `estimates` (per-position acceptance, each at least max_k long)."""
+    bs, max_k = len(estimates), min(max_k, table.max_k)
+    best, best_rate = RoundPlan(num_drafts=0, drafting=(False,) * bs), bs / table.cost(0, bs)
+    for k in range(1, max_k + 1):
+        gains = [expected_tokens(p, k) for p in estimates]
+        rate = sum(gains) / table.cost(k, bs)
+        if rate > best_rate:
+            best, best_rate = RoundPlan(num_drafts=k, drafting=(True,) * bs), rate
+        if not allow_split:
+            continue
+        need = break_even(table, k, bs)
+        pays = tuple(g >= need for g in gains)
+        n = sum(pays)
+        if 0 < n < bs:  # split: drafting rows at k, the rest in a plain round
+            split_tokens = sum(g for g, d in zip(gains, pays) if d) + (bs - n)
+            rate = split_tokens / (table.cost(k, n) + table.cost(0, bs - n))
+            if rate > best_rate:
+                best, best_rate = RoundPlan(num_drafts=k, drafting=pays), rate
+    return best
+
+
+class KPolicy(Protocol):
+    """What `SpecScheduler` asks of a policy (the adaptive one, or a test's forced one)."""
+
+    def plan(self, req_ids: Sequence[str], allow_split: bool) -> RoundPlan: ...
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None: ...
+
+    def forget(self, req_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdaptiveSettings:
+    alpha: float = 0.1  # EWMA weight of one observation
+    prior: float = 0.6  # P(accepted) at every position before anything is observed
+    relax: float = 0.02  # per unobserved step, the pull back toward the prior
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "prior", "relax"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class AdaptivePolicy:
+    """Owns the acceptance estimates: the engine-wide one (what a new request starts from)
+    and one per request decoding by rounds. Only `plan`, `observe` and `forget` write."""
+
+    table: StepCostTable
+    max_k: int  # SpecConfig.num_steps
+    settings: AdaptiveSettings = field(default_factory=AdaptiveSettings)
+    overall: tuple[float, ...] = ()  # [max_k] engine-wide estimate
+    per_request: dict[str, tuple[float, ...]] = field(default_factory=dict)  # req_id -> [max_k]
+
+    def __post_init__(self) -> None:
+        self.max_k = min(self.max_k, self.table.max_k)
+        if not self.overall:
+            self.overall = self._prior()
+
+    def _prior(self) -> tuple[float, ...]:
+        return (self.settings.prior,) * self.max_k
+
+    def plan(self, req_ids: Sequence[str], allow_split: bool) -> RoundPlan:
+        """The step's plan; rows that will not draft relax toward the prior (not observed)."""
+        ests = [self.per_request.setdefault(r, self.overall) for r in req_ids]
+        plan = plan_round(self.table, ests, self.max_k, allow_split)
+        rate = self.settings.relax
+        for rid, drafts in zip(req_ids, plan.drafting):
+            if not drafts or plan.num_drafts == 0:
+                self.per_request[rid] = relax(self.per_request[rid], self._prior(), rate)
+        if plan.num_drafts == 0:
+            self.overall = relax(self.overall, self._prior(), rate)
+        return plan
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        a = self.settings.alpha
+        self.overall = ewma_update(self.overall, num_drafts, num_accepted, a)
+        own = self.per_request.get(req_id, self.overall)
+        self.per_request[req_id] = ewma_update(own, num_drafts, num_accepted, a)
+
+    def forget(self, req_id: str) -> None:
+        self.per_request.pop(req_id, None)

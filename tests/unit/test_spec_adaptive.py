@@ -1,0 +1,265 @@
+"""Adaptive speculation (spec/adaptive.py, spec/cost_profile.py): the policy's maths on its own,
+and the engine under any k schedule -- greedy output equal to plain decoding token for token
+(float32, chain), k = 0 steps leaving every seed and cache exact, seeded sampling reproducible,
+and the cost table given, profiled and cached."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+import torch
+from spec_helpers import (
+    assert_pages_free,
+    engine_cfg,
+    greedy,
+    one_thread,  # noqa: F401 (autouse fixture)
+    prompts,
+    reference,
+    slot,
+    tiny_head,
+    tiny_target,
+)
+
+import tandem.spec.cost_profile as cost_profile
+from tandem.engine import ForwardBatch, SamplingParams, SeqSlice, build_metadata
+from tandem.spec import DRAFT_GROUP, SpecConfig, SpecEngine, draft_prefill, target_features
+from tandem.spec.adaptive import (
+    AdaptivePolicy,
+    AdaptiveSettings,
+    RoundPlan,
+    StepCostTable,
+    break_even,
+    ewma_update,
+    expected_tokens,
+    plan_round,
+    relax,
+)
+
+# ---- the policy, pure ---------------------------------------------------------------------------
+
+# Memory-bound at 1..4 rows (a draft costs 10% of a plain step), compute-bound by 64 (each
+# verified token costs as much as a plain row's).
+TABLE = StepCostTable(batch_sizes=(1, 4, 64),
+                      seconds=((1.0, 1.1, 1.2, 1.3), (1.0, 1.1, 1.2, 1.3),
+                               (4.0, 8.0, 12.0, 16.0)))
+
+
+def test_expected_tokens_is_one_plus_the_accepted_prefix_sums():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0  # nothing past a sure rejection
+
+
+def test_ewma_observes_accepted_prefix_and_first_rejection_only():
+    p = (0.5, 0.5, 0.5, 0.5)
+    assert ewma_update(p, 4, 1, 0.5) == (0.75, 0.25, 0.5, 0.5)  # 3, 4 unobserved
+    assert ewma_update(p, 2, 2, 0.5) == (0.75, 0.75, 0.5, 0.5)  # all k accepted: no rejection
+    assert ewma_update(p, 0, 0, 0.5) == p  # a plain step teaches nothing
+    assert relax((0.0, 1.0), (0.5, 0.5), 0.5) == (0.25, 0.75)
+
+
+def test_cost_table_interpolates_and_round_trips():
+    assert TABLE.cost(2, 1) == TABLE.cost(2, 0) == 1.2  # below the grid: its first row
+    assert TABLE.cost(1, 34) == pytest.approx(1.1 + (8.0 - 1.1) * 30 / 60)
+    assert TABLE.cost(0, 124) == pytest.approx(7.0)  # past the grid: the last slope
+    assert StepCostTable.from_json(TABLE.to_json()) == TABLE
+    assert break_even(TABLE, 3, 64) == 4.0
+    with pytest.raises(ValueError, match="k: must be in"):
+        TABLE.cost(4, 1)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        StepCostTable(batch_sizes=(4, 1), seconds=((1.0,), (1.0,)))
+    with pytest.raises(ValueError, match="seconds"):
+        StepCostTable(batch_sizes=(1,), seconds=((1.0, 0.0),))
+
+
+def test_plan_picks_the_k_of_highest_expected_rate():
+    good, bad = (0.9, 0.9, 0.9), (0.05, 0.05, 0.05)
+    assert plan_round(TABLE, [good] * 2, 3).num_drafts == 3  # cheap drafts, likely accepted
+    assert plan_round(TABLE, [bad] * 2, 3) == RoundPlan(num_drafts=0, drafting=(False, False))
+    assert plan_round(TABLE, [good] * 2, 2).num_drafts == 2  # capped by max_k
+    # one likely draft, then nothing: k = 1
+    assert plan_round(TABLE, [(0.9, 0.0, 0.0)] * 2, 3).num_drafts == 1
+    # compute-bound: 4 tokens per row would be needed for k = 3, 2 for k = 1
+    assert plan_round(TABLE, [good] * 64, 3).num_drafts == 0
+
+
+def test_plan_splits_off_requests_below_break_even_only_where_it_pays():
+    good, bad = (1.0, 1.0, 1.0), (0.0, 0.0, 0.0)
+    mid = StepCostTable(batch_sizes=(1, 8), seconds=((1.0, 1.2, 1.4, 1.6), (2.0, 3.0, 4.0, 5.0)))
+    rows = [good] * 4 + [bad] * 4
+    plan = plan_round(mid, rows, 3)
+    assert plan.splits and plan.drafting == (True,) * 4 + (False,) * 4
+    assert plan_round(mid, rows, 3, allow_split=False).drafting in ((True,) * 8, (False,) * 8)
+    # memory-bound: one round over everybody is cheaper than two forwards
+    assert not plan_round(TABLE, [good, bad], 3).splits
+
+
+def test_policy_learns_per_request_and_a_muted_request_comes_back():
+    pol = AdaptivePolicy(table=TABLE, max_k=3, settings=AdaptiveSettings(alpha=0.5, relax=0.01))
+    assert pol.plan(["a"], True).num_drafts == 3  # prior 0.6: drafting pays
+    for _ in range(8):
+        pol.observe("a", 3, 0)
+    assert pol.plan(["a"], True).num_drafts == 0  # its drafts keep failing: plain steps
+    steps = 0
+    while pol.plan(["a"], True).num_drafts == 0:  # unobserved, back toward the prior
+        steps += 1
+        assert steps < 100
+    assert steps > 5
+    pol.forget("a")
+    assert "a" not in pol.per_request
+
+
+# ---- the engine under a forced k schedule ------------------------------------------------------
+
+
+class ForcedK:
+    """A k policy that follows a schedule, step by step; every `split_every`-th step splits the
+    batch (even rows draft, odd rows run the plain round)."""
+
+    def __init__(self, ks: Sequence[int], split_every: int = 0) -> None:
+        self.ks, self.step, self.split_every = itertools.cycle(ks), 0, split_every
+        self.plans: list[RoundPlan] = []
+        self.seen: list[tuple[str, int, int]] = []
+
+    def plan(self, req_ids, allow_split):
+        self.step += 1
+        k = next(self.ks)
+        split = bool(self.split_every) and self.step % self.split_every == 0 and allow_split
+        drafting = tuple(not split or r % 2 == 0 for r in range(len(req_ids)))
+        self.plans.append(RoundPlan(num_drafts=k, drafting=drafting))
+        return self.plans[-1]
+
+    def observe(self, req_id, num_drafts, num_accepted):
+        assert 0 <= num_accepted <= num_drafts
+        self.seen.append((req_id, num_drafts, num_accepted))
+
+    def forget(self, req_id):
+        pass
+
+
+SPEC = SpecConfig(num_steps=3)
+KS = (3, 0, 1, 0, 0, 2, 3, 1)
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_greedy_equals_plain_whatever_k_each_step_picks(bs):
+    model = tiny_target("llama")
+    ps = prompts(bs, seed=41 + bs)
+    policy = ForcedK(KS, split_every=3)
+    eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"), policy=policy)
+    got = eng.generate(ps, greedy(24))
+    assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, greedy(24))]
+    assert_pages_free(eng)
+    assert {p.num_drafts for p in policy.plans} == set(KS)
+    if bs > 1:  # enough rounds that the random head on the live vocabulary is sometimes right
+        assert any(a > 0 for _, _, a in policy.seen)
+        assert any(p.splits for p in policy.plans)
+
+
+def test_seeded_sampling_is_reproducible_under_a_k_schedule():
+    model = tiny_target("llama")
+    ps = prompts(3, seed=5)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=11)
+    runs = []
+    for _ in range(2):
+        eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"),
+                         policy=ForcedK(KS, split_every=2))
+        runs.append([c.output_ids for c in eng.generate(ps, params)])
+    assert runs[0] == runs[1]
+
+
+def test_a_plain_step_leaves_seed_and_caches_as_a_fresh_prefill():
+    """After a k = 0 step (verify of the root, draft-extend of its token) following a
+    drafting round, every request's target KV, draft KV and seed equal a prefill of its
+    committed tokens: the next round drafts from a valid seed."""
+    model = tiny_target("llama", live=None)
+    head = tiny_head(model, "eagle", live=None)
+    eng = SpecEngine(engine_cfg(), SPEC, model, head, policy=ForcedK((3, 0)))
+    for r, p in enumerate(prompts(3, seed=9, lo=3, hi=12)):
+        eng.add_request(p, greedy(30), req_id=f"req-{r}")
+    for _ in range(3):  # prefill, a k = 3 round, a k = 0 round
+        eng.step()
+    assert [p.num_drafts for p in eng.spec_scheduler.policy.plans] == [3, 0]
+    fresh = SpecEngine(engine_cfg(), SPEC, model, head)
+    page = eng.cfg.page_size
+    for rid, seed in eng.seeds.items():
+        req = eng.scheduler.requests[rid]
+        nc, ids = seed.num_cached, req.all_ids
+        assert nc == req.num_computed == len(ids) - 1 and seed.last_token == ids[-1]
+        pages = fresh.allocator.alloc(-(-(nc + 1) // page))
+        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=nc)], page)
+        out = fresh.runner.forward(ForwardBatch(
+            input_ids=torch.tensor(ids[:nc]), positions=lay.positions, attn=lay.attn,
+            logits_indices=torch.tensor([nc - 1]), capture_layers=fresh.capture))
+        hidden = draft_prefill(fresh.draft, [pages], [0], [ids[1 : nc + 1]],
+                               target_features(out, head))
+        got = torch.tensor([slot(req.page_ids, t, page) for t in range(nc)])
+        want = torch.tensor([slot(pages, t, page) for t in range(nc)])
+        for group in ("target", DRAFT_GROUP):
+            torch.testing.assert_close(
+                eng.kv_pool.group_tensor(group)[:, got // page, :, got % page],
+                fresh.kv_pool.group_tensor(group)[:, want // page, :, want % page],
+                atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(seed.hidden, hidden[nc - 1], atol=1e-4, rtol=1e-4)
+
+
+# ---- the adaptive policy in the engine, and its cost table -------------------------------------
+
+
+def test_adaptive_engine_with_a_given_table_is_lossless(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(TABLE.to_json())
+    model = tiny_target("llama")
+    ps = prompts(3, seed=77)
+    spec = SpecConfig(num_steps=3, adaptive=True, cost_table=str(path))
+    eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle"))
+    assert isinstance(eng.spec_scheduler.policy, AdaptivePolicy)
+    got = eng.generate(ps, greedy(20))
+    assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, greedy(20))]
+    assert eng.spec_scheduler.policy.per_request == {}  # finished requests forgotten
+    assert_pages_free(eng)
+
+
+def test_profiled_table_is_cached_and_a_second_start_reads_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path))
+    monkeypatch.delenv(cost_profile.CACHE_ENV, raising=False)
+    model = tiny_target("llama")
+    spec = SpecConfig(num_steps=2, adaptive=True)
+    eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle"))
+    table = eng.spec_scheduler.policy.table
+    assert table.max_k == 2 and table.batch_sizes == cost_profile.CPU_BATCH_SIZES
+    assert cost_profile.cache_file(eng).is_file()
+    assert eng.spec_stats.num_rounds == 0 and not eng.scheduler.requests  # profiling left
+    assert_pages_free(eng)
+
+    def no_profiling(*a, **kw):
+        raise AssertionError("profiled again despite the cache")
+
+    monkeypatch.setattr(cost_profile, "profile", no_profiling)
+    again = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle"))
+    assert again.spec_scheduler.policy.table == table
+
+
+def test_adaptive_needs_a_chain():
+    with pytest.raises(ValueError, match="adaptive"):
+        SpecConfig(num_steps=2, topk=2, adaptive=True)
+
+
+def test_adaptive_from_yaml_and_cli():
+    import argparse
+
+    from tandem.cli import serve
+    from tandem.deploy.config import ConfigError, parse_deploy
+
+    cfg = parse_deploy({"spec": {"num_steps": 3, "adaptive": True, "cost_table": "t.json"}})
+    assert cfg.spec.adaptive and cfg.spec.cost_table == "t.json"
+    with pytest.raises(ConfigError, match="spec.adaptive"):
+        parse_deploy({"spec": {"adaptive": "yes"}})
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--adaptive-spec"])
+    assert serve._spec_flags_over(args, parse_deploy({})).spec.adaptive
+    args = parser.parse_args(["serve"])
+    assert serve._spec_flags_over(args, cfg).spec.adaptive  # no flag: the config's stands
