@@ -65,6 +65,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--draft-topk", type=int, default=None,
                    help=f"Draft branches per step, 1 = chain (default: {DEFAULT_DRAFT_TOPK}, or "
                         "the config's spec.topk)")
+    p.add_argument("--adaptive-spec", action="store_true",
+                   help="Choose the draft tokens per step (0 .. --num-draft-steps) from measured "
+                        "step costs and running acceptance, chain only (default: off, or the "
+                        "config's spec.adaptive)")
     p.add_argument("--auth-token-file", default=None, metavar="PATH",
                    help="Require 'authorization: Bearer TOKEN' metadata on every call, TOKEN "
                         "being the file's first line (default: $TANDEM_AUTH_TOKEN; unset = no "
@@ -127,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         engine = SpecEngine.from_config(engine_cfg, SpecConfig(
             draft_model=args.draft_model,
             num_steps=_or(args.num_draft_steps, DEFAULT_DRAFT_STEPS),
-            topk=_or(args.draft_topk, DEFAULT_DRAFT_TOPK)))
+            topk=_or(args.draft_topk, DEFAULT_DRAFT_TOPK), adaptive=args.adaptive_spec))
     else:
         from tandem.engine import LLMEngine
 
@@ -204,16 +208,17 @@ def _or(value, default):
 
 def _spec_flags_over(args: argparse.Namespace, cfg):
     """The speculative and naming flags given with --config replace the config's fields (none
-    is dropped without a word): --draft-model, --num-draft-steps and --draft-topk the `spec:`
-    section, --served-model-name `model_name`; --speculative changes nothing (the decode
-    workers always draft) and says so."""
+    is dropped without a word): --draft-model, --num-draft-steps, --draft-topk and
+    --adaptive-spec the `spec:` section, --served-model-name `model_name`; --speculative
+    changes nothing (the decode workers always draft) and says so."""
     if args.speculative:
         print("tandem serve: note: --speculative has no effect with --config (disaggregated "
               "decode always runs EAGLE; its settings are the config's spec: section)",
               file=sys.stderr)
     spec = {k: v for k, v in (("draft_model", args.draft_model),
                               ("num_steps", args.num_draft_steps),
-                              ("topk", args.draft_topk)) if v is not None}
+                              ("topk", args.draft_topk),
+                              ("adaptive", args.adaptive_spec or None)) if v is not None}
     if spec:
         cfg = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, **spec))
     if args.served_model_name:

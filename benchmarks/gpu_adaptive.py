@@ -1,0 +1,93 @@
+"""Adaptive speculation on a GPU: profile (or read from the cache) the step-cost table of a
+speculative engine with its real CUDA graphs, print it, and print the k the policy picks per
+batch size at a few acceptance levels -- and, with --generate, tokens/s of plain rounds at
+num_steps vs the adaptive engine on the chat prompts.
+
+    source .devbundle-fi/activate.sh; export PYTHONPATH=.:$PYTHONPATH
+    python benchmarks/gpu_adaptive.py --model /tmp/gc/smollm2 --num-steps 4
+    TANDEM_SPEC_COST_CACHE=0 python benchmarks/gpu_adaptive.py ...   # profile afresh
+
+On a machine without CUDA it runs on the CPU with the engine's CPU grid (slow, but it shows
+the shape of the output). Results go to docs/perf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import torch  # noqa: E402
+
+from tandem.engine import EngineConfig, SamplingParams  # noqa: E402
+from tandem.spec import SpecConfig, SpecEngine  # noqa: E402
+from tandem.spec.adaptive import expected_tokens, plan_round  # noqa: E402
+from tandem.spec.cost_profile import cache_file, cost_table  # noqa: E402
+from tandem.tokenizer import ChatMessage  # noqa: E402
+
+ACCEPTANCE = (0.2, 0.4, 0.6, 0.8, 0.9)  # the same p at every position
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--num-steps", type=int, default=4)
+    ap.add_argument("--generate", action="store_true",
+                    help="also time generation, fixed num_steps vs adaptive")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    cfg = EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
+                       dtype="bfloat16" if cuda else "float32",
+                       attention_backend="flashinfer" if cuda else "torch", cuda_graphs=cuda,
+                       max_num_seqs=128, max_model_len=2048, kv_cache_bytes=4 << 30)
+    spec = SpecConfig(num_steps=args.num_steps)
+    eng = SpecEngine.from_config(cfg, spec)
+    t0 = time.perf_counter()
+    table = cost_table(eng)
+    print(f"cost table ({time.perf_counter() - t0:.1f} s; cache {cache_file(eng)})")
+    print("batch | " + " | ".join(f"k={k} ms" for k in range(table.max_k + 1)))
+    for b, row in zip(table.batch_sizes, table.seconds):
+        print(f"{b:5d} | " + " | ".join(f"{s * 1e3:7.3f}" for s in row))
+    print("\npolicy's k per batch size (rows: acceptance p at every position)")
+    print("p    | " + " | ".join(f"bs={b}" for b in table.batch_sizes))
+    for p in ACCEPTANCE:
+        est = (p,) * table.max_k
+        ks = [plan_round(table, [est] * b, table.max_k, allow_split=False).num_drafts
+              for b in table.batch_sizes]
+        print(f"{p:.2f} | " + " | ".join(f"{k:>4d}" for k in ks)
+              + f"   (E(max k) = {expected_tokens(est, table.max_k):.2f})")
+    if args.generate:
+        _generate(cfg, spec, table, args)
+
+
+def _generate(cfg: EngineConfig, spec: SpecConfig, table, args) -> None:
+    import dataclasses
+    import tempfile
+
+    questions = [q.strip() for q in (ROOT / "tandem/assets/chat-prompts-50.txt").read_text()
+                 .splitlines() if q.strip()][: args.num_prompts]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(table.to_json())
+    for name, s in (("fixed", spec),
+                    ("adaptive", dataclasses.replace(spec, adaptive=True, cost_table=f.name))):
+        eng = SpecEngine.from_config(cfg, s)
+        tok = eng.tokenizer
+        prompts = [tok.encode_chat([ChatMessage(role="user", content=q)])  # type: ignore
+                   for q in questions]
+        params = SamplingParams(max_new_tokens=args.max_new_tokens)
+        t0 = time.perf_counter()
+        done = eng.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        n = sum(len(c.output_ids) for c in done)
+        print(f"{name:8s}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tok/s, "
+              f"tau {eng.spec_stats.mean_acceptance_length:.2f}")
+
+
+if __name__ == "__main__":
+    main()
