@@ -5,6 +5,7 @@ num_steps vs the adaptive engine on the chat prompts.
 
     source .devbundle-fi/activate.sh; export PYTHONPATH=.:$PYTHONPATH
     python benchmarks/gpu_adaptive.py --model /tmp/gc/smollm2 --num-steps 4
+    python benchmarks/gpu_adaptive.py --model llama-3.1-8b --load-format dummy   # costs only
     TANDEM_SPEC_COST_CACHE=0 python benchmarks/gpu_adaptive.py ...   # profile afresh
 
 On a machine without CUDA it runs on the CPU with the engine's CPU grid (slow, but it shows
@@ -38,6 +39,10 @@ def main() -> None:
     ap.add_argument("--num-steps", type=int, default=4)
     ap.add_argument("--generate", action="store_true",
                     help="also time generation, fixed num_steps vs adaptive")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights of the model's shape (a preset name such as "
+                         "smollm2-135m or llama-3.1-8b) and a random EAGLE head: for the cost "
+                         "table only (acceptance is ~0)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
@@ -45,8 +50,15 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, device="cuda" if cuda else "cpu",
                        dtype="bfloat16" if cuda else "float32",
                        attention_backend="flashinfer" if cuda else "torch", cuda_graphs=cuda,
-                       max_num_seqs=128, max_model_len=2048, kv_cache_bytes=4 << 30)
-    spec = SpecConfig(num_steps=args.num_steps)
+                       max_num_seqs=128, max_model_len=2048, kv_cache_bytes=4 << 30,
+                       load_format=args.load_format)
+    draft = None
+    if args.load_format == "dummy":
+        from tandem.bench.dummy_head import write_dummy_head
+        from tandem.engine import resolve_model
+
+        draft = str(write_dummy_head(resolve_model(cfg)[0], cfg.dtype))
+    spec = SpecConfig(num_steps=args.num_steps, draft_model=draft)
     eng = SpecEngine.from_config(cfg, spec)
     t0 = time.perf_counter()
     table = cost_table(eng)
