@@ -199,8 +199,12 @@ def test_disaggregated_scrape_has_worker_numbers_and_survives_a_restart(dirs):
             assert time.monotonic() < end, "decode-0 did not serve again within 60 s"
             time.sleep(0.25)
         assert system.health("decode-0").incarnation != old.incarnation
+        # Wait for a health answer taken after the new request's rounds (one taken between its
+        # transfer and its rounds already shows the transfer).
         later = scrape_when(lambda s: s.get("tandem:worker_restarts_total", worker="decode-0")
-                            == 1 and s.get("tandem:kv_transfer_latency_seconds_count", **dec) > 3)
+                            == 1 and s.get("tandem:kv_transfer_latency_seconds_count", **dec) > 3
+                            and s.get("tandem:spec_decode_num_drafts_total", worker="decode-0")
+                            > drafts)
         assert later.get("tandem:worker_restarts_total", worker="decode-0") == 1
         assert later.get("tandem:worker_restarts_total", worker="prefill-0") == 0
         for name, labels in [("tandem:kv_transfer_bytes_total", dec),
