@@ -3,7 +3,8 @@ SDK on 127.0.0.1: Ray prefill and decode actors (Mooncake) of a tiny llama with 
 tokenizer, the router in this process, the HTTP front next to its gRPC server.
 
 Checks: chat and completions, streamed and whole, equal the colocated speculative engine on the
-same prompt (greedy); a router whose one running slot is taken and whose queue holds none
+same prompt (greedy); so do logprobs; a stop string cuts the text; a seed repeats a sampled
+answer; a router whose one running slot is taken and whose queue holds none
 answers 429; a client that disconnects mid-stream frees the slot and every KV page on both
 workers."""
 
@@ -54,8 +55,10 @@ def refs(cfg):
     tok = engine.tokenizer
     chat = tok.encode_chat([ChatMessage(role=m["role"], content=m["content"]) for m in CHAT])
     params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    asking = SamplingParams(max_new_tokens=N, ignore_eos=True, logprobs=True, top_logprobs=3)
     return {"chat": engine.generate([chat], params)[0],
-            "prompt": engine.generate([tok.encode(PROMPT)], params)[0]}
+            "prompt": engine.generate([tok.encode(PROMPT)], params)[0],
+            "chat_logprobs": engine.generate([chat], asking)[0]}
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,31 @@ def test_disaggregated_answers_equal_colocated(system, refs):
     chunks = list(c.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, stream=True,
                                        extra_body=EXTRA))
     assert "".join(ch.choices[0].text for ch in chunks) == refs["prompt"].text
+    assert _all_free(dep)
+
+
+def test_logprobs_stop_and_seed_as_colocated(system, refs):
+    """Over the disaggregated path too: logprobs equal the colocated engine's (float32), a stop
+    string cuts the text where it begins, a seed makes a sampled answer repeat."""
+    dep, c, _ = system
+    ref = refs["chat_logprobs"]
+    answer = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=N, logprobs=True,
+                                       top_logprobs=3, extra_body=EXTRA)
+    content = answer.choices[0].logprobs.content
+    assert [t.logprob for t in content] == pytest.approx([lp.logprob for lp in ref.logprobs],
+                                                         abs=1e-4)
+    for got, want in zip(content, ref.logprobs):
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(want.top_logprobs,
+                                                                      abs=1e-4)
+    text = refs["prompt"].text
+    word = text.split()[2]  # a word the answer reaches after its start
+    stopped = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, stop=[word],
+                                   extra_body=EXTRA)
+    assert stopped.choices[0].text == text[:text.index(word)]
+    assert stopped.choices[0].finish_reason == "stop"
+    sampled = [c.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=1.0,
+                                    seed=7, extra_body=EXTRA).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
     assert _all_free(dep)
 
 
