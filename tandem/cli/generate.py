@@ -36,6 +36,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stop-token-id", type=int, action="append", default=[],
                    help="Stop token id (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="Keep generating after EOS")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="Ask for each token's log-probability and its N most likely "
+                        "alternatives (0-20; printed to stderr after the answer)")
     p.set_defaults(func=run)
 
 
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingInput(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
-        stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
+        stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs is not None, top_logprobs=args.logprobs)
     request = build_request(args.prompt, chat=args.chat, system=args.system, sampling=sampling,
                             model=args.model, prefill_worker=args.prefill_worker,
                             decode_worker=args.decode_worker, request_id=args.request_id)

@@ -76,10 +76,12 @@ def stream_generate(cfg: ClientConfig, request: pb.GenerateRequest, out: TextIO,
         call = stub.Generate(request, timeout=cfg.timeout_s, metadata=call_metadata(cfg))
         final: pb.GenerateResponse | None = None
         wrote = False
+        logprobs: list[pb.TokenLogprob] = []
         try:
             for msg in call:
                 out.write(msg.text_delta)
                 out.flush()
+                logprobs.extend(msg.logprobs)
                 wrote = wrote or bool(msg.text_delta)
                 if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     final = msg
@@ -95,7 +97,18 @@ def stream_generate(cfg: ClientConfig, request: pb.GenerateRequest, out: TextIO,
         out.write("\n")
         if final is not None:
             err.write(summary(final, time.perf_counter() - t0) + "\n")
+        if logprobs:
+            err.write(logprob_table(logprobs) + "\n")
         return 0
+
+
+def logprob_table(logprobs: list[pb.TokenLogprob]) -> str:
+    """One line per returned token: its id and log-probability, then the alternatives."""
+    lines = ["[logprobs: token id, log-probability; most likely alternatives]"]
+    for lp in logprobs:
+        alts = "  ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
+        lines.append(f"  {lp.token_id:>7d} {lp.logprob:9.4f}" + (f"   {alts}" if alts else ""))
+    return "\n".join(lines)
 
 
 def summary(final: pb.GenerateResponse, wall_s: float) -> str:

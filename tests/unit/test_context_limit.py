@@ -166,3 +166,26 @@ def test_tandem_generate_names_the_prompt_when_it_fills_the_context(server):
         status = main(["generate", text, "--target", f"127.0.0.1:{server.port}"])
     assert status == 1
     assert "INVALID_ARGUMENT: prompt: the prompt has 32 tokens" in err.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_tandem_generate_prints_logprobs_when_asked(server):
+    """`tandem generate --logprobs N`: one line per returned token, its id and log-probability
+    and N alternatives (greedy: the token is the most likely one)."""
+    from tandem.cli.app import main
+
+    text = " ".join(_tokenizer().decode([t]) for t in _prompt())
+    err = io.StringIO()
+    with redirect_stdout(io.StringIO()), redirect_stderr(err):
+        status = main(["generate", text, "--target", f"127.0.0.1:{server.port}", "--ignore-eos",
+                       "--max-new-tokens", "3", "--logprobs", "2"])
+    assert status == 0, err.getvalue()
+    lines = err.getvalue().split("[logprobs: ")[1].splitlines()[1:]
+    assert len(lines) == 3
+    for line in lines:
+        token_id, logprob, *alts = line.split()
+        assert float(logprob) <= 0 and len(alts) == 2
+        assert alts[0].split(":")[0] == token_id
+    with redirect_stdout(io.StringIO()), redirect_stderr(err := io.StringIO()):
+        main(["generate", text, "--target", f"127.0.0.1:{server.port}", "--max-new-tokens", "2"])
+    assert "[logprobs" not in err.getvalue()  # not asked: none
