@@ -261,6 +261,11 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay pure-decode steps from CUDA graphs (CUDA + FlashInfer only)
     # Reuse the KV pages of prompt prefixes computed before (prefix_cache.py); off by default.
     enable_prefix_caching: bool = False
+    # How expert-parallel MoE moves tokens (layers/moe_dispatch.py): "allreduce" (every rank
+    # runs every token, partial outputs summed), "alltoall" (tokens travel to their experts'
+    # ranks, variable splits: one host read per MoE layer) or "alltoall_padded" (fixed
+    # capacity, no host read: for decode CUDA graphs). A no-op without EP.
+    moe_dispatch: Literal["allreduce", "alltoall", "alltoall_padded"] = "allreduce"
     sampling_fault: SamplingFault | None = None  # test only: make chosen rows fail sampling
 
     def __post_init__(self) -> None:
@@ -282,5 +287,8 @@ class EngineConfig:
                               f"got {self.enable_prefix_caching!r}")
         if self.sampling_fault is not None and not isinstance(self.sampling_fault, SamplingFault):
             raise ConfigError("sampling_fault: a test-only hook, set in code (a SamplingFault)")
+        if self.moe_dispatch not in ("allreduce", "alltoall", "alltoall_padded"):
+            raise ConfigError(f"moe_dispatch: '{self.moe_dispatch}' is not one of allreduce, "
+                              "alltoall, alltoall_padded")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len: must be positive, got {self.max_model_len}")

@@ -55,7 +55,7 @@ def build_model(
     dtype = DTYPES[engine_cfg.dtype]
     device = torch.device(engine_cfg.device)
     with torch.device(device):
-        model = DecoderLM(cfg, par, dtype, max_position)
+        model = DecoderLM(cfg, par, dtype, max_position, engine_cfg.moe_dispatch)
     slots = model.weight_loaders()
     if engine_cfg.load_format == "dummy":
         fill_dummy(slots, dtype, device, engine_cfg.seed)

@@ -1,10 +1,14 @@
 """Feed-forward blocks: the dense SwiGLU MLP and the sparse mixture-of-experts block.
 
 MoE experts shard over the expert-parallel group `ep`: rank r owns experts
-[r*E/ep, (r+1)*E/ep) whole. Every rank routes every token (the router is replicated), runs the
-experts it owns on the tokens that chose them, and an all-reduce sums the partial outputs.
-(All-to-all dispatch is the faster variant for large EP; this one is exact and simple.)
-When ep has one rank and tp has several, expert intermediate columns shard over tp instead.
+[r*E/ep, (r+1)*E/ep) whole. By default ("allreduce") every rank routes every token (the router
+is replicated), runs the experts it owns on the tokens that chose them, and an all-reduce sums
+the partial outputs. With `moe_dispatch` "alltoall" / "alltoall_padded" the tokens travel to
+their experts' ranks and back instead (moe_dispatch.py): under DP attention each rank sends its
+own tokens (no gather); otherwise the tokens are the same on every EP rank, so each rank sends
+an even slice of them and the slices are all-gathered afterwards.
+When ep has one rank and tp has several, expert intermediate columns shard over tp instead
+(the dispatch setting is then moot: every expert is local).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tandem.engine.layers.linear import (
     RowParallelLinear,
     check_shape,
 )
+from tandem.engine.layers.moe_dispatch import AllToAllDispatcher, even_counts
 from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.parallel import ParallelGroup
 
@@ -53,14 +58,22 @@ class DenseMLP(nn.Module):
         return kernels.fused_linear(gate_up, self.down.weight, silu_mul=True, residual=stream)
 
 
+MOE_DISPATCH_MODES = ("allreduce", "alltoall", "alltoall_padded")
+
+
 class SparseMoE(nn.Module):
-    """Top-k routed SwiGLU experts (Mixtral, Qwen3-MoE)."""
+    """Top-k routed SwiGLU experts (Mixtral, Qwen3-MoE). `dispatch` is one of
+    MOE_DISPATCH_MODES (EngineConfig.moe_dispatch)."""
 
     def __init__(
         self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk: bool,
-        ep: ParallelGroup, tp: ParallelGroup, dtype: torch.dtype,
+        ep: ParallelGroup, tp: ParallelGroup, dtype: torch.dtype, dispatch: str = "allreduce",
     ) -> None:
         super().__init__()
+        if dispatch not in MOE_DISPATCH_MODES:
+            raise ValueError(f"moe_dispatch: '{dispatch}' is not one of "
+                             f"{', '.join(MOE_DISPATCH_MODES)}")
+        self.ep = ep
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         # One sharding axis at a time: experts over ep, else columns over tp.
@@ -74,6 +87,15 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_local, 2 * cols, hidden, dtype=dtype), False)
         # [E_local, H, I_local]
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, cols, dtype=dtype), False)
+        # None: the all-reduce path (also whenever ep has one rank: nothing to dispatch)
+        self.a2a = (AllToAllDispatcher(ep, num_local, padded=dispatch == "alltoall_padded")
+                    if dispatch != "allreduce" and ep.size > 1 else None)
+
+    @property
+    def dispatches_tokens(self) -> bool:
+        """True when tokens travel to their experts' ranks (all-to-all): under DP attention the
+        block then takes this rank's own rows, not the gathered ones."""
+        return self.a2a is not None
 
     def owns(self, expert: int) -> bool:
         return 0 <= expert - self.expert_start < self.w13.shape[0]
@@ -92,12 +114,34 @@ class SparseMoE(nn.Module):
             offset = 0 if which == "gate" else cols
             self.w13.data[e, offset : offset + cols].copy_(full.narrow(0, self.col_start, cols))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] x.dtype, experts [T, k] int64 global expert ids)."""
         probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E] float32
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `max_rows` (all-to-all under DP attention only): x is this rank's
+        own rows and max_rows the most rows any EP rank brings (host int: the padded capacity).
+        None: x is the same on every EP rank."""
+        weights, experts = self.route(x)
+        if self.a2a is None:
+            return self.reduce_group.all_reduce(self._local_experts_by_token(x, weights, experts))
+        if max_rows is not None:
+            return self._alltoall(x, weights, experts, max_rows)
+        # Every EP rank holds all T rows: each dispatches its even slice, then all gather.
+        counts = even_counts(x.shape[0], self.ep.size)
+        start, n = sum(counts[: self.ep.rank]), counts[self.ep.rank]
+        out = self._alltoall(x[start : start + n], weights[start : start + n],
+                             experts[start : start + n], max(counts))
+        return self.ep.all_gather_rows(out, counts)
+
+    def _local_experts_by_token(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """The all-reduce path's partial sum: [T, H], this rank's experts' weighted outputs."""
         out = torch.zeros_like(x)
         for e in range(self.w13.shape[0]):
             token_idx, slot = torch.nonzero(experts == self.expert_start + e, as_tuple=True)
@@ -106,4 +150,35 @@ class SparseMoE(nn.Module):
             h = silu_and_mul(F.linear(x[token_idx], self.w13[e]))  # [n, I_local]
             y = F.linear(h, self.w2[e]) * weights[token_idx, slot, None]  # [n, H]
             out.index_add_(0, token_idx, y)
-        return self.reduce_group.all_reduce(out)
+        return out
+
+    def _alltoall(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, max_rows: int
+    ) -> torch.Tensor:
+        """x [T, H] this rank's rows, weights/experts [T, k] -> [T, H] their MoE output."""
+        assert self.a2a is not None
+        num_tokens, k = experts.shape
+        sent = self.a2a.dispatch(x, experts, capacity=max_rows * k)
+        back = self.a2a.combine(self._run_received(sent.rows, sent.local_expert), sent)
+        y = back.view(num_tokens, k, x.shape[1]) * weights[..., None]  # [T, k, H] weighted
+        # Sum each token's k outputs in ascending expert id, from zero: the order the
+        # all-reduce path adds them in on one rank, so both give the same float sums.
+        by_id = experts.argsort(dim=-1)[..., None].expand(-1, -1, y.shape[-1])  # [T, k, H]
+        y = y.gather(1, by_id)
+        out = torch.zeros_like(x)
+        for j in range(k):
+            out = out + y[:, j]
+        return out
+
+    def _run_received(self, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
+        """rows [N, H], local_expert [N] int64 (-1: padding) -> [N, H] unweighted expert outputs
+        (zeros on padding rows). Eager per-expert loop; a CUDA-graph decode path needs a
+        grouped-GEMM kernel here (nonzero's size is a host read on CUDA)."""
+        out = torch.zeros_like(rows)
+        for e in range(self.w13.shape[0]):
+            idx = torch.nonzero(local_expert == e, as_tuple=True)[0]  # [n]
+            if idx.numel() == 0:
+                continue
+            h = silu_and_mul(F.linear(rows[idx], self.w13[e]))  # [n, I_local]
+            out.index_copy_(0, idx, F.linear(h, self.w2[e]))
+        return out

@@ -35,7 +35,7 @@ class WeightSlot:
 class DecoderLayer(nn.Module):
     def __init__(
         self, idx: int, cfg: ModelConfig, heads: HeadLayout, rotary: RotaryEmbedding,
-        par: ParallelContext, dtype: torch.dtype,
+        par: ParallelContext, dtype: torch.dtype, moe_dispatch: str = "allreduce",
     ) -> None:
         super().__init__()
         h = cfg.hidden_size
@@ -50,8 +50,12 @@ class DecoderLayer(nn.Module):
         if idx in cfg.moe_layer_ids:
             self.mlp = SparseMoE(
                 h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                cfg.norm_topk_prob, par.ep, par.mlp_tp, dtype,
+                cfg.norm_topk_prob, par.ep, par.mlp_tp, dtype, moe_dispatch,
             )
+            if self.mlp.dispatches_tokens and par.dp.size > 1 and (
+                    par.tp.size > 1 or par.ep.size != par.dp.size):
+                raise ValueError("moe_dispatch: all-to-all under DP attention needs the experts "
+                                 "over the DP ranks (ep = dp) and tp = 1")
         else:
             self.mlp = DenseMLP(h, cfg.intermediate_size, par.mlp_tp, dtype)
 
@@ -79,6 +83,8 @@ class DecoderLayer(nn.Module):
         if self.dp.size == 1:
             return self.mlp(h)
         assert dp_counts is not None, "DP attention: the runner gathers the token counts"
+        if isinstance(self.mlp, SparseMoE) and self.mlp.dispatches_tokens:
+            return self.mlp(h, max(dp_counts))  # all-to-all: this rank's own rows travel
         out = self.mlp(self.dp.all_gather_rows(h, dp_counts))
         start = sum(dp_counts[: self.dp.rank])
         return out[start : start + h.shape[0]]
@@ -103,7 +109,7 @@ class DecoderOutput:
 
 class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig, par: ParallelContext, dtype: torch.dtype,
-                 max_position: int) -> None:
+                 max_position: int, moe_dispatch: str = "allreduce") -> None:
         super().__init__()
         self.cfg, self.par = cfg, par
         self.heads = HeadLayout.for_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, par.tp)
@@ -111,7 +117,8 @@ class DecoderLM(nn.Module):
         self.rotary = rotary
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par.tp, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(i, cfg, self.heads, rotary, par, dtype) for i in range(cfg.num_layers)
+            DecoderLayer(i, cfg, self.heads, rotary, par, dtype, moe_dispatch)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(

@@ -1,0 +1,216 @@
+"""All-to-all MoE dispatch over gloo (2 ranks, float32): the "alltoall" (variable splits) and
+"alltoall_padded" (fixed capacity) paths give what the all-reduce oracle and one rank give --
+for one MoE layer (batch 1, batch > experts, every token routed to one rank's experts, ranks
+bringing their own uneven rows as under DP attention, a rank with none) and for a whole tiny
+Qwen3-MoE model (prompt logits and greedy tokens at EP=2, and under DP attention dp=2, ep=2).
+One spawn runs every case; the parent compares (a failing case names itself)."""
+
+from __future__ import annotations
+
+import random
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hf_tiny import save_tiny
+from tandem.engine import (
+    ConfigError,
+    EngineConfig,
+    LLMEngine,
+    ParallelContext,
+    ParallelGroup,
+    SamplingParams,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+MODES = ("alltoall", "alltoall_padded")
+H, INTER, NUM_EXPERTS, TOP_K = 16, 8, 4, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- one layer -------------------------------------------------------------------------------
+
+def _moe(ep: ParallelGroup, dispatch: str, router_bias: int | None = None):
+    """A SparseMoE over `ep` with the same full weights on every rank (seeded). router_bias:
+    make every token pick experts of that EP rank (uneven routing)."""
+    from tandem.engine.layers.mlp import SparseMoE
+
+    moe = SparseMoE(H, INTER, NUM_EXPERTS, TOP_K, True, ep, ParallelGroup(), torch.float32,
+                    dispatch)
+    gen = torch.Generator().manual_seed(5)
+    router = torch.randn(NUM_EXPERTS, H, generator=gen)
+    if router_bias is not None:  # inputs are positive, so these rows win every token
+        per = NUM_EXPERTS // 2
+        router[router_bias * per : (router_bias + 1) * per] += 10.0
+    moe.router.load_weight("router", router)
+    for e in range(NUM_EXPERTS):
+        for which, shape in (("gate", (INTER, H)), ("up", (INTER, H)), ("down", (H, INTER))):
+            moe.load_expert(f"e{e}.{which}", e, which, torch.randn(*shape, generator=gen))
+    return moe
+
+
+def _inputs(rows: int, seed: int, positive: bool) -> torch.Tensor:  # [rows, H] float32
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(seed))
+    return x.abs() if positive else x
+
+
+# (name, rows per rank, router bias): replicated cases use rows[0] on both ranks
+LAYER_CASES = (
+    ("batch1", (1, 1), None),
+    ("batch_gt_experts", (9, 9), None),
+    ("all_to_rank1", (6, 6), 1),
+    ("all_to_rank0", (5, 5), 0),
+    ("dp_uneven", (3, 7), None),
+    ("dp_one_idle", (4, 0), 1),
+    ("dp_batch1_each", (1, 1), 0),
+)
+
+
+def _layer_results(ep: ParallelGroup) -> dict[str, float]:
+    """Max |difference| from the single-rank layer, per case and path."""
+    diffs: dict[str, float] = {}
+    for name, rows, bias in LAYER_CASES:
+        positive = bias is not None
+        local = _inputs(rows[ep.rank], 100 * ep.rank + len(name), positive)
+        every = [_inputs(rows[r], 100 * r + len(name), positive) for r in range(ep.size)]
+        single = _moe(ParallelGroup(), "allreduce", bias)
+        if name.startswith("dp_"):  # each rank brings its own rows
+            start = sum(rows[: ep.rank])
+            want = single(torch.cat(every))[start : start + rows[ep.rank]]
+            for mode in MODES:
+                got = _moe(ep, mode, bias)(local, max(rows))
+                diffs[f"{name}/{mode}"] = (got - want).abs().max().item() if len(got) else 0.0
+        else:  # the same rows on every rank
+            x = every[0]
+            want = single(x)
+            for mode in ("allreduce", *MODES):
+                got = _moe(ep, mode, bias)(x)
+                diffs[f"{name}/{mode}"] = (got - want).abs().max().item()
+    return diffs
+
+
+# ---- a whole model ---------------------------------------------------------------------------
+
+def _engine(model_dir: str, par: ParallelContext | None = None, dispatch: str = "allreduce"):
+    return LLMEngine.from_config(EngineConfig(model=model_dir, dtype="float32", num_pages=96,
+                                              page_size=4, max_num_batched_tokens=16,
+                                              moe_dispatch=dispatch), par)
+
+
+def _requests():
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 14))] for _ in range(6)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 3, 6, 1, 7, 5)]
+    return prompts, params
+
+
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), V] float32 logits of one prefill forward over `prompt`."""
+    from tandem.engine.attention.metadata import SeqSlice, build_metadata
+    from tandem.engine.runner import ForwardBatch
+
+    pages = engine.allocator.alloc(engine.scheduler.pages_needed(len(prompt)))
+    layout = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(prompt))],
+                            engine.cfg.page_size, engine.device)
+    out = engine.runner.forward(ForwardBatch(
+        input_ids=torch.tensor(prompt), positions=layout.positions, attn=layout.attn,
+        logits_indices=torch.arange(len(prompt))))
+    engine.allocator.free(pages)
+    return out.logits
+
+
+def _model_results(group: ParallelGroup, model_dir: str) -> dict:
+    prompts, params = _requests()
+    results = {}
+    for mode in ("allreduce", *MODES):
+        eng = _engine(model_dir, ParallelContext(ep=group), mode)
+        results[f"ep/{mode}/logits"] = [prompt_logits(eng, p).numpy() for p in prompts[:2]]
+        results[f"ep/{mode}/batch"] = [c.output_ids for c in eng.generate(prompts, params)]
+        results[f"ep/{mode}/one"] = [c.output_ids for c in eng.generate(prompts[:1], params[:1])]
+    # DP attention: rank r owns requests r, r+2, ...; then rank 1 idle (all on rank 0)
+    for mode in MODES:
+        eng = _engine(model_dir, ParallelContext(dp=group, ep=group), mode)
+        for owner_name, owner in (("split", [i % 2 for i in range(6)]), ("idle", [0] * 6)):
+            mine = [i for i, r in enumerate(owner) if r == group.rank]
+            got = eng.generate([prompts[i] for i in mine], [params[i] for i in mine])
+            results[f"dp/{mode}/{owner_name}"] = {i: c.output_ids for i, c in zip(mine, got)}
+    return results
+
+
+def _worker(rank: int, port: int, model_dir: str, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2)
+        group = ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
+        out.put((rank, _layer_results(group), _model_results(group, model_dir)))
+        dist.destroy_process_group()
+    except Exception:  # the parent fails with this rank's traceback instead of a timeout
+        out.put((rank, traceback.format_exc(), None))
+
+
+def test_alltoall_equals_allreduce_and_single_rank(tmp_path):
+    torch.set_num_threads(1)
+    model_dir = str(save_tiny("qwen3_moe", tmp_path)[0])
+    prompts, params = _requests()
+    single = _engine(model_dir)
+    ref_logits = [prompt_logits(single, p) for p in prompts[:2]]
+    ref_batch = [c.output_ids for c in single.generate(prompts, params)]
+    ref_one = [c.output_ids for c in single.generate(prompts[:1], params[:1])]
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, model_dir, q)) for r in range(2)]
+    [p.start() for p in procs]
+    try:
+        per_rank = {r: (layer, model) for r, layer, model in (q.get(timeout=150) for _ in procs)}
+    finally:
+        [p.join(20) for p in procs]
+        [p.kill() for p in procs if p.is_alive()]
+    for rank, (layer, _) in per_rank.items():
+        assert isinstance(layer, dict), f"rank {rank} failed:\n{layer}"
+    assert all(p.exitcode == 0 for p in procs)
+
+    for rank, (layer, model) in per_rank.items():
+        for case, diff in layer.items():
+            assert diff <= 1e-6, f"rank {rank}, layer case {case}: max |diff| {diff}"
+        for mode in ("allreduce", *MODES):
+            for got, want in zip(model[f"ep/{mode}/logits"], ref_logits):
+                torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5,
+                                           msg=f"rank {rank}, {mode} logits")
+            assert model[f"ep/{mode}/batch"] == ref_batch, (rank, mode)
+            assert model[f"ep/{mode}/one"] == ref_one, (rank, mode)
+    for mode in MODES:
+        for owner in ("split", "idle"):
+            key = f"dp/{mode}/{owner}"
+            merged = {**per_rank[0][1][key], **per_rank[1][1][key]}
+            assert [merged[i] for i in range(len(prompts))] == ref_batch, (mode, owner)
+
+
+def test_moe_dispatch_is_validated_naming_the_field():
+    with pytest.raises(ConfigError, match="moe_dispatch"):
+        EngineConfig(moe_dispatch="all2all")  # type: ignore[arg-type]
+    assert EngineConfig().moe_dispatch == "allreduce"  # the default is the oracle path
+
+
+def test_alltoall_without_ep_is_the_local_path():
+    """One EP rank: nothing to dispatch, every mode runs the same local experts."""
+    from tandem.engine.layers.mlp import SparseMoE
+
+    x = _inputs(5, 1, False)
+    outs = [_moe(ParallelGroup(), mode)(x) for mode in ("allreduce", *MODES)]
+    assert all(isinstance(_moe(ParallelGroup(), m), SparseMoE) for m in MODES)
+    for got in outs[1:]:
+        assert torch.equal(got, outs[0])
