@@ -83,6 +83,9 @@ def _layer_results(ep: ParallelGroup) -> dict[str, float]:
         local = _inputs(rows[ep.rank], 100 * ep.rank + len(name), positive)
         every = [_inputs(rows[r], 100 * r + len(name), positive) for r in range(ep.size)]
         single = _moe(ParallelGroup(), "allreduce", bias)
+        if bias is not None:  # the case routes what it says: every pick on rank `bias`
+            picks = single.route(torch.cat(every))[1]  # [T, k] global expert ids
+            assert bool((picks // (NUM_EXPERTS // ep.size) == bias).all()), name
         if name.startswith("dp_"):  # each rank brings its own rows
             start = sum(rows[: ep.rank])
             want = single(torch.cat(every))[start : start + rows[ep.rank]]
@@ -128,17 +131,26 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     return out.logits
 
 
+def _dispatches(engine: LLMEngine) -> list[bool]:
+    """Per MoE layer: do its tokens travel (all-to-all), or is it the all-reduce path?"""
+    from tandem.engine.layers.mlp import SparseMoE
+
+    return [m.dispatches_tokens for m in engine.model.modules() if isinstance(m, SparseMoE)]
+
+
 def _model_results(group: ParallelGroup, model_dir: str) -> dict:
     prompts, params = _requests()
     results = {}
     for mode in ("allreduce", *MODES):
         eng = _engine(model_dir, ParallelContext(ep=group), mode)
+        results[f"ep/{mode}/dispatches"] = _dispatches(eng)
         results[f"ep/{mode}/logits"] = [prompt_logits(eng, p).numpy() for p in prompts[:2]]
         results[f"ep/{mode}/batch"] = [c.output_ids for c in eng.generate(prompts, params)]
         results[f"ep/{mode}/one"] = [c.output_ids for c in eng.generate(prompts[:1], params[:1])]
     # DP attention: rank r owns requests r, r+2, ...; then rank 1 idle (all on rank 0)
     for mode in MODES:
         eng = _engine(model_dir, ParallelContext(dp=group, ep=group), mode)
+        results[f"dp/{mode}/dispatches"] = _dispatches(eng)
         for owner_name, owner in (("split", [i % 2 for i in range(6)]), ("idle", [0] * 6)):
             mine = [i for i, r in enumerate(owner) if r == group.rank]
             got = eng.generate([prompts[i] for i in mine], [params[i] for i in mine])
@@ -192,7 +204,10 @@ def test_alltoall_equals_allreduce_and_single_rank(tmp_path):
                                            msg=f"rank {rank}, {mode} logits")
             assert model[f"ep/{mode}/batch"] == ref_batch, (rank, mode)
             assert model[f"ep/{mode}/one"] == ref_one, (rank, mode)
+            # the equality above tests the path asked for, not a silent fallback
+            assert model[f"ep/{mode}/dispatches"] == [mode != "allreduce"] * 2, (rank, mode)
     for mode in MODES:
+        assert per_rank[0][1][f"dp/{mode}/dispatches"] == [True, True], mode
         for owner in ("split", "idle"):
             key = f"dp/{mode}/{owner}"
             merged = {**per_rank[0][1][key], **per_rank[1][1][key]}
