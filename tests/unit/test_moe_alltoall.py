@@ -218,6 +218,11 @@ def test_moe_dispatch_is_validated_naming_the_field():
     with pytest.raises(ConfigError, match="moe_dispatch"):
         EngineConfig(moe_dispatch="all2all")  # type: ignore[arg-type]
     assert EngineConfig().moe_dispatch == "allreduce"  # the default is the oracle path
+    from tandem.deploy.config import parse_deploy  # the deployment YAML's engine section
+
+    assert parse_deploy({"engine": {"moe_dispatch": "alltoall"}}).engine.moe_dispatch == "alltoall"
+    with pytest.raises(ConfigError, match="engine.moe_dispatch"):
+        parse_deploy({"engine": {"moe_dispatch": "a2a"}})
 
 
 def test_alltoall_without_ep_is_the_local_path():
