@@ -98,17 +98,47 @@ class ParallelContext:
     """The groups one model replica uses. `tp` shards attention heads, MLP columns and the
     vocabulary; `ep` shards MoE experts (by default the same ranks as `tp`).
 
-    `dp` (DP attention): each rank of `dp` runs attention, embedding and LM head for its own
-    requests over its own KV pages (sharded over `tp`, normally size 1); around every MLP/MoE
-    block the ranks all-gather their tokens, run the block sharded over the `dp` ranks (dense
-    columns; MoE experts over `ep`, which is then the dp group, else columns) and each keeps its
-    own rows. A rank with no tokens still runs the block's collectives (an empty batch)."""
+    `dp` (DP attention): every rank of the worker, DP-major (world rank = DP rank * tp.size +
+    TP rank). Each DP rank -- a TP group of `tp.size` ranks, often 1 -- runs attention,
+    embedding and LM head for its own requests over its own KV pages, heads sharded over `tp`;
+    around every MLP/MoE block the DP ranks all-gather their tokens, run the block sharded over
+    every rank of `dp` (dense columns; MoE experts over `ep`, which is then the dp group, else
+    columns) and each keeps its own rows. The TP ranks of one DP rank hold the same rows after
+    attention's all-reduce, so only the first of them (the TP lead) adds them to the gather:
+    the block runs each token once. A rank with no tokens still runs the block's collectives
+    (an empty batch)."""
 
     tp: ParallelGroup = SINGLE
     ep: ParallelGroup = SINGLE
     dp: ParallelGroup = SINGLE
 
+    def __post_init__(self) -> None:
+        if self.dp.size > 1 and (self.dp.size % self.tp.size
+                                 or self.dp.rank % self.tp.size != self.tp.rank):
+            raise ValueError(f"dp: rank {self.dp.rank} of {self.dp.size} is not TP rank "
+                             f"{self.tp.rank} of a DP-major layout with tp {self.tp.size}")
+
     @property
     def mlp_tp(self) -> ParallelGroup:
         """The group dense MLP columns (and un-EP'd MoE columns) split over."""
         return self.dp if self.dp.size > 1 else self.tp
+
+    @property
+    def num_dp_ranks(self) -> int:
+        """DP attention ranks (each a TP group); 1 without DP attention."""
+        return self.dp.size // self.tp.size if self.dp.size > 1 else 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's DP rank, in [0, num_dp_ranks)."""
+        return self.dp.rank // self.tp.size if self.dp.size > 1 else 0
+
+    def dp_gather_rows(self, num_tokens: int) -> int:
+        """How many of this rank's `num_tokens` rows it adds to the MLP's all-gather: all of
+        them on a TP lead, none on the other TP ranks (they hold the same rows)."""
+        return num_tokens if self.tp.rank == 0 else 0
+
+    def dp_lead_offset(self, dp_counts: tuple[int, ...]) -> int:
+        """Where this DP rank's rows start in the gathered batch (`dp_counts`: every rank's
+        `dp_gather_rows`, world rank order)."""
+        return sum(dp_counts[: self.dp.rank - self.tp.rank])

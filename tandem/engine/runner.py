@@ -78,7 +78,8 @@ class ModelRunner:
         ctx = ForwardContext(
             backend=self.backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i),
             kv_slots=kv_slots(plan) if kv_slots is not None else None,
-            dp_counts=dp.all_gather_counts(input_ids.shape[0], input_ids.device)
+            dp_counts=dp.all_gather_counts(self.model.par.dp_gather_rows(input_ids.shape[0]),
+                                           input_ids.device)
             if dp.size > 1 else None,
         )
         out = self.model(input_ids, positions, ctx, capture_layers, after_layer=after_layer)

@@ -10,8 +10,8 @@ order. Two kinds of input could make ranks differ, and both go through `RankSync
   - transfer events (a rank's KV landed, a rank's send failed) happen per rank at different
     times; the workers all-gather each step's local events and act on the joint view only.
 
-With DP attention (decode only, `dp` ranks of tp 1) the ranks hold *different* requests: the
-calls still reach every rank, but a reserve is taken by one rank (the least loaded, chosen from
+With DP attention (decode only, `dp` ranks, each a TP group of `tp` ranks; world rank =
+DP rank * tp + TP rank) the DP ranks hold *different* requests: the calls still reach every rank, but a reserve is taken by one rank (the least loaded, chosen from
 an all-gather of every rank's load, see decode_node/worker.py), and each step's outputs are
 all-gathered so rank 0 can stream every rank's tokens.
 
@@ -83,8 +83,8 @@ class TorchSync:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankInfo:
-    """Where one rank sits in its worker: `rank` of `world_size` = tp * dp; experts split over
-    `ep` (1, or every rank of the worker). DP attention with tp > 1 per DP rank is refused."""
+    """Where one rank sits in its worker: `rank` of `world_size` = tp * dp, DP-major (DP rank
+    `rank // tp`, TP rank `rank % tp`); experts split over `ep` (1, or every rank)."""
 
     rank: int = 0
     tp: int = 1
@@ -94,8 +94,6 @@ class RankInfo:
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"tp/dp: must be >= 1, got tp={self.tp} dp={self.dp}")
-        if self.dp > 1 and self.tp > 1:
-            raise ValueError(f"dp: DP attention with tp {self.tp} per DP rank is not implemented")
         if self.ep not in (1, self.world_size):
             raise ValueError(f"ep: must be 1 or equal to tp ({self.world_size}), got {self.ep}")
         if not 0 <= self.rank < self.world_size:
@@ -142,9 +140,28 @@ def join_group(info: RankInfo, host: str, port: int, device: str,
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     group = ParallelGroup(rank=info.rank, size=world, handle=dist.group.WORLD)
     ep = group if info.ep > 1 else ParallelGroup()
-    # DP attention: attention per rank (tp 1), the MLP/MoE over every rank's gathered tokens.
-    par = ParallelContext(dp=group, ep=ep) if info.dp > 1 else ParallelContext(tp=group, ep=ep)
+    if info.dp == 1:
+        par = ParallelContext(tp=group, ep=ep)
+    else:  # DP attention: attention per DP rank (over its TP group), the MLP over every rank
+        par = ParallelContext(tp=_tp_subgroup(info, timeout_s), dp=group, ep=ep)
     return par, TorchSync(info.rank, world, control)
+
+
+def _tp_subgroup(info: RankInfo, timeout_s: float) -> ParallelGroup:
+    """This rank's TP group inside its DP rank (ranks dp_rank*tp .. +tp). Every rank creates
+    every DP rank's subgroup, in DP order: torch.distributed requires all ranks to call
+    new_group for each group, members or not."""
+    if info.tp == 1:
+        return ParallelGroup()
+    import torch.distributed as dist
+
+    mine = None
+    for d in range(info.dp):
+        handle = dist.new_group(list(range(d * info.tp, (d + 1) * info.tp)),
+                                timeout=timedelta(seconds=timeout_s))
+        if d == info.rank // info.tp:
+            mine = handle
+    return ParallelGroup(rank=info.rank % info.tp, size=info.tp, handle=mine)
 
 
 def leave_group() -> None:

@@ -32,7 +32,8 @@ class ForwardContext:
     # [T] int64 slots where layers write the new K/V themselves (fused rope + store), or None
     # when the backend writes them (the reference backend).
     kv_slots: torch.Tensor | None = None
-    # DP attention: every DP rank's token count this forward (rank order), gathered once by
+    # DP attention: the rows every rank adds to the MLP's gather this forward (world rank
+    # order; a DP rank's token count on its TP lead, 0 on its other TP ranks), gathered once by
     # the runner; None without DP.
     dp_counts: tuple[int, ...] | None = None
 

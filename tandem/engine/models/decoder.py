@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
             rotary, par.tp, dtype,
         )
         self.mlp: DenseMLP | SparseMoE
-        self.dp = par.dp
+        self.par, self.dp = par, par.dp
         if idx in cfg.moe_layer_ids:
             self.mlp = SparseMoE(
                 h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
@@ -78,15 +78,17 @@ class DecoderLayer(nn.Module):
         return self.run_mlp(h, ctx.dp_counts), residual
 
     def run_mlp(self, h: torch.Tensor, dp_counts: tuple[int, ...] | None) -> torch.Tensor:
-        """h [T, H] -> [T, H]. With DP attention: gather every DP rank's tokens, run the block
-        sharded over the ranks, keep this rank's rows (T may be 0: the rank still joins)."""
+        """h [T, H] -> [T, H]. With DP attention: gather every DP rank's tokens (from its TP
+        lead), run the block sharded over all ranks, keep this DP rank's rows (T may be 0: the
+        rank still joins)."""
         if self.dp.size == 1:
             return self.mlp(h)
         assert dp_counts is not None, "DP attention: the runner gathers the token counts"
         if isinstance(self.mlp, SparseMoE) and self.mlp.dispatches_tokens:
             return self.mlp(h, max(dp_counts))  # all-to-all: this rank's own rows travel
-        out = self.mlp(self.dp.all_gather_rows(h, dp_counts))
-        start = sum(dp_counts[: self.dp.rank])
+        mine = h[: self.par.dp_gather_rows(h.shape[0])]
+        out = self.mlp(self.dp.all_gather_rows(mine, dp_counts))
+        start = self.par.dp_lead_offset(dp_counts)
         return out[start : start + h.shape[0]]
 
     def _forward_fused(
