@@ -2,14 +2,17 @@
 "alltoall_padded" (fixed capacity) paths give what the all-reduce oracle and one rank give --
 for one MoE layer (batch 1, batch > experts, every token routed to one rank's experts, ranks
 bringing their own uneven rows as under DP attention, a rank with none) and for a whole tiny
-Qwen3-MoE model (prompt logits and greedy tokens at EP=2, and under DP attention dp=2, ep=2).
+Qwen3-MoE model (prompt logits and greedy tokens at EP=2, and under DP attention dp=2, ep=2);
+the padded path reads nothing back to the host.
 One spawn runs every case; the parent compares (a failing case names itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -63,6 +66,22 @@ def _inputs(rows: int, seed: int, positive: bool) -> torch.Tensor:  # [rows, H] 
     return x.abs() if positive else x
 
 
+@contextlib.contextmanager
+def _no_host_reads():
+    """Any Tensor.item()/.tolist() inside raises (the padded dispatch's promise for graphs)."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("host read in the padded all-to-all path")
+
+    with mock.patch.object(torch.Tensor, "item", refuse), \
+            mock.patch.object(torch.Tensor, "tolist", refuse):
+        yield
+
+
+def test_no_host_reads_catches_a_read():
+    with _no_host_reads(), pytest.raises(AssertionError, match="host read"):
+        torch.ones(2).tolist()
+
+
 # (name, rows per rank, router bias): replicated cases use rows[0] on both ranks
 LAYER_CASES = (
     ("batch1", (1, 1), None),
@@ -90,7 +109,12 @@ def _layer_results(ep: ParallelGroup) -> dict[str, float]:
             start = sum(rows[: ep.rank])
             want = single(torch.cat(every))[start : start + rows[ep.rank]]
             for mode in MODES:
-                got = _moe(ep, mode, bias)(local, max(rows))
+                moe = _moe(ep, mode, bias)
+                if mode == "alltoall_padded":  # counts stay on the device
+                    with _no_host_reads():
+                        got = moe(local, max(rows))
+                else:
+                    got = moe(local, max(rows))
                 diffs[f"{name}/{mode}"] = (got - want).abs().max().item() if len(got) else 0.0
         else:  # the same rows on every rank
             x = every[0]

@@ -68,7 +68,10 @@ class AllToAllDispatcher:
         order = torch.argsort(dest, stable=True)  # [A] assignments grouped by owner rank
         sent_rows = x[torch.div(order, k, rounding_mode="floor")]  # [A, H] one row per send
         local = (flat - dest * self.experts_per_rank)[order]  # [A] expert index at the owner
-        send_counts = torch.bincount(dest, minlength=self.ep.size)  # [ep] int64
+        # [ep] int64 rows for each rank; scatter_add, not bincount, which sizes its output from
+        # a device read on CUDA
+        send_counts = torch.zeros(self.ep.size, dtype=torch.int64, device=dest.device)
+        send_counts.scatter_add_(0, dest, torch.ones_like(dest))
         if self.padded:
             return self._dispatch_padded(sent_rows, local, order, dest[order], send_counts,
                                          capacity)
