@@ -19,8 +19,9 @@ r's KV lands in rank r's pool at its own time. The ranks agree on transfer event
 slot go back (on every rank, in the same step) only once every rank's receiver is done with
 them. So the allocator and slot list stay identical on every rank, and so do the schedules.
 
-With DP attention (`parallel.dp` of size > 1, tp 1 per DP rank) the ranks hold *different*
-requests, pages, seed slots and receivers; `sync` then spans the DP ranks:
+With DP attention (`parallel.dp` of size > 1) the DP ranks hold *different* requests, pages,
+seed slots and receivers; a DP rank may itself be a TP group, whose ranks agree on transfer
+events as above. The DP ranks coordinate over `sync` (one voice per DP rank, ranks.split_sync):
   reserve: every rank gets the call; they all-gather their loads and the least loaded rank that
            fits (by reserved pages, ties to the lowest rank) takes it -- the others return None;
   step:    a rank admits what landed on its own receiver (no agreement needed); the ranks agree
@@ -55,7 +56,7 @@ from tandem.messages import (Abort, DecodeOutput, DecodeWorkerCommand, GetEndpoi
 from tandem.spec.engine import SpecStats
 from tandem.spec.handoff import decode_first_logprob, decode_seed
 from tandem.worker import (SOLO, RankSync, RoomSpans, WorkerConfig, aux_buffer, build_engine,
-                           compat_info, kv_layout)
+                           compat_info, kv_layout, split_sync)
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +183,9 @@ class DecodeWorker:
     def __init__(self, cfg: WorkerConfig, parallel: ParallelContext | None = None,
                  sync: RankSync = SOLO) -> None:
         self.cfg, self.sync = cfg, sync
-        dp = (parallel or ParallelContext()).dp.size > 1
         # Transfer events are agreed among the ranks that share a request (TP); reserves and
-        # steps are coordinated among the ranks that split the requests (DP). Never both yet.
-        self._tp_sync: RankSync = SOLO if dp else sync
-        self._dp_sync: RankSync = sync if dp else SOLO
+        # steps are coordinated among the ranks that split the requests (DP).
+        self._tp_sync, self._dp_sync = split_sync(sync, parallel or ParallelContext())
         self.engine = build_engine(cfg, parallel)
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # the receiver's landing slots
         self._free_slots = list(range(cfg.aux_slots))

@@ -349,7 +349,8 @@ class DecodeActor(WorkerFront):
                 self._spans[room] = span
             if self.ranks.dp == 1:
                 return encode_per_rank(per_rank)
-            (owner,) = [r for r, d in enumerate(per_rank) if d is not None]
+            # The taking DP rank's TP ranks answered (DP-major: they are consecutive).
+            owner = next(r for r, d in enumerate(per_rank) if d is not None)
             return encode_dp_destination(owner // self.ranks.tp,
                                          per_rank[owner : owner + self.ranks.tp])
         except BaseException as exc:

@@ -23,8 +23,9 @@ class GroupConfig:
     """A set of identical workers of one role. A worker has `tp * dp` ranks (one Ray actor and
     one placement-group bundle each: `num_cpus` / `num_gpus` are per rank); MoE experts split
     over `ep` of them (1: experts whole on every rank, their columns split over the ranks; or
-    every rank). `dp` > 1 (decode only): DP attention -- each rank owns its own requests, KV
-    pages and seed slots, the MLP/MoE runs over every rank's gathered tokens; tp must be 1."""
+    every rank). `dp` > 1 (decode only): DP attention -- each DP rank (a TP group of `tp`
+    ranks, heads split over them) owns its own requests, KV pages and seed slots, the MLP/MoE
+    runs over every rank on the tokens gathered from every DP rank."""
 
     replicas: int = 1
     tp: int = 1
@@ -50,11 +51,9 @@ class GroupConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
-        if self.dp > 1 and self.tp > 1:
-            raise ConfigError(f"dp: DP attention with tp {self.tp} inside each DP rank is not "
-                              "implemented yet; use tp: 1 with dp > 1")
-        if self.dp > 1 and self.ep not in (1, self.dp):
-            raise ConfigError(f"ep: must be 1 or equal to dp ({self.dp}), got {self.ep}")
+        if self.dp > 1 and self.ep not in (1, self.world_size):
+            every = f"dp ({self.dp})" if self.tp == 1 else f"dp * tp ({self.world_size})"
+            raise ConfigError(f"ep: must be 1 or equal to {every}, got {self.ep}")
         if self.dp == 1 and self.ep not in (1, self.tp):
             raise ConfigError(f"ep: must be 1 or equal to tp ({self.tp}), got {self.ep}")
         if self.num_cpus < 0 or self.num_gpus < 0:
@@ -154,14 +153,10 @@ class DeployConfig:
         if self.decode.layerwise_push:
             raise ConfigError("decode.layerwise_push: a prefill-side option (set it under "
                               "prefill:)")
-        if self.decode.dp > 1 and self.prefill.tp != self.decode.tp:
-            # A DP rank (tp 1) holds every KV head; prefill of tp 1 pushes them all to it.
-            raise ConfigError(
-                f"decode.tp: {self.decode.tp} per DP rank differs from prefill.tp "
-                f"{self.prefill.tp}; with decode DP the prefill worker must have tp 1")
-        # prefill.tp != decode.tp without DP is fine when the model's KV heads split evenly
-        # over both sizes (re-sliced, kvtransfer/reslice.py); the head count is unknown here:
-        # the launcher checks it at startup (`launcher.check_kv_reslice`).
+        # prefill.tp != decode.tp (per DP rank with decode DP: the prefill pushes to the TP
+        # ranks of the DP rank that took the request) is fine when the model's KV heads split
+        # evenly over both sizes (re-sliced, kvtransfer/reslice.py); the head count is unknown
+        # here: the launcher checks it at startup (`launcher.check_kv_reslice`).
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:

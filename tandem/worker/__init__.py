@@ -45,6 +45,7 @@ from tandem.worker.ranks import (
     leave_group,
     rendezvous_address,
     route_to_decode,
+    split_sync,
 )
 from tandem.worker.spans import RoomSpans
 
@@ -54,5 +55,5 @@ __all__ = [
     "WorkerConfig", "WorkerFront", "WorkerLoop", "aux_buffer", "build_engine", "compat_info",
     "decode_per_rank", "encode_dp_destination", "encode_per_rank", "in_ray_actor",
     "join_group", "kv_layout", "leave_group", "node_id", "node_ip", "rendezvous_address",
-    "route_to_decode", "tune_process",
+    "route_to_decode", "split_sync", "tune_process",
 ]

@@ -61,10 +61,13 @@ SOLO = SoloSync()
 
 
 class TorchSync:
-    """RankSync over a gloo process group (Python objects are pickled)."""
+    """RankSync over a gloo process group (Python objects are pickled). `tp_sync`: under DP
+    attention with tp > 1, the channel among this rank's TP group (None otherwise)."""
 
-    def __init__(self, rank: int, size: int, handle: Any) -> None:
+    def __init__(self, rank: int, size: int, handle: Any,
+                 tp_sync: TorchSync | None = None) -> None:
         self.rank, self.size, self._handle = rank, size, handle
+        self.tp_sync = tp_sync
 
     def all_gather(self, obj: T) -> list[T]:
         import torch.distributed as dist
@@ -79,6 +82,37 @@ class TorchSync:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._handle)
         return box[0]
+
+
+class DpLeadSync:
+    """The DP ranks' channel under DP x TP: one voice per DP rank over the worker's channel
+    (every rank calls it; the list keeps each DP rank's TP lead's object). Sound because the
+    TP ranks of one DP rank run the same bookkeeping on the same inputs: they pass equal
+    objects. `broadcast` is the worker channel's (rank 0 is DP rank 0's lead)."""
+
+    def __init__(self, world: RankSync, tp: int) -> None:
+        self._world, self._tp = world, tp
+        self.rank, self.size = world.rank // tp, world.size // tp
+
+    def all_gather(self, obj: T) -> list[T]:
+        return self._world.all_gather(obj)[:: self._tp]
+
+    def broadcast(self, obj: T) -> T:
+        return self._world.broadcast(obj)
+
+
+def split_sync(sync: RankSync, par: ParallelContext) -> tuple[RankSync, RankSync]:
+    """(tp, dp) channels of a decode rank: `tp` among the ranks that share its requests (they
+    agree on transfer events), `dp` among the DP ranks that split the requests (reserve bids,
+    step reports), each SOLO where the worker has no such ranks."""
+    if par.dp.size == 1:
+        return sync, SOLO
+    if par.tp.size == 1:
+        return SOLO, sync
+    if not isinstance(sync, TorchSync) or sync.tp_sync is None:
+        raise ValueError("sync: DP x TP needs the worker channel join_group builds (with its "
+                         "TP part)")
+    return sync.tp_sync, DpLeadSync(sync, par.tp.size)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,13 +178,17 @@ def join_group(info: RankInfo, host: str, port: int, device: str,
         par = ParallelContext(tp=group, ep=ep)
     else:  # DP attention: attention per DP rank (over its TP group), the MLP over every rank
         par = ParallelContext(tp=_tp_subgroup(info, timeout_s), dp=group, ep=ep)
-    return par, TorchSync(info.rank, world, control)
+    tp_sync = None
+    if info.dp > 1 and info.tp > 1:
+        tp_sync = TorchSync(info.rank % info.tp, info.tp,
+                            _tp_subgroup(info, timeout_s, backend="gloo").handle)
+    return par, TorchSync(info.rank, world, control, tp_sync)
 
 
-def _tp_subgroup(info: RankInfo, timeout_s: float) -> ParallelGroup:
-    """This rank's TP group inside its DP rank (ranks dp_rank*tp .. +tp). Every rank creates
-    every DP rank's subgroup, in DP order: torch.distributed requires all ranks to call
-    new_group for each group, members or not."""
+def _tp_subgroup(info: RankInfo, timeout_s: float, backend: str | None = None) -> ParallelGroup:
+    """This rank's TP group inside its DP rank (ranks dp_rank*tp .. +tp), on the model's
+    backend or `backend`. Every rank creates every DP rank's subgroup, in DP order:
+    torch.distributed requires all ranks to call new_group for each group, members or not."""
     if info.tp == 1:
         return ParallelGroup()
     import torch.distributed as dist
@@ -158,7 +196,7 @@ def _tp_subgroup(info: RankInfo, timeout_s: float) -> ParallelGroup:
     mine = None
     for d in range(info.dp):
         handle = dist.new_group(list(range(d * info.tp, (d + 1) * info.tp)),
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), backend=backend)
         if d == info.rank // info.tp:
             mine = handle
     return ParallelGroup(rank=info.rank % info.tp, size=info.tp, handle=mine)

@@ -76,9 +76,10 @@ def test_dp_routes_to_the_taking_rank():
         route_to_decode(blob, encode_dp_destination(2, [b'{"d": 1}']), 1)
 
 
-def test_config_allows_unequal_tp_but_not_with_decode_dp():
+def test_config_allows_unequal_tp_also_with_decode_dp():
     cfg = DeployConfig(prefill=GroupConfig(tp=2), decode=GroupConfig(tp=1))
     assert (cfg.prefill.tp, cfg.decode.tp) == (2, 1)
     DeployConfig(prefill=GroupConfig(tp=1), decode=GroupConfig(tp=2))
-    with pytest.raises(ConfigError, match=r"^decode\.tp"):
-        DeployConfig(prefill=GroupConfig(tp=2), decode=GroupConfig(dp=2))
+    # Each DP rank re-slices like a worker of its tp (integration/test_ray_dp_tp.py).
+    DeployConfig(prefill=GroupConfig(tp=2), decode=GroupConfig(dp=2))
+    DeployConfig(prefill=GroupConfig(tp=1), decode=GroupConfig(dp=2, tp=2))
