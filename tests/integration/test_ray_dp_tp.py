@@ -1,7 +1,8 @@
-"""DP attention with TP inside each DP rank, on Ray: a prefill worker of tp 2 feeding a decode
-worker of dp 2 (each DP rank a TP group of `decode_tp` ranks). The decode front gives each
-reserve to the least loaded DP rank; the prefill ranks push their KV heads to that DP rank's TP
-ranks over Mooncake (rank to rank at tp 2 + 2, re-sliced at tp 2 + 1: kvtransfer/reslice.py).
+"""DP attention with TP inside each DP rank, on Ray: a prefill worker of tp 1 or 2 feeding a
+decode worker of dp 2 (each DP rank a TP group of `decode_tp` ranks). The decode front gives
+each reserve to the least loaded DP rank; the prefill ranks push their KV heads to that DP
+rank's TP ranks over Mooncake (rank to rank at tp 2 + 2, re-sliced at 2 + 1 and 1 + 2:
+kvtransfer/reslice.py).
 Speculation on, greedy float32 -- token-identical to the colocated single-rank SpecEngine; both
 DP ranks serve, the TP ranks of a DP rank run the same rounds, and every page and seed slot is
 back on every rank afterwards."""
@@ -33,32 +34,33 @@ def ray_session():
     ray.shutdown()
 
 
-def _config(dirs, decode_tp: int) -> DeployConfig:
+def _config(dirs, prefill_tp: int, decode_tp: int) -> DeployConfig:
     model_dir, head_dir = dirs
     return DeployConfig(
         engine=EngineConfig(model=str(model_dir), dtype="float32", page_size=4, num_pages=128),
         spec=SpecConfig(draft_model=str(head_dir), num_steps=3),
         transfer_backend="mooncake", transfer_timeout_s=20.0,
-        prefill=GroupConfig(tp=2, num_cpus=0.5, torch_threads=1),
+        prefill=GroupConfig(tp=prefill_tp, num_cpus=0.5, torch_threads=1),
         decode=GroupConfig(dp=2, tp=decode_tp, num_cpus=0.5, torch_threads=1),
     )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("decode_tp", [2, 1])
-def test_prefill_tp2_to_decode_dp2_equals_colocated(tmp_path, ray_session, decode_tp):
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 2), (2, 1), (1, 2)])
+def test_prefill_tp_to_decode_dp2_equals_colocated(tmp_path, ray_session, prefill_tp,
+                                                   decode_tp):
     from tandem.deploy.launcher import launch
     from tandem.kvtransfer import EndpointInfo
     from tandem.worker import decode_per_rank
 
-    cfg = _config(tiny_model_and_head(tmp_path), decode_tp)
-    prompts, params = random_requests(4, seed=decode_tp)
+    cfg = _config(tiny_model_and_head(tmp_path), prefill_tp, decode_tp)
+    prompts, params = random_requests(4, seed=prefill_tp + decode_tp)
     colocated = SpecEngine.from_config(cfg.engine, cfg.spec).generate(prompts, params)
     t0 = time.monotonic()
     dep = launch(cfg, startup_timeout_s=90)
     try:
-        print(f"2 + {2 * decode_tp} ranks up in {time.monotonic() - t0:.1f} s")
+        print(f"{prefill_tp} + {2 * decode_tp} ranks up in {time.monotonic() - t0:.1f} s")
         # One endpoint per decode rank, DP-major: each states its place in its DP rank's TP
         # group (the heads it holds), and each has its own session.
         infos = [EndpointInfo.decode(b) for b in
