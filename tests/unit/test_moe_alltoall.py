@@ -2,7 +2,8 @@
 "alltoall_padded" (fixed capacity) paths give what the all-reduce oracle and one rank give --
 for one MoE layer (batch 1, batch > experts, every token routed to one rank's experts, ranks
 bringing their own uneven rows as under DP attention, a rank with none) and for a whole tiny
-Qwen3-MoE model (prompt logits and greedy tokens at EP=2, and under DP attention dp=2, ep=2);
+Qwen3-MoE model (prompt logits and greedy tokens at EP=2, and under DP attention dp=2, ep=2),
+and a tiny Mixtral under DP attention x TP (4 ranks: dp 2 x tp 2, experts over all four);
 the padded path reads nothing back to the host.
 One spawn runs every case; the parent compares (a failing case names itself)."""
 
@@ -112,9 +113,9 @@ def _layer_results(ep: ParallelGroup) -> dict[str, float]:
                 moe = _moe(ep, mode, bias)
                 if mode == "alltoall_padded":  # counts stay on the device
                     with _no_host_reads():
-                        got = moe(local, max(rows))
+                        got = moe(local, max(rows), ParallelGroup())
                 else:
-                    got = moe(local, max(rows))
+                    got = moe(local, max(rows), ParallelGroup())
                 diffs[f"{name}/{mode}"] = (got - want).abs().max().item() if len(got) else 0.0
         else:  # the same rows on every rank
             x = every[0]
@@ -258,3 +259,51 @@ def test_alltoall_without_ep_is_the_local_path():
     assert all(isinstance(_moe(ParallelGroup(), m), SparseMoE) for m in MODES)
     for got in outs[1:]:
         assert torch.equal(got, outs[0])
+
+
+# ---- DP attention x TP: a DP rank of two TP ranks splits its own tokens between them --------
+
+def _dp_tp_rank(rank: int, port: int, model_dir: str, out) -> None:
+    from tandem.worker.ranks import RankInfo, join_group, leave_group
+
+    torch.set_num_threads(1)
+    try:
+        par, _ = join_group(RankInfo(rank=rank, tp=2, dp=2), "127.0.0.1", port, "cpu")
+        moe_par = ParallelContext(tp=par.tp, dp=par.dp, ep=par.dp)  # experts over all 4 ranks
+        prompts, params = _requests()
+        results = {}
+        for mode in MODES:
+            eng = _engine(model_dir, moe_par, mode)
+            assert _dispatches(eng) == [True, True], mode
+            for owner_name, owner in (("split", [i % 2 for i in range(6)]), ("idle", [0] * 6)):
+                mine = [i for i, r in enumerate(owner) if r == par.dp_rank]
+                got = eng.generate([prompts[i] for i in mine], [params[i] for i in mine])
+                results[f"{mode}/{owner_name}"] = {i: c.output_ids for i, c in zip(mine, got)}
+        out.put((rank, results))
+        leave_group()
+    except Exception:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_dp2_tp2_alltoall_equals_one_rank(tmp_path):
+    torch.set_num_threads(1)
+    model_dir = str(save_tiny("mixtral", tmp_path)[0])
+    prompts, params = _requests()
+    ref = [c.output_ids for c in _engine(model_dir).generate(prompts, params)]
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_dp_tp_rank, args=(r, port, model_dir, q)) for r in range(4)]
+    [p.start() for p in procs]
+    try:
+        per_rank = dict(q.get(timeout=150) for _ in procs)  # a deadlock fails here
+    finally:
+        [p.join(20) for p in procs]
+        [p.kill() for p in procs if p.is_alive()]
+    for rank, got in per_rank.items():
+        assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
+    for key in per_rank[0]:
+        assert per_rank[0][key] == per_rank[1][key] and per_rank[2][key] == per_rank[3][key]
+        merged = {**per_rank[0][key], **per_rank[2][key]}  # the two DP ranks' TP leads
+        assert [merged[i] for i in range(len(prompts))] == ref, key

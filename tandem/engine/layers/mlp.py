@@ -5,8 +5,9 @@ MoE experts shard over the expert-parallel group `ep`: rank r owns experts
 is replicated), runs the experts it owns on the tokens that chose them, and an all-reduce sums
 the partial outputs. With `moe_dispatch` "alltoall" / "alltoall_padded" the tokens travel to
 their experts' ranks and back instead (moe_dispatch.py): under DP attention each rank sends its
-own tokens (no gather); otherwise the tokens are the same on every EP rank, so each rank sends
-an even slice of them and the slices are all-gathered afterwards.
+own tokens (no gather; a DP rank of TP > 1 splits its tokens over its TP ranks, which hold the
+same ones); otherwise the tokens are the same on every EP rank, so each rank sends an even
+slice of them and the slices are all-gathered afterwards.
 When ep has one rank and tp has several, expert intermediate columns shard over tp instead
 (the dispatch setting is then moot: every expert is local).
 """
@@ -122,21 +123,25 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]. `max_rows` (all-to-all under DP attention only): x is this rank's
-        own rows and max_rows the most rows any EP rank brings (host int: the padded capacity).
-        None: x is the same on every EP rank."""
+    def forward(
+        self, x: torch.Tensor, max_rows: int | None = None, shared_by: ParallelGroup | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]. For all-to-all only: `shared_by` is the group whose ranks all hold
+        this same x (each dispatches an even slice of it, then the slices are all-gathered),
+        `max_rows` the most rows any EP rank's x has (host int: sets the padded capacity).
+        None, None: x is the same on every EP rank (no DP attention). Under DP attention x is
+        this DP rank's own rows, shared by its TP ranks."""
         weights, experts = self.route(x)
         if self.a2a is None:
             return self.reduce_group.all_reduce(self._local_experts_by_token(x, weights, experts))
-        if max_rows is not None:
-            return self._alltoall(x, weights, experts, max_rows)
-        # Every EP rank holds all T rows: each dispatches its even slice, then all gather.
-        counts = even_counts(x.shape[0], self.ep.size)
-        start, n = sum(counts[: self.ep.rank]), counts[self.ep.rank]
+        shared_by = self.ep if shared_by is None else shared_by
+        max_rows = x.shape[0] if max_rows is None else max_rows
+        counts = even_counts(x.shape[0], shared_by.size)
+        start, n = sum(counts[: shared_by.rank]), counts[shared_by.rank]
+        capacity = max(even_counts(max_rows, shared_by.size))  # rows of the largest slice
         out = self._alltoall(x[start : start + n], weights[start : start + n],
-                             experts[start : start + n], max(counts))
-        return self.ep.all_gather_rows(out, counts)
+                             experts[start : start + n], capacity)
+        return shared_by.all_gather_rows(out, counts)
 
     def _local_experts_by_token(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor

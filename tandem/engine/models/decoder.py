@@ -52,10 +52,9 @@ class DecoderLayer(nn.Module):
                 h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                 cfg.norm_topk_prob, par.ep, par.mlp_tp, dtype, moe_dispatch,
             )
-            if self.mlp.dispatches_tokens and par.dp.size > 1 and (
-                    par.tp.size > 1 or par.ep.size != par.dp.size):
+            if self.mlp.dispatches_tokens and par.dp.size > 1 and par.ep.size != par.dp.size:
                 raise ValueError("moe_dispatch: all-to-all under DP attention needs the experts "
-                                 "over the DP ranks (ep = dp) and tp = 1")
+                                 "over every rank (ep = dp)")
         else:
             self.mlp = DenseMLP(h, cfg.intermediate_size, par.mlp_tp, dtype)
 
@@ -85,7 +84,9 @@ class DecoderLayer(nn.Module):
             return self.mlp(h)
         assert dp_counts is not None, "DP attention: the runner gathers the token counts"
         if isinstance(self.mlp, SparseMoE) and self.mlp.dispatches_tokens:
-            return self.mlp(h, max(dp_counts))  # all-to-all: this rank's own rows travel
+            # all-to-all: this DP rank's own rows travel, split over its TP ranks; dp_counts
+            # holds each DP rank's count at its TP lead (0 at the others)
+            return self.mlp(h, max(dp_counts), self.par.tp)
         mine = h[: self.par.dp_gather_rows(h.shape[0])]
         out = self.mlp(self.dp.all_gather_rows(mine, dp_counts))
         start = self.par.dp_lead_offset(dp_counts)
