@@ -95,7 +95,7 @@ class SparseMoE(nn.Module):
     @property
     def dispatches_tokens(self) -> bool:
         """True when tokens travel to their experts' ranks (all-to-all): under DP attention the
-        block then takes this rank's own rows, not the gathered ones."""
+        block then takes this DP rank's own rows, not the gathered ones."""
         return self.a2a is not None
 
     def owns(self, expert: int) -> bool:
@@ -158,12 +158,13 @@ class SparseMoE(nn.Module):
         return out
 
     def _alltoall(
-        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, max_rows: int
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, slice_rows: int
     ) -> torch.Tensor:
-        """x [T, H] this rank's rows, weights/experts [T, k] -> [T, H] their MoE output."""
+        """x [T, H] this rank's rows, weights/experts [T, k] -> [T, H] their MoE output.
+        slice_rows: the most rows any EP rank dispatches this forward (T <= slice_rows)."""
         assert self.a2a is not None
         num_tokens, k = experts.shape
-        sent = self.a2a.dispatch(x, experts, capacity=max_rows * k)
+        sent = self.a2a.dispatch(x, experts, capacity=slice_rows * k)
         back = self.a2a.combine(self._run_received(sent.rows, sent.local_expert), sent)
         y = back.view(num_tokens, k, x.shape[1]) * weights[..., None]  # [T, k, H] weighted
         # Sum each token's k outputs in ascending expert id, from zero: the order the
