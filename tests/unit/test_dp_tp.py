@@ -109,3 +109,48 @@ def test_dp2_tp2_equals_one_rank(tmp_path):
             for i, r in enumerate(owner):
                 assert i in per_rank[r * TP][what][k]
             assert [merged[i] for i in range(len(prompts))] == ref, (what, owner)
+
+
+class _ListSync:
+    """A world channel whose all_gather returns a fixed per-rank list (what every rank sees)."""
+
+    def __init__(self, rank: int, objs: list) -> None:
+        self.rank, self.size, self._objs = rank, len(objs), objs
+
+    def all_gather(self, obj):
+        assert obj == self._objs[self.rank]
+        return list(self._objs)
+
+    def broadcast(self, obj):
+        return self._objs[0]
+
+
+def test_split_sync_gives_one_voice_per_dp_rank():
+    from tandem.engine import ParallelGroup
+    from tandem.worker.ranks import SOLO, DpLeadSync, TorchSync, split_sync
+
+    # World rank 3 = DP rank 1, TP rank 1 of dp 2 x tp 2: the DP channel lists each DP rank's
+    # TP lead's object once (ranks 0 and 2), never a TP rank twice.
+    objs = ["a", "a", "b", "b"]
+    dp = DpLeadSync(_ListSync(3, objs), 2)
+    assert (dp.rank, dp.size, dp.all_gather("b")) == (1, 2, ["a", "b"])
+    tp = TorchSync(1, 2, None)
+    world = TorchSync(3, 4, None, tp_sync=tp)
+    par = ParallelContext(tp=ParallelGroup(rank=1, size=2), dp=ParallelGroup(rank=3, size=4))
+    got_tp, got_dp = split_sync(world, par)
+    assert got_tp is tp and isinstance(got_dp, DpLeadSync) and (got_dp.rank, got_dp.size) == (1, 2)
+    # The layouts before DP x TP keep their channels: TP only, DP only.
+    assert split_sync(world, ParallelContext(tp=ParallelGroup(rank=1, size=2))) == (world, SOLO)
+    assert split_sync(world, ParallelContext(dp=ParallelGroup(rank=1, size=2))) == (SOLO, world)
+    with pytest.raises(ValueError, match="sync"):
+        split_sync(SOLO, par)
+
+
+def test_parallel_context_refuses_a_tp_group_off_the_dp_major_layout():
+    from tandem.engine import ParallelGroup
+
+    with pytest.raises(ValueError, match="DP-major"):
+        ParallelContext(tp=ParallelGroup(rank=0, size=2), dp=ParallelGroup(rank=3, size=4))
+    par = ParallelContext(tp=ParallelGroup(rank=1, size=2), dp=ParallelGroup(rank=3, size=4))
+    assert (par.num_dp_ranks, par.dp_rank, par.dp_gather_rows(5)) == (2, 1, 0)
+    assert par.dp_lead_offset((3, 0, 4, 0)) == 3  # DP rank 1's rows follow DP rank 0's
