@@ -11,9 +11,11 @@ order. Two kinds of input could make ranks differ, and both go through `RankSync
     times; the workers all-gather each step's local events and act on the joint view only.
 
 With DP attention (decode only, `dp` ranks, each a TP group of `tp` ranks; world rank =
-DP rank * tp + TP rank) the DP ranks hold *different* requests: the calls still reach every rank, but a reserve is taken by one rank (the least loaded, chosen from
-an all-gather of every rank's load, see decode_node/worker.py), and each step's outputs are
-all-gathered so rank 0 can stream every rank's tokens.
+DP rank * tp + TP rank) the DP ranks hold *different* requests: the calls still reach every
+rank, but a reserve is taken by one DP rank (the least loaded, chosen from an all-gather of
+every DP rank's load, see decode_node/worker.py), and each step's outputs are all-gathered so
+rank 0 can stream every DP rank's tokens. The TP ranks of a DP rank agree on transfer events
+among themselves, as the ranks of a TP worker do (`split_sync`).
 
 Model collectives (TP/EP all-reduce, all-gather) use the model group: gloo on CPU, NCCL on GPU.
 The control channel always uses a separate gloo group (Python objects, never on the GPU).
