@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -141,6 +142,23 @@ def reference(model: DecoderLM, ps: Sequence[Sequence[int]], params, tokenizer=N
 def greedy(n: int, **kw) -> SamplingParams:
     kw.setdefault("ignore_eos", True)
     return SamplingParams(max_new_tokens=n, **kw)
+
+
+@functools.cache
+def letter_tokenizer(*, split_on_spaces: bool = False):
+    """One two-character word per id ("a0", "b0", ... "z0", "a1", ...), joined by spaces when
+    decoded, so a word is found in a text only where its token is. `split_on_spaces` adds a
+    whitespace pre-tokenizer, for tests that send text prompts."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from tandem.tokenizer import Tokenizer
+
+    vocab = {f"{chr(97 + i % 26)}{i // 26}": i for i in range(VOCAB)}
+    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="a0"))
+    if split_on_spaces:
+        hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(tokenizer=hf, chat_template=None, special_tokens={})
 
 
 def assert_pages_free(eng: LLMEngine) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 from contextlib import redirect_stderr, redirect_stdout
-from functools import cache
 
 import grpc
 import pytest
@@ -20,32 +19,25 @@ from spec_helpers import (
     VOCAB,
     assert_pages_free,
     engine_cfg,
+    letter_tokenizer,
     one_thread,  # noqa: F401 (autouse fixture)
     prompts,
     tiny_head,
     tiny_target,
 )
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers
 
 from tandem.engine import FinishReason, LLMEngine, SamplingParams
 from tandem.router import ModelInfo
 from tandem.router.errors import Code, RouterError
 from tandem.router.validate import GenerateInput, SamplingInput, validate
 from tandem.spec import SpecConfig, SpecEngine
-from tandem.tokenizer import Tokenizer
 
 CONTEXT = 32
 PROMPT_LEN = 20  # leaves 12 new tokens
 
 
-@cache
-def _tokenizer() -> Tokenizer:
-    # One word per id ("a0", "b0", ...), split on spaces: `tandem generate` sends text.
-    vocab = {f"{chr(97 + i % 26)}{i // 26}": i for i in range(VOCAB)}
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="a0"))
-    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return Tokenizer(tokenizer=hf, chat_template=None, special_tokens={})
+def _tokenizer():
+    return letter_tokenizer(split_on_spaces=True)  # `tandem generate` sends text
 
 
 def _model():

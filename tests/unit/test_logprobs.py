@@ -21,10 +21,10 @@ import pytest
 import torch
 from spec_helpers import (
     LIVE,
-    VOCAB,
     chain,
     comb,
     engine_cfg,
+    letter_tokenizer,
     one_thread,  # noqa: F401 (autouse fixture)
     prompts,
     reference,
@@ -34,14 +34,10 @@ from spec_helpers import (
     tiny_target,
 )
 
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
-
 import tandem.engine.sampling as sampling
 from tandem.engine import LLMEngine, SamplingParams
 from tandem.messages import TokenLogprob
 from tandem.spec import SpecConfig, SpecEngine
-from tandem.tokenizer import Tokenizer
 
 TOL = 1e-5  # float32: a verify forward is not bit-identical to one-token forwards
 
@@ -155,18 +151,11 @@ def test_a_batch_where_none_asks_computes_none(monkeypatch):
     assert calls == [1]
 
 
-def _word_tokenizer() -> Tokenizer:
-    """One two-character word per id ("a0", "b0", ...), joined by spaces when decoded."""
-    vocab = {f"{chr(97 + i % 26)}{i // 26}": i for i in range(VOCAB)}
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="a0"))
-    return Tokenizer(tokenizer=hf, chat_template=None, special_tokens={})
-
-
 def test_a_token_dropped_by_a_stop_string_takes_its_logprob_with_it():
     model = _target()
     prompt = _prompts(1)[0]
     free = reference(model, [prompt], _asking(12))[0]
-    tok = _word_tokenizer()
+    tok = letter_tokenizer()
     word = tok.decode([free.output_ids[5]])
     done = reference(model, [prompt], _asking(12, stop=(word,)), tokenizer=tok)[0]
     assert len(done.logprobs) == len(done.output_ids) < len(free.output_ids)

@@ -14,23 +14,20 @@ disaggregated workers are in tests/integration/test_disagg_row_failures.py."""
 from __future__ import annotations
 
 import asyncio
-from functools import cache
 
 import pytest
 import torch
 from spec_helpers import (
-    VOCAB,
     assert_pages_free,
     engine_cfg,
     greedy,
+    letter_tokenizer,
     one_thread,  # noqa: F401 (autouse fixture)
     prompts,
     reference,
     tiny_head,
     tiny_target,
 )
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
 
 from tandem.colocated_node import ColocatedDispatcher
 from tandem.engine import (
@@ -45,7 +42,6 @@ from tandem.engine import (
 from tandem.router import Placement, RequestFailed, RoutedRequest
 from tandem.router.errors import Code, from_dispatch_error
 from tandem.spec import SpecConfig, SpecEngine, VerifyInput, accept
-from tandem.tokenizer import Tokenizer
 
 LENGTH, ERROR = FinishReason.LENGTH, FinishReason.ERROR
 INF = float("inf")
@@ -246,13 +242,6 @@ def test_accept_fails_only_the_faulted_row(mixed):
         assert faulted.path_nodes[r] == clean.path_nodes[r]
 
 
-@cache
-def _word_tokenizer() -> Tokenizer:
-    vocab = {f"{chr(97 + i % 26)}{i // 26}": i for i in range(VOCAB)}
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="a0"))
-    return Tokenizer(tokenizer=hf, chat_template=None, special_tokens={})
-
-
 class PoisonedTokenizer:
     """A real tokenizer whose decode raises on one token id: a detokenizer that fails for one
     request's output only (handed to the engine through its constructor)."""
@@ -265,7 +254,7 @@ class PoisonedTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if self.poison in ids:
             raise ValueError(f"cannot decode token {self.poison}")
-        return _word_tokenizer().decode(ids, skip_special_tokens)
+        return letter_tokenizer().decode(ids, skip_special_tokens)
 
 
 @pytest.mark.parametrize("kind", ["plain", "spec"])

@@ -10,10 +10,10 @@ from functools import cache
 
 import pytest
 from spec_helpers import (
-    VOCAB,
     assert_pages_free,
     chain,
     engine_cfg,
+    letter_tokenizer,
     one_thread,  # noqa: F401 (autouse fixture)
     prompts,
     reference,
@@ -22,12 +22,9 @@ from spec_helpers import (
     tiny_head,
     tiny_target,
 )
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
 
 from tandem.engine import FinishReason, SamplingParams
 from tandem.spec import SpecConfig, SpecEngine
-from tandem.tokenizer import Tokenizer
 
 K = 4  # drafts per round: after the prefill token, rounds commit tokens 1-5, 6-10, 11-15, ...
 SPEC = SpecConfig(num_steps=K)
@@ -36,14 +33,6 @@ SPEC = SpecConfig(num_steps=K)
 def _run_end(j: int) -> bool:
     """Whether output token j is the last of its round (so not *inside* an accepted run)."""
     return j % (K + 1) == 0
-
-
-@cache
-def _tokenizer() -> Tokenizer:
-    # One "word" per id ("a0", "b0", ... ); decode joins them with spaces.
-    vocab = {f"{chr(97 + i % 26)}{i // 26}": i for i in range(VOCAB)}
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="a0"))
-    return Tokenizer(tokenizer=hf, chat_template=None, special_tokens={})
 
 
 @cache
@@ -116,7 +105,7 @@ def test_eos_inside_an_accepted_run():
 
 def test_stop_string_inside_an_accepted_run():
     model, ps, refs = _setup()
-    tok = _tokenizer()
+    tok = letter_tokenizer()
     params = []
     for out in refs:
         j = _first_new_token_inside_a_run(out, span=2)

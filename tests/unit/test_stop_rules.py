@@ -21,6 +21,7 @@ from spec_helpers import (
     assert_pages_free,
     chain,
     engine_cfg,
+    letter_tokenizer,
     one_thread,  # noqa: F401 (autouse fixture)
     prompts,
     reference,
@@ -28,25 +29,13 @@ from spec_helpers import (
     tiny_head,
     tiny_target,
 )
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models
 
 from tandem.engine import FinishReason, LLMEngine, SamplingParams
 from tandem.messages import PrefillResult
 from tandem.spec import SpecConfig, SpecEngine
-from tandem.tokenizer import Tokenizer
 
 K = 4  # drafts per round: after the prefill token, rounds commit tokens 1-5, 6-10, ...
 SPEC = SpecConfig(num_steps=K)
-
-
-@cache
-def _tokenizer() -> Tokenizer:
-    # One two-character "word" per id ("a0", "b0", ...); decode joins them with spaces, so a
-    # word is found in a text only where that token is.
-    vocab = {f"{chr(97 + i % 26)}{i // 26}": i for i in range(VOCAB)}
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="a0"))
-    return Tokenizer(tokenizer=hf, chat_template=None, special_tokens={})
 
 
 @cache
@@ -56,7 +45,7 @@ def _setup():
     model = tiny_target("llama", live=None)
     prompt = tuple(prompts(1, seed=410, lo=4)[0])
     ref = reference(model, [prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
-    out, tok = ref.output_ids, _tokenizer()
+    out, tok = ref.output_ids, letter_tokenizer()
     j = next(j for j in range(3, len(out) - 1)
              if j % (K + 1) != 0 and tok.decode([out[j]]) not in tok.decode(out[:j]))
     return model, prompt, out, j
@@ -64,7 +53,7 @@ def _setup():
 
 def _run(kind: str, model, prompt, params: SamplingParams, ref):
     """(the completion, every token id streamed) from the plain or the speculative engine."""
-    tok = _tokenizer()
+    tok = letter_tokenizer()
     if kind == "plain":
         eng = LLMEngine(engine_cfg(), model, tok)
     else:
@@ -88,7 +77,7 @@ def _run(kind: str, model, prompt, params: SamplingParams, ref):
 @pytest.mark.parametrize("also", ["stop token", "eos", "nothing"])
 def test_a_stop_string_cuts_text_and_token_whatever_else_the_token_ends(kind, also):
     model, prompt, out, j = _setup()
-    tok = _tokenizer()
+    tok = letter_tokenizer()
     word = tok.decode([out[j]])
     params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(word,))
     if also == "stop token":
@@ -107,7 +96,7 @@ def test_a_stop_string_cuts_text_and_token_whatever_else_the_token_ends(kind, al
 @pytest.mark.parametrize("kind", ["plain", "speculative"])
 def test_a_stop_string_that_begins_in_an_earlier_token_drops_only_the_last(kind):
     model, prompt, out, j = _setup()
-    tok = _tokenizer()
+    tok = letter_tokenizer()
     stop = tok.decode(out[j - 1 : j + 1])[1:]  # "<digit of x_{j-1}> x_j": two tokens
     assert stop not in tok.decode(out[:j])
     req, streamed = _run(kind, model, prompt,
@@ -119,7 +108,7 @@ def test_a_stop_string_that_begins_in_an_earlier_token_drops_only_the_last(kind)
 @pytest.mark.parametrize("kind", ["plain", "speculative"])
 def test_a_stop_token_alone_is_returned_with_its_text(kind):
     model, prompt, out, j = _setup()
-    tok = _tokenizer()
+    tok = letter_tokenizer()
     req, streamed = _run(kind, model, prompt, SamplingParams(
         max_new_tokens=30, ignore_eos=True, stop_token_ids=(out[j],)), out)
     assert tuple(req.output_ids) == tuple(streamed) == out[: j + 1]
@@ -138,7 +127,7 @@ def test_a_first_token_that_completes_a_stop_string_is_not_handed_off():
     from tandem.router.dispatch import ModelInfo, Placement, RoutedRequest
 
     model, prompt, out, _ = _setup()
-    tok = _tokenizer()
+    tok = letter_tokenizer()
     eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle", live=None), tok)
     word = tok.decode([out[0]])
     eng.add_prefill_request(list(prompt), SamplingParams(max_new_tokens=30, stop=(word,)), "7")
