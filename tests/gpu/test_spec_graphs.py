@@ -212,3 +212,106 @@ def test_spec_extend_graph_equals_eager_extend(chain_engine, tree_engine, which,
     with pytest.raises(ValueError, match="plan a batch of this size first"):
         graphs.replay_extend_only(other)
     _abort(eng, ids)
+
+
+# ---- logprobs on the device acceptance path (launch_greedy_accept / _emitted_logprobs /
+# HostCopy): the CUDA-graph greedy round computes them on the device before its one host read.
+
+TOP = 5
+
+
+def _target_drafts(graphs, verify):
+    """`verify` with every draft replaced by its parent's target argmax (one verify replay per
+    tree level), so acceptance takes a full path: emitted positions past the root are
+    accepted drafts, not only bonus tokens."""
+    from dataclasses import replace
+
+    parents = torch.tensor(verify.parents, device=DEV).clamp(min=0)  # [bs, N]
+    for _ in range(max(max(d) for d in verify.depths)):
+        argmax = graphs.verify(verify).logits.argmax(-1).view(verify.batch_size, -1)
+        tokens = torch.cat([verify.tokens[:, :1], argmax.gather(1, parents)[:, 1:]], dim=1)
+        verify = replace(verify, tokens=tokens)
+    return verify
+
+
+@pytest.mark.parametrize("drafts", ["head", "target"])  # target: every draft accepted
+@pytest.mark.parametrize("which", ["chain", "tree"])
+@pytest.mark.parametrize("bs", [1, 3])  # 3: rows that ask beside one that does not
+def test_graph_greedy_accept_logprobs_equal_the_verify_logits(chain_engine, tree_engine,
+                                                               which, bs, drafts):
+    """Each emitted token's logprob and top-K are the float32 log-softmax of the verify
+    logits at the node it came from ((0, *path)[j]), read with the round's tokens while the
+    extend graph is queued behind them; a row that does not ask gets ()."""
+    from tandem.spec.accept import launch_greedy_accept
+
+    eng = chain_engine if which == "chain" else tree_engine
+    graphs = eng.spec_graphs
+    ids, inp = _input(eng, bs, seed=40 + bs)
+    verify = propose(eng.draft, inp, eng.spec)
+    if drafts == "target":
+        verify = _target_drafts(graphs, verify)
+    assert graphs.can_extend(verify)
+    out = graphs.verify(verify)
+    logits, feats = out.logits.clone(), out.hidden.clone()
+    asking = SamplingParams(max_new_tokens=8, logprobs=True, top_logprobs=TOP)
+    params = [asking if r != 1 else SamplingParams(max_new_tokens=8) for r in range(bs)]
+    pending = launch_greedy_accept(verify, logits, params)
+    graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus, feats)
+    result = pending.result()
+    ref = torch.log_softmax(logits.float(), dim=-1).cpu()  # [bs * N, V]
+    n = verify.num_nodes
+    for r in range(bs):
+        lps = result.logprobs_of(r)
+        if not params[r].logprobs:
+            assert lps == ()
+            continue
+        toks, nodes = result.new_tokens[r], (0, *result.path_nodes[r])
+        assert len(lps) == len(toks)
+        for j, (tok, lp) in enumerate(zip(toks, lps)):
+            row = ref[r * n + nodes[j]]  # [V] the distribution token j came from
+            assert lp.token_id == tok
+            assert lp.logprob == pytest.approx(row[tok].item(), abs=1e-5), (r, j)
+            want, _ = row.topk(TOP)
+            assert lp.top_logprobs == pytest.approx(want.tolist(), abs=1e-5), (r, j)
+            assert [row[t].item() for t in lp.top_ids] == pytest.approx(lp.top_logprobs,
+                                                                         abs=1e-5)
+            # greedy: every emitted token (accepted draft or bonus) is its node's argmax
+            assert lp.logprob == pytest.approx(lp.top_logprobs[0], abs=1e-5), (r, j)
+    if drafts == "target":  # the accepted-draft positions were checked, not only bonuses
+        # a chain takes every draft; a tree walks first children, which may end in a leaf
+        depth = max(max(d) for d in verify.depths) if which == "chain" else 1
+        assert all(len(p) >= depth for p in result.path_nodes), result.path_nodes
+    _abort(eng, ids)
+
+
+@pytest.mark.parametrize("which", ["chain", "tree"])
+def test_graph_spec_logprobs_equal_plain_up_to_bf16(target, which):
+    """End to end: a graph-captured SpecEngine's logprobs (logprobs=True, top_logprobs=5)
+    equal the plain graph engine's, token for token up to a bf16 near-tie parting (checked as
+    in the lossless test). bf16: a verify over N tokens and a 1-token decode round
+    differently, so values agree within a stated margin: 2% of the position's top-K spread
+    plus 0.05 nats."""
+    spec = CHAIN if which == "chain" else TREE
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 49152, (9 + 11 * i,), generator=g).tolist() for i in range(4)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=True,
+                            top_logprobs=TOP)
+    plain = LLMEngine(_cfg(True), target[0])
+    want = plain.generate(prompts, params)
+    eng = SpecEngine(_cfg(True), spec, *target)
+    assert eng.spec_graphs is not None
+    got = eng.generate(prompts, params)
+    for p, a, b in zip(prompts, got, want):
+        assert len(a.logprobs) == len(a.output_ids) and len(b.logprobs) == len(b.output_ids)
+        d = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
+                 len(a.output_ids))
+        if d < len(a.output_ids):
+            tie = parting_gap(plain, p + list(b.output_ids[:d]), (a.output_ids[d],
+                                                                  b.output_ids[d]))
+            assert tie.both_in_top2 and tie.rel_gap <= 0.02, (d, tie)
+        for i, (x, y) in enumerate(zip(a.logprobs[:d], b.logprobs[:d])):
+            tol = 0.05 + 0.02 * (y.top_logprobs[0] - y.top_logprobs[-1])
+            assert x.token_id == y.token_id
+            assert len(x.top_ids) == len(y.top_ids) == TOP
+            assert x.logprob == pytest.approx(y.logprob, abs=tol), (i, x, y)
+            assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=tol), (i, x, y)
