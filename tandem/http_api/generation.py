@@ -32,7 +32,6 @@ from tandem.http_api.convert import (Call, Endpoint, Logprobs, chunk_body, finis
 from tandem.http_api.errors import ApiError, from_router_error, send_error
 from tandem.http_api.hooks import Observer, RequestRecord
 from tandem.http_api.logprobs import TokenNamer, chat_logprobs, completion_logprobs
-from tandem.http_api.schemas import ErrorBody, ErrorInfo
 from tandem.messages import TokenLogprob
 from tandem.router import GenerateOutput, Router, RouterError
 
@@ -158,9 +157,7 @@ class GenerationResponse(Response):
                 log.exception("%s: the router failed mid-stream", call.endpoint.value)
                 err = _internal()
             self._outcome.error_type = err.type
-            await _send_event(send, ErrorBody(error=ErrorInfo(
-                message=err.message, type=err.type, param=err.param, code=err.code)
-            ).model_dump_json())
+            await _send_event(send, err.body().decode())
         await _send_event(send, "[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
