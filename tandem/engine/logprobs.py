@@ -72,6 +72,14 @@ def asking_rows(params: Sequence[SamplingParams]) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(params) if p.logprobs)
 
 
+def repeated_rows(params: Sequence[SamplingParams], rows: Sequence[int], times: int
+                  ) -> tuple[list[int], list[int]]:
+    """(num_top, rows) for `times` consecutive entries per row of `rows` -- the speculative
+    layouts of [m * times] entries, one per verify node or emitted position."""
+    return ([params[r].top_logprobs for r in rows for _ in range(times)],
+            [r for r in rows for _ in range(times)])
+
+
 def gather_logprobs(
     logits: torch.Tensor,  # [m, V] float logits of the distributions the tokens came from
     token_ids: torch.Tensor,  # [m] int64 the chosen tokens

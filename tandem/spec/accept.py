@@ -34,7 +34,7 @@ from tandem.engine.config import SamplingFault
 from tandem.engine.d2h import HostCopy
 from tandem.engine.h2d import tensor as h2d_tensor
 from tandem.engine.logprobs import (HostLogprobs, LogprobRows, asking_rows, gather_logprobs,
-                                    pick_logprobs)
+                                    pick_logprobs, repeated_rows)
 from tandem.engine.sampling import SamplingParams, check_fault, row_error, target_probs
 from tandem.messages import TokenLogprob
 from tandem.spec import kernels as spec_kernels
@@ -183,9 +183,7 @@ def node_logprobs(
         argmax, tokens = argmax[idx], tokens[idx]
     m = len(reqs)
     lp = torch.log_softmax(logits.float(), dim=-1)  # [m * N, V]
-    at_argmax = pick_logprobs(lp, argmax.reshape(-1),
-                              [params[r].top_logprobs for r in reqs for _ in range(n)],
-                              [r for r in reqs for _ in range(n)])
+    at_argmax = pick_logprobs(lp, argmax.reshape(-1), *repeated_rows(params, reqs, n))
     # node c's token under its parent's distribution: lp[i * N + parent(c), tokens[i, c]]
     # (the root, parent -1, reads its own row: a value never used)
     parents = h2d_tensor([[max(p, 0) for p in verify.parents[r]] for r in reqs], torch.int64,
@@ -296,9 +294,7 @@ def _emitted_logprobs(
         base = h2d_tensor(reqs, torch.int64, device)  # [m]
         nodes, toks = nodes[base], toks[base]
     flat = (base[:, None] * n + nodes).reshape(-1)  # [m * (D+1)] verify rows
-    return gather_logprobs(logits[flat], toks.reshape(-1),
-                           [params[r].top_logprobs for r in reqs for _ in range(d1)],
-                           [r for r in reqs for _ in range(d1)])
+    return gather_logprobs(logits[flat], toks.reshape(-1), *repeated_rows(params, reqs, d1))
 
 
 def _walk_greedy(tokens: list[int], argmax: list[int], kids: list[list[int]]
