@@ -86,7 +86,10 @@ class Run:
 
     def decode_free(self) -> bool:
         d = self.decode
-        return d.num_free_pages() == d.num_pages() and len(d.receiver.table) == 0
+        # No leaks (DESIGN §3): every KV page and every seed (aux) slot is back in its pool.
+        load = d.pool_load()
+        return (d.num_free_pages() == d.num_pages() and len(d.receiver.table) == 0
+                and load.num_free_slots == load.num_slots)
 
     def prefill_free(self) -> bool:
         return self.prefill.num_free_pages() == self.prefill.num_pages()
