@@ -372,22 +372,24 @@ class DecodeWorker:
         entry = self._rooms[room]
         size = self._tp_sync.size
         if len(entry.landed) == size:  # every rank holds the KV: admit
-            del self._rooms[room]
-            self._free_slots.append(entry.aux_slot)
-            if entry.state is RoomState.ENDED:
-                self.engine.allocator.free(entry.page_ids)
-                return False
-            return self._admit(room, entry, entry.payload)
+            self._drop(room, entry, free_pages=entry.state is RoomState.ENDED)
+            return entry.state is not RoomState.ENDED and self._admit(room, entry)
         if len(entry.landed | entry.released) < size:
             if entry.error:
                 self._report_failure(room, entry)
             return False
         # Every rank is done with the pages and at least one rank did not receive: a failure.
-        del self._rooms[room]
-        self._free_slots.append(entry.aux_slot)
-        self.engine.allocator.free(entry.page_ids)
+        self._drop(room, entry, free_pages=True)
         self._report_failure(room, entry)
         return False
+
+    def _drop(self, room: int, entry: _Room, *, free_pages: bool) -> None:
+        """`room` leaves the table: its seed slot goes back (it was read or never will be),
+        and its pages too unless the engine takes them (`free_pages` False: admission)."""
+        del self._rooms[room]
+        self._free_slots.append(entry.aux_slot)
+        if free_pages:
+            self.engine.allocator.free(entry.page_ids)
 
     def _report_failure(self, room: int, entry: _Room) -> None:
         """Once per request: the stream ends with an error (its pages may follow later)."""
@@ -398,7 +400,8 @@ class DecodeWorker:
             room=room, token_ids=(), text_delta="", finished=True, finish_reason="error",
             error=entry.error or "KV transfer did not complete on every TP rank"))
 
-    def _admit(self, room: int, entry: _Room, payload: bytes) -> bool:
+    def _admit(self, room: int, entry: _Room) -> bool:
+        payload = entry.payload  # rank 0's seed: every rank admits from the same bytes
         try:
             seed, gen_state = decode_seed(payload, self.engine.device,
                                           self.engine.kv_pool.dtype)
