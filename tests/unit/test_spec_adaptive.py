@@ -158,6 +158,31 @@ def test_greedy_equals_plain_whatever_k_each_step_picks(bs):
         assert any(p.splits for p in policy.plans)
 
 
+def test_logprobs_equal_plain_whatever_k_each_step_picks():
+    """k = 0 steps (the plain sampler's logprobs) and split steps (two rounds, each with its
+    own rows) give every request the logprobs plain decoding gives it, in float32; a request
+    that does not ask beside them gets none."""
+    model = tiny_target("llama")
+    ps = prompts(3, seed=44)
+    asking = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=4)
+    params = [asking, greedy(24), asking]
+    want = reference(model, ps, params)
+    policy = ForcedK(KS, split_every=3)
+    eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"), policy=policy)
+    got = eng.generate(ps, params)
+    assert any(p.splits for p in policy.plans) and {p.num_drafts for p in policy.plans} == set(KS)
+    assert got[1].logprobs == () and want[1].logprobs == ()
+    assert len(got[0].logprobs) == len(got[0].output_ids) > 0
+    for g, w in zip(got, want):
+        assert g.output_ids == w.output_ids
+        assert len(g.logprobs) == len(w.logprobs)
+        for i, (a, b) in enumerate(zip(g.logprobs, w.logprobs)):
+            assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids), i
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5), i
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-5), i
+    assert_pages_free(eng)
+
+
 def test_seeded_sampling_is_reproducible_under_a_k_schedule():
     model = tiny_target("llama")
     ps = prompts(3, seed=5)
