@@ -20,10 +20,14 @@ def describe(span: otel.Span, prepared: PreparedRequest) -> None:
     span.set("tandem.decode_worker", req.placement.decode_worker)
 
 
-def refused(span: otel.Span, exc: RouterError) -> None:
-    """A request refused before dispatch (validation, placement, capacity): it ends failed."""
+def refused(span: otel.Span, exc: RouterError) -> str:
+    """A request refused before dispatch (validation, placement, capacity): it ends failed.
+    Returns its outcome: "refused" when for capacity (more KV cache than a worker has, a full
+    router), else "rejected" (the router's counters take the same name)."""
+    outcome = "refused" if exc.code is Code.RESOURCE_EXHAUSTED else "rejected"
     span.fail(exc)
-    ended(span, "refused" if exc.code is Code.RESOURCE_EXHAUSTED else "rejected", exc.code.value)
+    ended(span, outcome, exc.code.value)
+    return outcome
 
 
 def ended(span: otel.Span, outcome: str, code: str) -> None:

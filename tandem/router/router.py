@@ -237,19 +237,12 @@ class Router:
         span.set("tandem.api", api)
         try:
             prepared = await self.prepare(inp, timeout_s, caller=caller, span=span)
-        except PromptTooLong as exc:
-            request_span.refused(span, exc)
-            self._counters.rejected += 1
-            self.metrics.refused(exc.code.value)
-            await asyncio.sleep(self.cfg.too_long_delay_s)
-            raise
         except RouterError as exc:
-            request_span.refused(span, exc)
-            if exc.code is Code.RESOURCE_EXHAUSTED:  # more KV cache than a worker has
-                self._counters.refused += 1
-            else:
-                self._counters.rejected += 1
+            outcome = request_span.refused(span, exc)  # refused (capacity) | rejected
+            setattr(self._counters, outcome, getattr(self._counters, outcome) + 1)
             self.metrics.refused(exc.code.value)
+            if isinstance(exc, PromptTooLong):
+                await asyncio.sleep(self.cfg.too_long_delay_s)
             raise
         self._register(prepared)
         req, request_id = prepared.routed, prepared.request_id
