@@ -14,17 +14,16 @@ disconnects mid-stream aborts its request and every KV page comes back; `tandem 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 import openai
 import pytest
 from hf_tiny import save_tiny
 from http_helpers import openai_client, write_word_tokenizer
+from process_helpers import wait_for_line
 
 from tandem.colocated_node import build_colocated_router
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
@@ -202,15 +201,8 @@ def test_tandem_serve_http_port(tiny_dir, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        lines, port = [], None
-        deadline = time.monotonic() + 90
-        while port is None:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "tandem serve exited:\n" + "".join(lines)
-            assert time.monotonic() < deadline, "tandem serve did not come up:\n" + "".join(lines)
-            lines.append(line)
-            m = re.search(r"HTTP API on 127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        m, lines = wait_for_line(proc, r"HTTP API on 127\.0\.0\.1:(\d+)", timeout_s=90)
+        port = int(m.group(1))
         client = openai_client(port, TOKEN)
         out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3,
                                              extra_body=EXTRA)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from process_helpers import wait_for_line
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,19 +32,9 @@ def server(smollm2_dir):
         [sys.executable, "-m", "tandem.cli", "serve", "--config", "local", "--port", "0",
          "--host", "127.0.0.1", *(["--transfer", TRANSFER] if TRANSFER != "mooncake" else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 240
-        address = None
-        while address is None:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "tandem serve exited:\n" + "".join(lines)
-            assert time.monotonic() < deadline, "tandem serve did not come up:\n" + "".join(lines)
-            lines.append(line)
-            m = re.search(r"listening on (\S+):(\d+)\.", line)
-            if m:
-                address = f"127.0.0.1:{m.group(2)}"
-        yield address
+        m, _ = wait_for_line(proc, r"listening on (\S+):(\d+)\.", timeout_s=240)
+        yield f"127.0.0.1:{m.group(2)}"
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:

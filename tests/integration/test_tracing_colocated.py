@@ -10,11 +10,9 @@ becomes the root span's parent; a refused request's spans end failed; `tandem se
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import httpx2
@@ -22,6 +20,7 @@ import pytest
 from hf_tiny import save_tiny
 from http_helpers import write_word_tokenizer
 from otlp_receiver import OtlpReceiver
+from process_helpers import wait_for_line
 
 from tandem import otel
 from tandem.colocated_node import build_colocated_router
@@ -168,15 +167,8 @@ def test_tandem_serve_exports_to_the_otlp_endpoint(tiny_dir):
         env={**env, "PYTHONUNBUFFERED": "1"})
     trace_id = "6bf92f3577b34da6a3ce929d0e0e4736"
     try:
-        lines, port = [], None
-        deadline = time.monotonic() + 90
-        while port is None:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "tandem serve exited:\n" + "".join(lines)
-            assert time.monotonic() < deadline, "tandem serve did not come up:\n" + "".join(lines)
-            lines.append(line)
-            m = re.search(r"HTTP API on 127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
+        m, lines = wait_for_line(proc, r"HTTP API on 127\.0\.0\.1:(\d+)", timeout_s=90)
+        port = int(m.group(1))
         assert f"traces to {receiver.url}/v1/traces" in lines[-1]
         out = _post(port, {"model": "tiny", "prompt": "w3 w1 w4", "max_tokens": 3,
                            "ignore_eos": True}, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
