@@ -229,6 +229,29 @@ def test_speculative_logprobs_equal_plain_with_a_real_head(config):
                 assert a.top_ids[0] == b.top_ids[0]
 
 
+def test_speculative_rounds_compute_no_logprobs_when_none_asks(monkeypatch):
+    """The speculative hot path: with no request asking, neither the device acceptance nor
+    the host walk computes a log-softmax or a top-K (greedy and sampled batches alike)."""
+    import importlib
+
+    spec_accept = importlib.import_module("tandem.spec.accept")  # the module, not the function
+    calls = []
+    for name in ("gather_logprobs", "pick_logprobs"):
+        real = getattr(spec_accept, name)
+        monkeypatch.setattr(spec_accept, name,
+                            lambda *a, _r=real, **kw: calls.append(1) or _r(*a, **kw))
+    model = _target()
+    eng = SpecEngine(engine_cfg(max_num_batched_tokens=16), SPECS["tree3x2n6"], model,
+                     tiny_head(model))
+    eng.generate(_prompts(2), [SamplingParams(max_new_tokens=8, ignore_eos=True),
+                               SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                              temperature=0.9, seed=1)])
+    eng.generate(_prompts(2), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert eng.spec_stats.num_rounds > 0 and calls == []
+    eng.generate(_prompts(2), _asking(4))  # the spies see an asking batch
+    assert calls
+
+
 def test_speculative_mixed_batch_host_walk():
     """A sampled request in the batch sends every row through the host walk: greedy rows there
     still equal plain decoding; the sampled row (a request that does not ask beside it too)
