@@ -7,13 +7,12 @@ collectives with empty batches: nothing deadlocks (a hang fails the queue timeou
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hf_tiny import save_tiny
+from rank_helpers import run_ranks
 from tandem.engine import EngineConfig, LLMEngine, ParallelContext, ParallelGroup, SamplingParams
 
 pytestmark = pytest.mark.timeout(150)
@@ -36,12 +35,6 @@ ASSIGNMENTS = ((0, 1, 0, 1, 0), (0, 0, 0, 0, 0))
 def _engine(model_dir: str, par: ParallelContext | None = None) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(model=model_dir, dtype="float32", num_pages=96,
                                               page_size=4, max_num_batched_tokens=16), par)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dp_worker(rank: int, port: int, model_dirs: list[str], out) -> None:
@@ -71,17 +64,9 @@ def test_dp_attention_two_ranks_equal_one(tmp_path):
     prompts, params = _requests()
     reference = [[c.output_ids for c in _engine(d).generate(prompts, params)] for d in model_dirs]
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_dp_worker, args=(r, port, model_dirs, q)) for r in range(2)]
-    [p.start() for p in procs]
-    try:
-        per_rank = dict(q.get(timeout=120) for _ in procs)  # a deadlock fails here
-    finally:
-        [p.join(20) for p in procs]
-        [p.kill() for p in procs if p.is_alive()]
-    assert all(p.exitcode == 0 for p in procs)
+    reports, exitcodes = run_ranks(_dp_worker, 2, model_dirs, timeout_s=120)
+    per_rank = dict(reports)
+    assert all(code == 0 for code in exitcodes)
 
     k = 0
     for (arch, _), ref in zip(MODELS, reference):

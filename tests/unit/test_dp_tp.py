@@ -9,14 +9,13 @@ timeout)."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from disagg_helpers import tiny_model_and_head
 
 from hf_tiny import save_tiny
+from rank_helpers import run_ranks
 from tandem.engine import EngineConfig, LLMEngine, ParallelContext, SamplingParams
 from tandem.spec import SpecConfig, SpecEngine
 
@@ -45,12 +44,6 @@ def _spec(dirs, par: ParallelContext | None = None) -> SpecEngine:
     return SpecEngine.from_config(
         EngineConfig(model=str(model_dir), dtype="float32", num_pages=64, page_size=4),
         SpecConfig(draft_model=str(head_dir), num_steps=3), par)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(eng, rank_dp: int, prompts, params) -> list[dict[int, list[int]]]:
@@ -88,18 +81,9 @@ def test_dp2_tp2_equals_one_rank(tmp_path):
                  "moe": [c.output_ids for c in _plain(moe_dir).generate(prompts, params)],
                  "spec": [c.output_ids for c in _spec(dirs).generate(prompts, params)]}
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, moe_dir, dirs, q))
-             for r in range(DP * TP)]
-    [p.start() for p in procs]
-    try:
-        per_rank = dict(q.get(timeout=200) for _ in procs)  # a deadlock fails here
-    finally:
-        [p.join(20) for p in procs]
-        [p.kill() for p in procs if p.is_alive()]
-    assert all(p.exitcode == 0 for p in procs)
+    reports, exitcodes = run_ranks(_rank, DP * TP, moe_dir, dirs, timeout_s=200)
+    per_rank = dict(reports)
+    assert all(code == 0 for code in exitcodes)
     for what, ref in reference.items():
         for k, owner in enumerate(ASSIGNMENTS):
             # The TP ranks of a DP rank agree; each request ran on the DP rank it was given.

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import random
-import socket
 import traceback
 from unittest import mock
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hf_tiny import save_tiny
+from rank_helpers import run_ranks
 from tandem.engine import (
     ConfigError,
     EngineConfig,
@@ -33,12 +32,6 @@ pytestmark = pytest.mark.timeout(180)
 
 MODES = ("alltoall", "alltoall_padded")
 H, INTER, NUM_EXPERTS, TOP_K = 16, 8, 4, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- one layer -------------------------------------------------------------------------------
@@ -206,19 +199,11 @@ def test_alltoall_equals_allreduce_and_single_rank(tmp_path):
     ref_batch = [c.output_ids for c in single.generate(prompts, params)]
     ref_one = [c.output_ids for c in single.generate(prompts[:1], params[:1])]
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, model_dir, q)) for r in range(2)]
-    [p.start() for p in procs]
-    try:
-        per_rank = {r: (layer, model) for r, layer, model in (q.get(timeout=150) for _ in procs)}
-    finally:
-        [p.join(20) for p in procs]
-        [p.kill() for p in procs if p.is_alive()]
+    reports, exitcodes = run_ranks(_worker, 2, model_dir, timeout_s=150)
+    per_rank = {r: (layer, model) for r, layer, model in reports}
     for rank, (layer, _) in per_rank.items():
         assert isinstance(layer, dict), f"rank {rank} failed:\n{layer}"
-    assert all(p.exitcode == 0 for p in procs)
+    assert all(code == 0 for code in exitcodes)
 
     for rank, (layer, model) in per_rank.items():
         for case, diff in layer.items():
@@ -291,16 +276,8 @@ def test_dp2_tp2_alltoall_equals_one_rank(tmp_path):
     prompts, params = _requests()
     ref = [c.output_ids for c in _engine(model_dir).generate(prompts, params)]
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_dp_tp_rank, args=(r, port, model_dir, q)) for r in range(4)]
-    [p.start() for p in procs]
-    try:
-        per_rank = dict(q.get(timeout=150) for _ in procs)  # a deadlock fails here
-    finally:
-        [p.join(20) for p in procs]
-        [p.kill() for p in procs if p.is_alive()]
+    reports, _ = run_ranks(_dp_tp_rank, 4, model_dir, timeout_s=150)
+    per_rank = dict(reports)
     for rank, got in per_rank.items():
         assert isinstance(got, dict), f"rank {rank} failed:\n{got}"
     for key in per_rank[0]:
