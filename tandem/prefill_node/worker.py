@@ -86,6 +86,16 @@ class _Room:
     failed: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank -> (error, kind)
 
 
+@dataclass(frozen=True, slots=True)
+class _RankOutcome:
+    """One rank's terminal transfer of a room (all-gathered: every rank acts on the joint view)."""
+
+    room: int
+    ok: bool
+    error: str = ""  # "" when ok
+    kind: str = ""  # ErrorKind value (or the terminal state's); "" when ok
+
+
 class PrefillWorker:
     def __init__(self, cfg: WorkerConfig, parallel: ParallelContext | None = None,
                  sync: RankSync = SOLO) -> None:
@@ -93,7 +103,7 @@ class PrefillWorker:
         self.engine = build_engine(cfg, parallel)
         self._rooms: dict[int, _Room] = {}  # room -> its request, from submit to its result
         self._ended_unrouted: OrderedDict[int, None] = OrderedDict()  # see ENDED_UNROUTED
-        self._deferred: list[tuple[int, bool, str, str]] = []  # outcomes from `route` calls
+        self._deferred: list[_RankOutcome] = []  # outcomes from `route` calls
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # seed staging (the sender owns it)
         layout = kv_layout(self.engine, self._aux)
         self.sender = PrefillSender(cfg.transfer_backend, layout, compat_info(self.engine, cfg),
@@ -264,7 +274,7 @@ class PrefillWorker:
 
     def step(self) -> list[PrefillResult]:
         self._apply_routes(self._fail_route)
-        # (room, done, error, kind) on this rank; hand-offs `route` started between steps first
+        # this rank's terminal transfers; hand-offs `route` started between steps first
         local, self._deferred = self._deferred, []
         handoffs: list[PrefillHandoff] = []
         if self.engine.has_unfinished():
@@ -313,8 +323,9 @@ class PrefillWorker:
             err = outcome.error
             ok = outcome.state == TransferState.DONE
             trace.mark(outcome.room, "prefill.transfer_end")
-            local.append((outcome.room, ok, "" if ok else str(err) if err else outcome.state.value,
-                          "" if ok else err.kind.value if err else outcome.state.value))
+            local.append(_RankOutcome(room=outcome.room, ok=True) if ok else _RankOutcome(
+                room=outcome.room, ok=False, error=str(err) if err else outcome.state.value,
+                kind=err.kind.value if err else outcome.state.value))
         self._agree_on_outcomes(local)
         out, self._results = self._results, []
         self.spans.results(out)
@@ -345,7 +356,7 @@ class PrefillWorker:
                                          logprob=h.first_logprob))
 
     def _hand_off(self, room: int, entry: _Room, h: PrefillHandoff, *, early: bool,
-                  local: list[tuple[int, bool, str, str]]) -> None:
+                  local: list[_RankOutcome]) -> None:
         """Push a prompt's KV + seed (its forward is over) to the room's destinations; a
         failure to start is terminal on this rank at once (into `local`, agreed on in the next
         outcome round)."""
@@ -356,7 +367,7 @@ class PrefillWorker:
         entry.first_token, entry.first_text = h.first_token, h.first_text
         dests = entry.dests
         if not dests:  # re-sliced: every head of this rank goes from a lower rank
-            local.append((room, True, "", ""))
+            local.append(_RankOutcome(room=room, ok=True))
             return
         try:
             if early:
@@ -365,22 +376,22 @@ class PrefillWorker:
                 self.sender.send(dests, h.page_ids, h.seed_bytes())
         except TransferError as exc:
             self.sender.abort(room)  # a leg begun must not wait for its deadline (nor decode)
-            local.append((room, False, str(exc), exc.kind.value))
+            local.append(_RankOutcome(room=room, ok=False, error=str(exc), kind=exc.kind.value))
 
-    def _agree_on_outcomes(self, local: list[tuple[int, bool, str, str]]) -> None:
+    def _agree_on_outcomes(self, local: list[_RankOutcome]) -> None:
         """All-gather every rank's terminal transfers; a room whose transfer is terminal on
         every rank frees its pages (no rank can still read them) and reports its result."""
         touched: list[int] = []
         for rank, outcomes in enumerate(self.sync.all_gather(local)):
-            for room, ok, error, kind in outcomes:
-                entry = self._rooms.get(room)
+            for o in outcomes:
+                entry = self._rooms.get(o.room)
                 if entry is None or entry.state is not RoomState.SENDING:
                     continue
-                if ok:
+                if o.ok:
                     entry.done.add(rank)
                 else:  # the first failure is the cause (an abort of the other legs follows)
-                    entry.failed.setdefault(rank, (error, kind))
-                touched.append(room)
+                    entry.failed.setdefault(rank, (o.error, o.kind))
+                touched.append(o.room)
         for room in dict.fromkeys(touched):  # first-touch order: the same on every rank
             entry = self._rooms[room]
             if len(entry.done) + len(entry.failed) < self.sync.size:
