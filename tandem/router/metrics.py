@@ -93,7 +93,16 @@ class RequestTimer:
         self._m, self._t0 = metrics, t0
         self._first: float | None = None  # perf_counter() of the first chunk with tokens
         self._last = t0  # ... and of the latest one
-        self._num_tokens = 0
+        self.num_tokens = 0  # tokens streamed so far
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Receipt -> first token (None before it): the metric's value and the answer's."""
+        return None if self._first is None else self._first - self._t0
+
+    def elapsed_s(self) -> float:
+        """Receipt -> now."""
+        return time.perf_counter() - self._t0
 
     def chunk(self, chunk: TokenChunk) -> None:
         now = time.perf_counter()
@@ -105,13 +114,13 @@ class RequestTimer:
             else:
                 self._m.itl.observe(now - self._last)
             self._last = now
-            self._num_tokens += len(chunk.token_ids)
+            self.num_tokens += len(chunk.token_ids)
         if chunk.finish_reason is None:
             return
         self._m.finished.labels(chunk.finish_reason.value).inc()
         self._m.e2e.observe(now - self._t0)
-        if self._first is not None and self._num_tokens > 1:
-            self._m.tpot.observe((self._last - self._first) / (self._num_tokens - 1))
+        if self._first is not None and self.num_tokens > 1:
+            self._m.tpot.observe((self._last - self._first) / (self.num_tokens - 1))
         if chunk.queue_s is not None:
             self._m.queue.observe(chunk.queue_s)
 

@@ -51,7 +51,7 @@ from tandem.router.dispatch import (
     WorkerUnavailable,
 )
 from tandem.router.errors import Code, RouterError, from_dispatch_error
-from tandem.router.metrics import OK, RouterMetrics, render
+from tandem.router.metrics import OK, RequestTimer, RouterMetrics, render
 from tandem.router.placement import place
 from tandem.router.policy import PlacementQuery, Policy, WorkerState, make_policy
 from tandem.router.registry import WorkerRegistry
@@ -246,9 +246,8 @@ class Router:
             raise
         self._register(prepared)
         req, request_id = prepared.routed, prepared.request_id
+        # The timer counts the tokens and times the first one, for the metrics and the answer.
         timer = self.metrics.request(len(req.prompt_ids), t0)
-        ttft_s: float | None = None
-        num_tokens = 0
         outcome = "aborted"  # what ends the request if we leave early (cancel, close)
         code = Code.CANCELLED.value  # its status code then
         try:
@@ -258,10 +257,8 @@ class Router:
                     if chunk is None:
                         raise RouterError(Code.INTERNAL, "dispatch: the stream ended without "
                                                          "a finish reason")
-                    if ttft_s is None and chunk.token_ids:
-                        ttft_s = time.perf_counter() - t0
+                    if timer.ttft_s is None and chunk.token_ids:
                         span.event("first_token")
-                    num_tokens += len(chunk.token_ids)
                     timer.chunk(chunk)
                     if not chunk.finished:
                         yield GenerateOutput(request_id=request_id, token_ids=chunk.token_ids,
@@ -271,7 +268,7 @@ class Router:
                     outcome = "aborted" if chunk.finish_reason is FinishReason.ABORT else "finished"
                     code = OK
                     span.set("gen_ai.response.finish_reasons", chunk.finish_reason.value)
-                    yield self._final(prepared, chunk, num_tokens, ttft_s, t0)
+                    yield self._final(prepared, chunk, timer)
                     return
         except RouterError as exc:
             # A capacity refusal (the queue is full, decode out of pages for good) is no
@@ -286,9 +283,9 @@ class Router:
             span.fail(exc)
             raise
         finally:
-            self._unregister(prepared, outcome, num_tokens)
+            self._unregister(prepared, outcome, timer.num_tokens)
             timer.ended(code)
-            span.set("gen_ai.usage.output_tokens", num_tokens)
+            span.set("gen_ai.usage.output_tokens", timer.num_tokens)
             request_span.ended(span, outcome, code)
 
     async def _next(self, stream: AsyncIterator[TokenChunk], req: RoutedRequest
@@ -315,15 +312,15 @@ class Router:
         except DispatchError as exc:
             raise from_dispatch_error(exc) from None
 
-    def _final(self, prepared: PreparedRequest, chunk: TokenChunk, num_tokens: int,
-               ttft_s: float | None, t0: float) -> GenerateOutput:
+    def _final(self, prepared: PreparedRequest, chunk: TokenChunk, timer: RequestTimer
+               ) -> GenerateOutput:
         return GenerateOutput(
             request_id=prepared.request_id, token_ids=chunk.token_ids,
             text_delta=chunk.text_delta, finish_reason=chunk.finish_reason,
             logprobs=chunk.logprobs,
             usage=Usage(prompt_tokens=len(prepared.routed.prompt_ids),
-                        completion_tokens=num_tokens),
-            ttft_s=ttft_s, latency_s=time.perf_counter() - t0, spec=chunk.spec)
+                        completion_tokens=timer.num_tokens),
+            ttft_s=timer.ttft_s, latency_s=timer.elapsed_s(), spec=chunk.spec)
 
     async def abort(self, request_id: str, *, caller: str = LOCAL_CALLER) -> bool:
         """Stop `caller`'s request in flight; its stream ends with FinishReason.ABORT. False
