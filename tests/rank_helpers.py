@@ -1,12 +1,16 @@
 """What the tests that run one engine per torch.distributed rank (gloo, on CPU) share: spawning
-the ranks, each with the port of their process group, and collecting what each reports."""
+the ranks, each with the port of their process group, and collecting what each reports; and
+the logits of one prefill forward, which the expert-parallel tests compare across ranks."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Callable
 
+import torch
 import torch.multiprocessing as mp
+
+from tandem.engine import LLMEngine
 
 
 def free_port() -> int:
@@ -36,3 +40,18 @@ def run_ranks(target: Callable, num_ranks: int, *args: object,
             if p.is_alive():
                 p.kill()
     return items, [p.exitcode for p in procs]
+
+
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), V] float32 logits of one prefill forward over `prompt`."""
+    from tandem.engine.attention.metadata import SeqSlice, build_metadata
+    from tandem.engine.runner import ForwardBatch
+
+    pages = engine.allocator.alloc(engine.scheduler.pages_needed(len(prompt)))
+    layout = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(prompt))],
+                            engine.cfg.page_size, engine.device)
+    out = engine.runner.forward(ForwardBatch(
+        input_ids=torch.tensor(prompt), positions=layout.positions, attn=layout.attn,
+        logits_indices=torch.arange(len(prompt))))
+    engine.allocator.free(pages)
+    return out.logits

@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hf_tiny import save_tiny
+from rank_helpers import prompt_logits
 from tandem.engine import EngineConfig, LLMEngine, ParallelContext, ParallelGroup, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,21 +61,6 @@ def _engine(model_dir: str, par: ParallelContext | None = None) -> LLMEngine:
 def _prompts():
     rng = random.Random(3)
     return [[rng.randrange(256) for _ in range(rng.randint(3, 16))] for _ in range(3)]
-
-
-def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt), V] float32 logits of one prefill forward over `prompt`."""
-    from tandem.engine.attention.metadata import SeqSlice, build_metadata
-    from tandem.engine.runner import ForwardBatch
-
-    pages = engine.allocator.alloc(engine.scheduler.pages_needed(len(prompt)))
-    layout = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(prompt))],
-                            engine.cfg.page_size, engine.device)
-    out = engine.runner.forward(ForwardBatch(
-        input_ids=torch.tensor(prompt), positions=layout.positions, attn=layout.attn,
-        logits_indices=torch.arange(len(prompt))))
-    engine.allocator.free(pages)
-    return out.logits
 
 
 def _results(model_dir: str, par: ParallelContext | None = None):

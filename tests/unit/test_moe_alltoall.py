@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_tiny import save_tiny
-from rank_helpers import run_ranks
+from rank_helpers import prompt_logits, run_ranks
 from tandem.engine import (
     ConfigError,
     EngineConfig,
@@ -132,21 +132,6 @@ def _requests():
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 14))] for _ in range(6)]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (8, 3, 6, 1, 7, 5)]
     return prompts, params
-
-
-def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt), V] float32 logits of one prefill forward over `prompt`."""
-    from tandem.engine.attention.metadata import SeqSlice, build_metadata
-    from tandem.engine.runner import ForwardBatch
-
-    pages = engine.allocator.alloc(engine.scheduler.pages_needed(len(prompt)))
-    layout = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=len(prompt))],
-                            engine.cfg.page_size, engine.device)
-    out = engine.runner.forward(ForwardBatch(
-        input_ids=torch.tensor(prompt), positions=layout.positions, attn=layout.attn,
-        logits_indices=torch.arange(len(prompt))))
-    engine.allocator.free(pages)
-    return out.logits
 
 
 def _dispatches(engine: LLMEngine) -> list[bool]:
