@@ -88,8 +88,9 @@ class Run:
         d = self.decode
         # No leaks (DESIGN §3): every KV page and every seed (aux) slot is back in its pool.
         load = d.pool_load()
+        # ... and the receiver keeps nothing of a released room (its per-room write counts).
         return (d.num_free_pages() == d.num_pages() and len(d.receiver.table) == 0
-                and load.num_free_slots == load.num_slots)
+                and load.num_free_slots == load.num_slots and not d.receiver._incoming)
 
     def prefill_free(self) -> bool:
         return self.prefill.num_free_pages() == self.prefill.num_pages()
