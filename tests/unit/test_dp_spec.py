@@ -9,12 +9,11 @@ throughout (a hang fails the queue timeout)."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from disagg_helpers import tiny_model_and_head
+from rank_helpers import run_ranks
 
 from tandem.engine import EngineConfig, ParallelContext, ParallelGroup, SamplingParams
 from tandem.spec import SpecConfig, SpecEngine
@@ -37,12 +36,6 @@ def _engine(dirs, par: ParallelContext | None = None) -> SpecEngine:
     return SpecEngine.from_config(
         EngineConfig(model=str(model_dir), dtype="float32", num_pages=96, page_size=4),
         SpecConfig(draft_model=str(head_dir), num_steps=3), par)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, dirs, out) -> None:
@@ -71,17 +64,9 @@ def test_dp2_speculative_equals_one_rank(tmp_path):
     prompts, params = _requests()
     reference = [c.output_ids for c in _engine(dirs).generate(prompts, params)]
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, dirs, q)) for r in range(2)]
-    [p.start() for p in procs]
-    try:
-        per_rank = {r: (res, rounds) for r, res, rounds in (q.get(timeout=90) for _ in procs)}
-    finally:
-        [p.join(20) for p in procs]
-        [p.kill() for p in procs if p.is_alive()]
-    assert all(p.exitcode == 0 for p in procs)
+    reports, exitcodes = run_ranks(_rank, 2, dirs, timeout_s=90)
+    per_rank = {r: (res, rounds) for r, res, rounds in reports}
+    assert all(code == 0 for code in exitcodes)
     assert all(rounds > 0 for _, rounds in per_rank.values())  # both ranks ran spec rounds
     for k, owner in enumerate(ASSIGNMENTS):
         merged = {**per_rank[0][0][k], **per_rank[1][0][k]}

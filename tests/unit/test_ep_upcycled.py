@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hf_tiny import save_tiny
-from rank_helpers import prompt_logits
+from rank_helpers import prompt_logits, run_ranks
 from tandem.engine import EngineConfig, LLMEngine, ParallelContext, ParallelGroup, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,12 +69,6 @@ def _results(model_dir: str, par: ParallelContext | None = None):
     return logits, tokens
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ep_worker(rank: int, port: int, model_dirs: list[str], out) -> None:
     import torch.distributed as dist
 
@@ -98,14 +90,9 @@ def test_upcycled_mixtral_ep2_equals_dense(tmp_path):
     torch.set_num_threads(1)
     dense_logits, dense_tokens = _results(str(dense_dir))
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_ep_worker, args=(r, port, moe_dirs, q)) for r in range(2)]
-    [p.start() for p in procs]
-    per_rank = dict(q.get(timeout=100) for _ in procs)
-    [p.join(20) for p in procs]
-    assert all(p.exitcode == 0 for p in procs)
+    reports, exitcodes = run_ranks(_ep_worker, 2, moe_dirs, timeout_s=100)
+    per_rank = dict(reports)
+    assert all(code == 0 for code in exitcodes)
 
     for rank in (0, 1):
         for scale, (logits, tokens) in zip(ROUTER_SCALES, per_rank[rank]):
