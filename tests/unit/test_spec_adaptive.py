@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
-import torch
+from spec_fresh_prefill import assert_seeds_equal_a_fresh_prefill
 from spec_helpers import (
     assert_pages_free,
     engine_cfg,
@@ -17,14 +17,13 @@ from spec_helpers import (
     one_thread,  # noqa: F401 (autouse fixture)
     prompts,
     reference,
-    slot,
     tiny_head,
     tiny_target,
 )
 
 import tandem.spec.cost_profile as cost_profile
-from tandem.engine import ForwardBatch, SamplingParams, SeqSlice, build_metadata
-from tandem.spec import DRAFT_GROUP, SpecConfig, SpecEngine, draft_prefill, target_features
+from tandem.engine import SamplingParams
+from tandem.spec import SpecConfig, SpecEngine
 from tandem.spec.adaptive import (
     AdaptivePolicy,
     AdaptiveSettings,
@@ -207,27 +206,7 @@ def test_a_plain_step_leaves_seed_and_caches_as_a_fresh_prefill():
     for _ in range(3):  # prefill, a k = 3 round, a k = 0 round
         eng.step()
     assert [p.num_drafts for p in eng.spec_scheduler.policy.plans] == [3, 0]
-    fresh = SpecEngine(engine_cfg(), SPEC, model, head)
-    page = eng.cfg.page_size
-    for rid, seed in eng.seeds.items():
-        req = eng.scheduler.requests[rid]
-        nc, ids = seed.num_cached, req.all_ids
-        assert nc == req.num_computed == len(ids) - 1 and seed.last_token == ids[-1]
-        pages = fresh.allocator.alloc(-(-(nc + 1) // page))
-        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=nc)], page)
-        out = fresh.runner.forward(ForwardBatch(
-            input_ids=torch.tensor(ids[:nc]), positions=lay.positions, attn=lay.attn,
-            logits_indices=torch.tensor([nc - 1]), capture_layers=fresh.capture))
-        hidden = draft_prefill(fresh.draft, [pages], [0], [ids[1 : nc + 1]],
-                               target_features(out, head))
-        got = torch.tensor([slot(req.page_ids, t, page) for t in range(nc)])
-        want = torch.tensor([slot(pages, t, page) for t in range(nc)])
-        for group in ("target", DRAFT_GROUP):
-            torch.testing.assert_close(
-                eng.kv_pool.group_tensor(group)[:, got // page, :, got % page],
-                fresh.kv_pool.group_tensor(group)[:, want // page, :, want % page],
-                atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(seed.hidden, hidden[nc - 1], atol=1e-4, rtol=1e-4)
+    assert_seeds_equal_a_fresh_prefill(eng, SPEC, model, head)
 
 
 # ---- the adaptive policy in the engine, and its cost table -------------------------------------

@@ -16,6 +16,7 @@ from functools import cache
 
 import pytest
 import torch
+from spec_fresh_prefill import assert_seeds_equal_a_fresh_prefill
 from spec_helpers import (
     Forward,
     Recorder,
@@ -35,7 +36,6 @@ from spec_helpers import (
 )
 
 import tandem.spec.engine as spec_engine
-from tandem.engine import ForwardBatch, SeqSlice, build_metadata
 from tandem.spec import (
     DRAFT_GROUP,
     DraftExtendInput,
@@ -46,8 +46,6 @@ from tandem.spec import (
     SpecEngine,
     VerifyInput,
     VerifyResult,
-    draft_prefill,
-    target_features,
 )
 
 N_NEW = 14
@@ -437,30 +435,7 @@ def test_caches_equal_a_fresh_prefill_of_the_committed_tokens(spec, kind):
         eng.step()
     assert len(eng.seeds) == len(ms) and len(eng.rounds) >= 2 * len(ms)
 
-    fresh = SpecEngine(engine_cfg(), spec, model, head)  # its own pool, same weights
-    ps_ = eng.cfg.page_size
-    for rid, seed in eng.seeds.items():
-        req = eng.scheduler.requests[rid]
-        nc = seed.num_cached
-        ids = req.all_ids
-        assert len(ids) == nc + 1 and seed.last_token == ids[-1]
-        pages = fresh.allocator.alloc(-(-(nc + 1) // ps_))
-        lay = build_metadata([SeqSlice(page_ids=pages, num_cached=0, num_new=nc)], ps_)
-        out = fresh.runner.forward(ForwardBatch(
-            input_ids=torch.tensor(ids[:nc]), positions=lay.positions, attn=lay.attn,
-            logits_indices=torch.tensor([nc - 1]), capture_layers=fresh.capture))
-        hidden = draft_prefill(fresh.draft, [pages], [0], [ids[1 : nc + 1]],
-                               target_features(out, head))
-        got_slots = torch.tensor([slot(req.page_ids, t, ps_) for t in range(nc)])
-        want_slots = torch.tensor([slot(pages, t, ps_) for t in range(nc)])
-        for group in ("target", DRAFT_GROUP):
-            got = eng.kv_pool.group_tensor(group)[:, got_slots // ps_, :, got_slots % ps_]
-            want = fresh.kv_pool.group_tensor(group)[:, want_slots // ps_, :, want_slots % ps_]
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, w=f"{rid} {group} KV": f"{w}: {m}")
-        torch.testing.assert_close(seed.hidden, hidden[nc - 1], atol=1e-4, rtol=1e-4)
-        ids_fresh, _ = head.topk(hidden[nc - 1 : nc], spec.topk)
-        assert torch.equal(seed.topk_ids, ids_fresh[0])
+    assert_seeds_equal_a_fresh_prefill(eng, spec, model, head)
 
 
 @pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
