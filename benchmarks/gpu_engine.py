@@ -200,12 +200,12 @@ def check_greedy_graphs() -> dict[str, bool]:
 
 # ---- timing -----------------------------------------------------------------------------------
 
-def _engine(model: str, cuda_graphs: bool, kv_bytes: int, max_len: int, max_seqs: int = 64
-            ) -> LLMEngine:
+def _engine(model: str, cuda_graphs: bool, kv_bytes: int, max_len: int, max_seqs: int = 64,
+            overlap: bool | None = None) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig(
         model=model, load_format="dummy", device="cuda", dtype="bfloat16",
         cuda_graphs=cuda_graphs, max_num_seqs=max_seqs, max_model_len=max_len,
-        kv_cache_bytes=kv_bytes, max_num_batched_tokens=8192))
+        kv_cache_bytes=kv_bytes, max_num_batched_tokens=8192, overlap_schedule=overlap))
 
 
 def weight_bytes_per_step(eng: LLMEngine) -> int:
@@ -224,8 +224,11 @@ def kv_bytes_per_token(eng: LLMEngine) -> int:
 
 
 def bench_decode(model: str, batch_sizes: tuple[int, ...], ctx: int, bw: float,
-                 kv_bytes: int) -> list[dict]:
-    eng = _engine(model, cuda_graphs=True, kv_bytes=kv_bytes, max_len=ctx + 512)
+                 kv_bytes: int, overlap: bool | None = None) -> list[dict]:
+    """overlap: the engine's overlap scheduling (None: its default, on for CUDA); the whole
+    step's time is the steady-state mean over 30 back-to-back steps either way."""
+    eng = _engine(model, cuda_graphs=True, kv_bytes=kv_bytes, max_len=ctx + 512,
+                  overlap=overlap)
     w_bytes, per_tok = weight_bytes_per_step(eng), kv_bytes_per_token(eng)
     vocab, rows = eng.model_cfg.vocab_size, []
     g = torch.Generator().manual_seed(0)
@@ -251,12 +254,13 @@ def bench_decode(model: str, batch_sizes: tuple[int, ...], ctx: int, bw: float,
         eager_ms = cuda_time_ms(lambda: eng.runner.forward(batch), iters=10)
         floor_ms = (w_bytes + bs * kv_len * per_tok) / bw * 1e3
         row = dict(model=model, batch=bs, graph_batch=padded, ctx=round(kv_len),
+                   overlap=eng.overlap,
                    graph_ms=graph_ms, engine_step_ms=engine_ms, eager_ms=eager_ms,
                    floor_ms=floor_ms, weight_gb=w_bytes / 1e9,
                    kv_gb=bs * kv_len * per_tok / 1e9, gpu=gpu_state())
         row["profile"] = profile_replays(lambda: eng.graphs.replay_only(padded), OUT_DIR,
                                          f"{model} decode batch {bs} (graph replay)")
-        if bs == 1:
+        if bs == 1 and overlap is None:
             row["host_profile"] = profile_host(eng, OUT_DIR / f"host_{model}_bs1.txt")
             row.update(_variants_bs1(eng, batch))
         rows.append(row)
@@ -415,6 +419,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024, help="prompt tokens per decode sequence")
     ap.add_argument("--cool-down-s", type=float, default=20.0,
                     help="idle seconds before the compute-bound prefill (throttling cards)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated section names to run (default: all), e.g. "
+                         "decode_8b,decode_8b_no_overlap")
     args = ap.parse_args()
     if args.jit_head_dim:
         return jit_one(args.jit_head_dim)
@@ -440,10 +447,18 @@ def main() -> None:
         ("gemv", bench_gemv),
         ("decode_8b", lambda: bench_decode("llama-3.1-8b", (1, 8, 64), args.ctx, bw, 14 << 30)),
         ("decode_smollm2", lambda: bench_decode("smollm2-135m", (1, 8, 64), args.ctx, bw, 4 << 30)),
+        # The same steps without overlap scheduling (engine/overlap.py): same-run before/after.
+        ("decode_8b_no_overlap", lambda: bench_decode("llama-3.1-8b", (1, 8), args.ctx, bw,
+                                                      14 << 30, overlap=False)),
+        ("decode_smollm2_no_overlap", lambda: bench_decode("smollm2-135m", (1, 8), args.ctx, bw,
+                                                           4 << 30, overlap=False)),
         ("cool_down", lambda: time.sleep(args.cool_down_s) or gpu_state()),
         ("prefill_8b", lambda: bench_prefill((2048, 8192))),
     ]
+    only = set(filter(None, args.only.split(",")))
     for name, fn in sections:
+        if only and name not in only:
+            continue
         RESULTS.setdefault("gpu_state", {})[name] = gpu_state()
         t0 = time.perf_counter()
         try:
@@ -470,12 +485,16 @@ def print_table(bw: float, rates: dict[str, float]) -> None:
               f"{max(r['rel_err'] for r in att):.2e}")
     for key in ("kernels", "model_paths", "greedy_graphs"):
         print(f"{key}: {RESULTS.get(key)}")
-    print("\nmodel          batch  ctx  graph ms  step ms  eager ms  floor ms  graph/floor  clock")
-    for key in ("decode_smollm2", "decode_8b"):
+    print("\nmodel          overlap batch  ctx  graph ms  step ms  step/graph  eager ms  floor ms"
+          "  graph/floor  clock")
+    for key in ("decode_smollm2", "decode_smollm2_no_overlap", "decode_8b",
+                "decode_8b_no_overlap"):
         for r in RESULTS.get(key) or []:
             if isinstance(r, dict) and "graph_ms" in r:
-                print(f"{r['model']:<14} {r['batch']:>5} {r['ctx']:>4} {r['graph_ms']:9.3f} "
-                      f"{r['engine_step_ms']:8.3f} {r['eager_ms']:9.3f} {r['floor_ms']:9.3f} "
+                print(f"{r['model']:<14} {str(r.get('overlap')):>7} {r['batch']:>5} "
+                      f"{r['ctx']:>4} {r['graph_ms']:9.3f} {r['engine_step_ms']:8.3f} "
+                      f"{r['engine_step_ms'] / r['graph_ms']:10.2f}x "
+                      f"{r['eager_ms']:9.3f} {r['floor_ms']:9.3f} "
                       f"{r['graph_ms'] / r['floor_ms']:10.2f}x  {r.get('gpu', {}).get('sm_mhz')} MHz "
                       f"{r.get('gpu', {}).get('temp_c')} C")
     for r in RESULTS.get("prefill_8b") or []:

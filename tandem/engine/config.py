@@ -259,6 +259,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context
     seed: int = 0
     cuda_graphs: bool = True  # replay pure-decode steps from CUDA graphs (CUDA + FlashInfer only)
+    # TP all-reduce on GPUs (allreduce.py): "auto" measures NCCL and the symmetric-memory
+    # one-shot/two-shot kernels at start-up and gives each message size the fastest; "nccl"
+    # never uses symmetric memory; "one_shot"/"two_shot" force that kernel wherever a message
+    # fits its buffer (tests, benchmarks). No effect on the CPU, with TP 1 or DP attention.
+    all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = "auto"
     # Reuse the KV pages of prompt prefixes computed before (prefix_cache.py); off by default.
     enable_prefix_caching: bool = False
     # How expert-parallel MoE moves tokens (layers/moe_dispatch.py): "allreduce" (every rank
@@ -266,6 +271,9 @@ class EngineConfig:
     # ranks, variable splits: one host read per MoE layer) or "alltoall_padded" (fixed
     # capacity, no host read: for decode CUDA graphs). A no-op without EP.
     moe_dispatch: Literal["allreduce", "alltoall", "alltoall_padded"] = "allreduce"
+    # Overlap scheduling (overlap.py): launch step n+1 before reading step n's tokens, so the
+    # host's work hides behind the GPU's. None: on for CUDA devices (plain engine, no DP).
+    overlap_schedule: bool | None = None
     sampling_fault: SamplingFault | None = None  # test only: make chosen rows fail sampling
 
     def __post_init__(self) -> None:
@@ -282,6 +290,12 @@ class EngineConfig:
             raise ConfigError(f"num_pages: need at least 2 pages, got {self.num_pages}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
+        if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
+            raise ConfigError(f"overlap_schedule: must be true, false or null (auto), "
+                              f"got {self.overlap_schedule!r}")
+        if self.all_reduce not in ("auto", "nccl", "one_shot", "two_shot"):
+            raise ConfigError(f"all_reduce: '{self.all_reduce}' is not one of auto, nccl, "
+                              "one_shot, two_shot")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching: must be true or false, "
                               f"got {self.enable_prefix_caching!r}")

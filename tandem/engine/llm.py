@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine import h2d
 from tandem.engine.attention.backend import AttentionShape, create_backend
 from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.engine.config import EngineConfig, ModelConfig
@@ -27,11 +28,12 @@ from tandem.engine.cuda_graphs import (
 from tandem.engine.kv_cache import KVGroupSpec, KVPool, PageAllocator
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.models.decoder import DecoderLM
+from tandem.engine.overlap import InflightStep, feed_input_ids, is_live
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.prefix_cache import PrefixCache
 from tandem.engine.request import Completion, FinishReason, Request, RequestOutput
 from tandem.engine.runner import ForwardBatch, ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, read_sampled, row_error
+from tandem.engine.sampling import Sampler, SampledRead, SamplingParams, read_sampled, row_error
 from tandem.engine.scheduler import Scheduler, StepPlan
 from tandem.messages import TokenLogprob
 
@@ -121,6 +123,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
                                    engine_cfg.max_num_batched_tokens, self.prefix_cache)
         self.sampler = Sampler(engine_cfg.sampling_fault)
+        # Overlap scheduling (engine/overlap.py): on CUDA by default, for the plain engine
+        # without DP attention; `_inflight` is the launched step not read yet.
+        want = (engine_cfg.overlap_schedule if engine_cfg.overlap_schedule is not None
+                else self.device.type == "cuda")
+        self.overlap = want and self.SUPPORTS_OVERLAP and model.par.dp.size == 1
+        self._inflight: InflightStep | None = None
         self._detok: dict[str, object] = {}
         self._ids = itertools.count()
         self.eos_ids = frozenset(self.model_cfg.eos_token_ids) | frozenset(
@@ -179,7 +187,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def any_rank_has_work(self) -> bool:
         """With DP attention, whether any DP rank has work: every rank keeps stepping (idle
@@ -216,13 +224,31 @@ class LLMEngine:
 
     # A step never records autograd, whoever calls it (Ray worker loops, the CLI, tests): the
     # kernels' dispatch keeps the Triton kernels (which have no backward) for inference only.
+    # Overlap scheduling needs every step to be this class's `step`; SpecEngine runs rounds.
+    SUPPORTS_OVERLAP = True
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if self.overlap:
+            # Launch step n+1, then read step n (engine/overlap.py): the host's stop checks
+            # and the next step's planning run while the GPU computes.
+            prev, self._inflight = self._inflight, self._launch(plan) if plan.chunks else None
+            return self._resolve(prev) if prev is not None else []
         if not plan.chunks:
             if self.model.par.dp.size > 1:  # DP attention: the other ranks may have work
                 self.runner.idle_forward(self.device)
             return []
+        reqs, sampled = self._forward_and_sample(plan)
+        # SYNC: the one host sync per step (stop checks): the tokens, and the logprobs of the
+        # rows that asked, in one read.
+        token_list, logprobs = read_sampled(sampled)
+        return [self._append_row(r, t, err, lp)
+                for r, t, err, lp in zip(reqs, token_list, sampled.errors, logprobs)]
+
+    def _forward_and_sample(self, plan: StepPlan) -> tuple[list[Request], object]:
+        """The step's forward (a graph replay when one fits) and sampling, committed; no host
+        read. Returns the sampling rows' requests and the `SampleOutput`."""
         graph_bs = self._graph_batch_size(plan)
         batch = self._build_batch(plan, graph_bs or len(plan.chunks))
         if graph_bs is not None and self.graphs is not None:
@@ -234,11 +260,28 @@ class LLMEngine:
         sampled = self.sampler.sample(logits, [r.params for r in reqs],
                                       [r.generator for r in reqs], [r.req_id for r in reqs])
         self.scheduler.commit(plan)
-        # SYNC: the one host sync per step (stop checks): the tokens, and the logprobs of the
-        # rows that asked, in one read.
-        token_list, logprobs = read_sampled(sampled)
-        return [self._append_row(r, t, err, lp)
-                for r, t, err, lp in zip(reqs, token_list, sampled.errors, logprobs)]
+        return reqs, sampled
+
+    def _launch(self, plan: StepPlan) -> InflightStep:
+        """Overlap: run the step up to sampling and queue the read of its tokens; each sampling
+        row's request gets a pending token (its next input, taken from the device)."""
+        reqs, sampled = self._forward_and_sample(plan)
+        for r in reqs:
+            r.num_pending += 1
+        return InflightStep(reqs=tuple(reqs), tokens=sampled.tokens, errors=sampled.errors,
+                            read=SampledRead.start(sampled),
+                            rows={r.req_id: i for i, r in enumerate(reqs)})
+
+    def _resolve(self, step: InflightStep) -> list[RequestOutput]:
+        """Overlap: read a launched step's tokens (SYNC: the step's one host read, a step late)
+        and run their stop checks; rows of requests that ended meanwhile are dropped."""
+        token_list, logprobs = step.read.wait()
+        outputs = []
+        for req, t, err, lp in zip(step.reqs, token_list, step.errors, logprobs):
+            req.num_pending -= 1
+            if is_live(self.scheduler.requests, req):
+                outputs.append(self._append_row(req, t, err, lp))
+        return outputs
 
     def _graph_batch_size(self, plan: StepPlan) -> int | None:
         """The padded size of a CUDA graph that can run this step, or None (eager)."""
@@ -253,17 +296,23 @@ class LLMEngine:
         # Plain blocking copies: the stream is idle here (the last step ended on its host
         # read), and on an H200 they cost less than pinned non-blocking ones (`engine/h2d`,
         # which pays off where the GPU is busy: speculative rounds) -- docs/perf.md session 9.
-        layout = build_metadata(pad_decode_slices(slices, num_rows) if num_rows > len(slices)
-                                else slices, self.cfg.page_size, self.device)
-        input_ids = [t for c in plan.chunks for t in c.token_ids]
-        input_ids += [0] * (num_rows - len(plan.chunks))  # padding rows (graph batches only)
+        # With overlap the stream is busy: the copies must not wait for it (`h2d`).
+        seqs = pad_decode_slices(slices, num_rows) if num_rows > len(slices) else slices
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
         logits_rows = [end - 1 for c, end in zip(plan.chunks, ends) if c.samples]
-        return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=layout.positions, attn=layout.attn,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
-        )
+        if self.overlap:
+            layout = h2d.build_layout(seqs, self.cfg.page_size, self.device)
+            input_ids = feed_input_ids(plan.chunks, num_rows - len(plan.chunks) + ends[-1],
+                                       self._inflight, self.device)
+            logits_idx = h2d.tensor(logits_rows, torch.int64, self.device)
+        else:
+            layout = build_metadata(seqs, self.cfg.page_size, self.device)
+            ids = [t for c in plan.chunks for t in c.token_ids]
+            ids += [0] * (num_rows - len(plan.chunks))  # padding rows (graph batches only)
+            input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            logits_idx = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        return ForwardBatch(input_ids=input_ids, positions=layout.positions, attn=layout.attn,
+                            logits_indices=logits_idx)
 
     def _append_row(self, req: Request, token: int, error: str = "",
                     logprob: TokenLogprob | None = None) -> RequestOutput:
@@ -313,7 +362,7 @@ class LLMEngine:
             reason, visible_end = FinishReason.STOP, stop_at
         elif (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = FinishReason.STOP
-        elif len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= req.max_total_len:
+        elif len(req.output_ids) >= p.max_new_tokens or req.num_resolved >= req.max_total_len:
             reason = FinishReason.LENGTH
         elif p.stop:
             # Hold back text that could be the start of a stop string still being generated.

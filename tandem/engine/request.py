@@ -14,6 +14,8 @@ import torch
 from tandem.messages import FinishReason, SamplingParams  # noqa: F401 -- re-exported
 from tandem.messages import TokenLogprob
 
+PENDING = -1  # in `Request.all_ids`: a token sampled on the device whose value is not read yet
+
 
 @dataclass(slots=True, eq=False)
 class Request:
@@ -29,6 +31,10 @@ class Request:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens of all_ids whose K/V are in the cache
+    # Overlap scheduling (engine/overlap.py): tokens sampled on the device and not read yet
+    # (0, 1, or 2 for a moment inside a step). They end `all_ids` as PENDING placeholders: the
+    # scheduler counts them, the next forward takes them from the device.
+    num_pending: int = 0
     text: str = ""  # detokenized output so far (stop strings are found here)
     num_emitted_chars: int = 0  # prefix of `text` already streamed out
     finish_reason: FinishReason | None = None
@@ -45,11 +51,27 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        if self.num_pending:
+            return self.prompt_ids + self.output_ids + [PENDING] * self.num_pending
         return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known to exist, the pending ones included (what the scheduler plans with)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_resolved(self) -> int:
+        """Tokens whose values the host has read: prompt + outputs (stop checks use this)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_reaches_length(self) -> bool:
+        """Whether the pending tokens already take the request to a length limit: its next
+        read ends it (finish length), so it must not be scheduled again."""
+        return self.num_pending > 0 and (
+            len(self.output_ids) + self.num_pending >= self.params.max_new_tokens
+            or self.num_tokens >= self.max_total_len)
 
     @property
     def finished(self) -> bool:

@@ -105,10 +105,28 @@ def read_sampled(out: SampleOutput) -> tuple[list[int], list[TokenLogprob | None
     if lp is None:  # no row asks: the plain read, nothing else
         tokens = out.tokens.tolist()  # SYNC: the step's one host read
         return tokens, [None] * len(tokens)
-    copy = HostCopy.start((out.tokens, *lp.tensors()))
-    tokens_h, *lp_h = copy.wait()  # SYNC: the step's one host read, tokens and logprobs
-    tokens = tokens_h.tolist()
-    return tokens, HostLogprobs.of(lp, lp_h).per_row(tokens)
+    return SampledRead.start(out).wait()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SampledRead:
+    """`read_sampled` in two halves: `start` queues the copies (never waits), `wait` reads them
+    -- overlap scheduling starts the read when it launches a step and waits a step later."""
+
+    copy: HostCopy
+    logprobs: LogprobRows | None
+
+    @staticmethod
+    def start(out: SampleOutput) -> SampledRead:
+        lp = out.logprobs
+        return SampledRead(HostCopy.start((out.tokens, *(lp.tensors() if lp else ()))), lp)
+
+    def wait(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        tokens_h, *lp_h = self.copy.wait()  # SYNC: the step's one host read
+        tokens = tokens_h.tolist()
+        if self.logprobs is None:
+            return tokens, [None] * len(tokens)
+        return tokens, HostLogprobs.of(self.logprobs, lp_h).per_row(tokens)
 
 
 class Sampler:
@@ -153,7 +171,7 @@ class Sampler:
                 errors[i] = self._failed(i, req_ids, exc)
         for rows in shared.values():
             try:
-                idx = torch.tensor(rows, device=logits.device)
+                idx = h2d.tensor(rows, torch.int64, logits.device)  # no stream sync
                 probs = target_probs(logits[idx], params[rows[0]])  # [len(rows), V]
                 tokens[idx] = torch.multinomial(probs, 1).squeeze(-1)
             except Exception:  # noqa: BLE001 -- find the culprit: draw the group row by row

@@ -108,6 +108,8 @@ class Scheduler:
                 break
             if req.req_id in scheduled or req.req_id in exclude or req not in self.running:
                 continue  # handled elsewhere, or preempted by an earlier allocation
+            if req.pending_reaches_length:
+                continue  # overlap scheduling: its pending token ends it when read
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, n, preempted, scheduled):
                 continue
@@ -117,6 +119,8 @@ class Scheduler:
         # Admit waiting requests while budget, slots and pages allow (never preempt for them).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted with a token not read yet: admitted once it is (next step)
             hit = self._match(req)
             num_start = max(req.num_computed, len(hit) * self.page_size)
             n = min(req.num_tokens - num_start, budget)

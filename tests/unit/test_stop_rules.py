@@ -54,8 +54,8 @@ def _setup():
 def _run(kind: str, model, prompt, params: SamplingParams, ref):
     """(the completion, every token id streamed) from the plain or the speculative engine."""
     tok = letter_tokenizer()
-    if kind == "plain":
-        eng = LLMEngine(engine_cfg(), model, tok)
+    if kind in ("plain", "overlap"):  # overlap: engine/overlap.py, outputs read a step late
+        eng = LLMEngine(engine_cfg(overlap_schedule=kind == "overlap"), model, tok)
     else:
         eng = scripted_engine(model, tiny_head(model, "eagle", live=None), SPEC,
                               lambda rid, out: chain((ref + (0,) * 8)[len(out):], K, K),
@@ -73,7 +73,7 @@ def _run(kind: str, model, prompt, params: SamplingParams, ref):
     return req, streamed
 
 
-@pytest.mark.parametrize("kind", ["plain", "speculative"])
+@pytest.mark.parametrize("kind", ["plain", "overlap", "speculative"])
 @pytest.mark.parametrize("also", ["stop token", "eos", "nothing"])
 def test_a_stop_string_cuts_text_and_token_whatever_else_the_token_ends(kind, also):
     model, prompt, out, j = _setup()
@@ -93,7 +93,7 @@ def test_a_stop_string_cuts_text_and_token_whatever_else_the_token_ends(kind, al
     assert req.finish_reason == FinishReason.STOP
 
 
-@pytest.mark.parametrize("kind", ["plain", "speculative"])
+@pytest.mark.parametrize("kind", ["plain", "overlap", "speculative"])
 def test_a_stop_string_that_begins_in_an_earlier_token_drops_only_the_last(kind):
     model, prompt, out, j = _setup()
     tok = letter_tokenizer()
@@ -105,7 +105,7 @@ def test_a_stop_string_that_begins_in_an_earlier_token_drops_only_the_last(kind)
     assert tuple(req.output_ids) == tuple(streamed) == out[:j]
 
 
-@pytest.mark.parametrize("kind", ["plain", "speculative"])
+@pytest.mark.parametrize("kind", ["plain", "overlap", "speculative"])
 def test_a_stop_token_alone_is_returned_with_its_text(kind):
     model, prompt, out, j = _setup()
     tok = letter_tokenizer()
