@@ -54,6 +54,12 @@ def build_model(
 ) -> DecoderLM:
     dtype = DTYPES[engine_cfg.dtype]
     device = torch.device(engine_cfg.device)
+    if par.tp.size > 1 and device.type == "cuda":  # before the layers take their groups
+        from tandem.engine.allreduce import attach_fast_all_reduce
+        from tandem.engine.cuda_graphs import graph_batch_sizes
+
+        par = attach_fast_all_reduce(par, engine_cfg.all_reduce, device, dtype, cfg.hidden_size,
+                                     graph_batch_sizes(engine_cfg.max_num_seqs))
     with torch.device(device):
         model = DecoderLM(cfg, par, dtype, max_position, engine_cfg.moe_dispatch)
     slots = model.weight_loaders()

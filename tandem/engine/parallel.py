@@ -3,7 +3,9 @@ data-parallel attention (DP).
 
 A layer receives a `ParallelGroup` and asks it for its rank/size and for collectives; with
 size 1 every collective is the identity, so the single-device engine pays nothing. With
-size > 1 the group wraps a `torch.distributed` group (gloo on CPU, NCCL on GPU).
+size > 1 the group wraps a `torch.distributed` group (gloo on CPU, NCCL on GPU); on GPUs a TP
+group may also carry a `FastAllReduce` (allreduce.py: symmetric memory over NVLink) that takes
+the small all-reduces it was measured faster on.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import torch
 @dataclass(frozen=True, slots=True)
 class ParallelGroup:
     """One communicator: `rank` in `[0, size)`; `handle` is a torch.distributed group or None
-    for the trivial single-rank group."""
+    for the trivial single-rank group. `fast`: a `FastAllReduce` (allreduce.py) that owns a
+    symmetric buffer over the same ranks and picks, per message size, a custom all-reduce or
+    NCCL; None (CPU, TP 1, `all_reduce: nccl`): every all-reduce is the backend's."""
 
     rank: int = 0
     size: int = 1
     handle: Any = None
+    fast: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -35,9 +40,14 @@ class ParallelGroup:
         return self.rank * per, (self.rank + 1) * per
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks. Works on a copy: the caller's tensor is never modified."""
+        """Sum over ranks. Works on a copy: the caller's tensor is never modified. Inside a
+        CUDA graph capture too (both paths only launch kernels on the current stream)."""
         if self.size == 1:
             return x
+        if self.fast is not None:
+            out = self.fast.all_reduce(x)  # None: the table says NCCL for this message
+            if out is not None:
+                return out
         import torch.distributed as dist
 
         out = x.clone()
