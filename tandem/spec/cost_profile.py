@@ -2,7 +2,9 @@
 the cache of an earlier start (same model shape, dtype, device, draft head, num_steps, tandem
 and policy version), or measured now by timing the engine's own rounds -- with its real CUDA
 graphs on a GPU, a few eager rounds on the CPU -- for a grid of batch sizes and every k in
-0 .. num_steps, and cached under $TANDEM_CACHE/spec-cost/ (as the GEMV tuning is).
+0 .. num_steps, and cached under $TANDEM_CACHE/spec-cost/ (as the GEMV tuning is). On a GPU
+every k is timed through its own graphs (`SpecEngine.k_graphs`, captured before the policy
+is made), so the table prices the rounds the policy will run.
 
 Owns: the profiling requests it adds to the engine (removed again before it returns) and the
 cost files it writes. What a profiled cost covers: one round's forwards (drafting, verify,

@@ -25,6 +25,14 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
   features, runs the draft head, and takes each request's bonus row's top-k. Its metadata
   depends on num_cached alone, so it is built and planned while the verify graph runs.
 
+- **Every k.** A runner holds the graphs of one k (`num_drafts`, default `num_steps`): an
+  adaptive policy's rounds of k < num_steps replay the runner of their k (`graph_set.py`
+  captures one per k). A chain of k drafts verifies N = k + 1 nodes and extends R = k + 1
+  rows; k = 1 needs no draft step (d_1 is the seed's top-1), and k = 0 (a plain step) verifies
+  the root alone and extends its one token: both 1-token forwards plan through the decode
+  planner (the plain decode kernel, one int workspace for every bucket). All runners of an
+  engine share one `GraphMemory`: the graph memory pool and one verify-logits buffer.
+
 Padding rows (n requests in the bucket B >= n) live on the scratch page (`slices`). Tree draft
 steps run eagerly. Layouts are built on the host and copied without a stream sync (`h2d`), so
 the host plans the next forward while the GPU runs the current one.
@@ -69,6 +77,27 @@ def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | No
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class GraphMemory:
+    """What the speculative graphs of one engine share, made by its first runner (k =
+    num_steps, the widest verify) and lent to the runners of other k. Graphs never run
+    concurrently (one stream, one round at a time), so their intermediates may reuse each
+    other's memory: one pool. Every verify graph copies its logits into `logits`, one buffer
+    instead of a static output per (k, bucket) -- on the 8B shape with 11 buckets to 128,
+    0.33 GB instead of 1.1 GB for k = 4 alone and 3.2 GB for every k in 0..4. Its rows are
+    valid until the next verify replay of any runner (a round reads them before that)."""
+
+    pool: Any  # torch.cuda graph pool handle; None off CUDA (eager-mode runners, CPU tests)
+    logits: torch.Tensor  # [B_max * N_max, V] float32 verify logits, request-major
+
+    @staticmethod
+    def allocate(runner: ModelRunner, max_rows: int, device: torch.device) -> GraphMemory:
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        vocab = runner.model.cfg.vocab_size
+        return GraphMemory(pool=pool, logits=torch.zeros(max_rows, vocab, dtype=torch.float32,
+                                                         device=device))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class ExtendOutput:
     """The draft-extend graph's result for the real rows: the next round's first level. New
     tensors (the graph's static outputs are copied out)."""
@@ -86,6 +115,17 @@ class _Captured:
     out: Any  # static outputs: ForwardOutput (verify), a tuple (extend), None (draft steps)
 
 
+def _planner(backend: Any, max_bs: int, tokens_per_seq: int, pages: int, max_kv_len: int,
+             masked: bool) -> Any:
+    """Fixed-buffer planner of a graph forward with `tokens_per_seq` new tokens per request: a
+    1-token causal forward (k = 0 verify and extend) is a decode batch, planned through the
+    decode wrappers -- the plain decode kernel, one int workspace for every bucket."""
+    if tokens_per_seq == 1 and not masked:
+        return backend.graph_decode_planner(max_bs, pages)
+    return backend.graph_prefill_planner(max_bs, tokens_per_seq, pages, max_kv_len,
+                                         custom_mask=masked)
+
+
 def _check_fixed_buffers(plan: Any, captured: Any) -> None:
     """A new plan must have rewritten the captured wrapper's buffers, not made new ones, and
     be its planner's latest (a later plan of another bucket rewrote the shared buffers)."""
@@ -98,40 +138,54 @@ def _check_fixed_buffers(plan: Any, captured: Any) -> None:
 
 
 class SpecGraphRunner:
-    """Owns the speculative CUDA graphs, their memory pool, their attention planners and every
-    static buffer they read or write: draft tokens `_tokens` [B_max, k+1] int64 (root, then
-    drafts), the seed's draft hidden `_hidden` [B_max, H], the round's draft page table
+    """Owns the speculative CUDA graphs of one k (`num_drafts`), their attention planners and
+    every static buffer they read or write: draft tokens `_tokens` [B_max, k+1] int64 (root,
+    then drafts), the seed's draft hidden `_hidden` [B_max, H], the round's draft page table
     [B_max, P_max] int32 and num_cached [B_max] int64, verify token ids and positions
-    [B_max * N] int64.
+    [B_max * N] int64. The pool and the verify logits are the engine's `GraphMemory`.
 
     Invariants: callers' tensors are only read (copied in); a returned VerifyInput holds new
-    tensors; verify outputs are views valid until the next `verify`; nothing is re-captured."""
+    tensors; verify outputs are views valid until the next `verify` (of any runner sharing
+    the memory); nothing is re-captured."""
 
     def __init__(self, runner: ModelRunner, draft: DraftRunner, spec: SpecConfig,
                  batch_sizes: Sequence[int], max_kv_len: int,
-                 capture_layers: tuple[int, ...]) -> None:
+                 capture_layers: tuple[int, ...], num_drafts: int | None = None,
+                 memory: GraphMemory | None = None) -> None:
+        """num_drafts: the k this runner's rounds draft (None: spec.num_steps; another k only
+        as a chain). memory: the engine's shared `GraphMemory` (None: allocate one)."""
         backend = runner.backend
         if not hasattr(backend, "graph_prefill_planner"):  # verify and extend plan through it
             raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")
-        self.runner, self.draft, self.spec = runner, draft, spec
-        self.capture_layers = capture_layers
+        k = spec.num_steps if num_drafts is None else num_drafts
+        if not 0 <= k <= spec.num_steps:
+            raise ValueError(f"num_drafts: must be in [0, {spec.num_steps}], got {k}")
+        self.runner, self.draft, self.spec, self.num_drafts = runner, draft, spec, k
+        self.capture_layers, self.max_kv_len = capture_layers, max_kv_len
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.page_size = runner.kv_pool.page_size
-        self.num_nodes = spec.tree_size  # N: verify tokens per request
-        self.masked = spec.topk > 1  # tree configs verify through the ancestor mask
-        self.chain_drafting = spec.topk == 1 and spec.num_steps > 1
+        full = k == spec.num_steps
+        self.num_nodes = spec.tree_size if full else k + 1  # N: verify tokens per request
+        self.masked = full and spec.topk > 1  # tree configs verify through the ancestor mask
+        self.chain_drafting = not self.masked and k > 1  # k = 1: d_1 is the seed's top-1
         max_bs = self.batch_sizes[-1]
         pages = max_bs * -(-max_kv_len // self.page_size)
         device = runner.kv_pool.layer(runner.kv_group, 0).device
         self.device = device
-        self._verify_planner = backend.graph_prefill_planner(
-            max_bs, self.num_nodes, pages, max_kv_len, custom_mask=self.masked)
+        if memory is None:
+            memory = GraphMemory.allocate(runner, max_bs * self.num_nodes, device)
+        if memory.logits.shape[0] < max_bs * self.num_nodes:
+            raise ValueError(f"memory: {memory.logits.shape[0]} logits rows, the verify graphs "
+                             f"need {max_bs} x {self.num_nodes}")
+        self.memory = memory
+        self._verify_planner = _planner(backend, max_bs, self.num_nodes, pages, max_kv_len,
+                                        self.masked)
         # Draft-extend: R rows per request, causal, over the draft's KV group.
-        self.extend_rows = extend_rows(spec.num_steps, self.num_nodes)
-        self._extend_planner = backend.graph_prefill_planner(
-            max_bs, self.extend_rows, pages, max_kv_len, custom_mask=False)
+        self.extend_rows = extend_rows(k, self.num_nodes)
+        self._extend_planner = _planner(backend, max_bs, self.extend_rows, pages, max_kv_len,
+                                        False)
         head = draft.head
-        self._tokens = torch.zeros(max_bs, spec.num_steps + 1, dtype=torch.int64,
+        self._tokens = torch.zeros(max_bs, k + 1, dtype=torch.int64,
                                    device=device)  # [B_max, k+1]
         self._hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=head.fc.weight.dtype,
                                    device=device)  # [B_max, H]
@@ -161,7 +215,6 @@ class SpecGraphRunner:
         self._draft_graphs: dict[int, _Captured] = {}
         self._verify_graphs: dict[int, _Captured] = {}
         self._extend_graphs: dict[int, _Captured] = {}
-        self._pool: Any = None
 
     # ---- capture ------------------------------------------------------------------------------
 
@@ -186,9 +239,8 @@ class SpecGraphRunner:
             return _Captured(graph=None, plan=plan, out=None)
         torch.cuda.synchronize(self.device)  # SYNC: once per graph, at start-up
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self.memory.pool):
             out = body(bs, plan)
-        self._pool = graph.pool()
         return _Captured(graph=graph, plan=plan, out=out)
 
     def _replay(self, captured: _Captured, body, bs: int, plan: Any) -> Any:
@@ -218,8 +270,11 @@ class SpecGraphRunner:
     @torch.inference_mode()
     def _verify_body(self, bs: int, plan: Any) -> ForwardOutput:
         n = bs * self.num_nodes
-        return self.runner.forward_planned(self._verify_ids[:n], self._verify_positions[:n],
-                                           plan, None, self.capture_layers)
+        out = self.runner.forward_planned(self._verify_ids[:n], self._verify_positions[:n],
+                                          plan, None, self.capture_layers)
+        logits = self.memory.logits[:n]  # [B * N, V]: the shared buffer, not a graph output
+        logits.copy_(out.logits)
+        return ForwardOutput(logits=logits, hidden=out.hidden, aux_hidden=out.aux_hidden)
 
     @torch.inference_mode()
     def _extend_body(self, bs: int, plan: Any) -> tuple[torch.Tensor, torch.Tensor,
@@ -252,7 +307,9 @@ class SpecGraphRunner:
         return padded_batch_size(batch_size, self.batch_sizes)
 
     def can_propose(self, inp: DraftInput) -> bool:
-        return self.chain_drafting and self.bucket(inp.batch_size) is not None
+        """A chain of k >= 1 drafts (k = 0 proposes nothing: `propose.root_only`)."""
+        return (not self.masked and self.num_drafts >= 1
+                and self.bucket(inp.batch_size) is not None)
 
     def can_verify(self, verify: VerifyInput) -> bool:
         return (verify.num_nodes == self.num_nodes and self.bucket(verify.batch_size) is not None
@@ -261,21 +318,22 @@ class SpecGraphRunner:
     def propose(self, inp: DraftInput) -> VerifyInput:
         """Chain drafting through the drafting graph: the same tokens as
         `propose._propose_chain` on the same inputs."""
-        bs, k = inp.batch_size, self.spec.num_steps
+        bs, k = inp.batch_size, self.num_drafts
         rows = self.bucket(bs)
         if not self.can_propose(inp) or rows is None:
             raise ValueError(f"no drafting graph for a batch of {bs} (captured "
-                             f"{self.batch_sizes}, chain drafting {self.chain_drafting})")
-        table, base = chain_draft_table(inp.page_ids, inp.num_cached, rows=rows)  # host
-        if table.shape[1] > self._draft_table.shape[1]:
-            raise ValueError(f"propose: {table.shape[1]} pages per request exceed the graph's "
-                             f"{self._draft_table.shape[1]} (max_kv_len)")
-        h2d.copy_into(self._draft_table[:rows, : table.shape[1]], table)
-        h2d.copy_into(self._draft_base[:rows], base)
+                             f"{self.batch_sizes}, {k} chain drafts: {not self.masked})")
         self._tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
         self._tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
-        self._hidden[:bs].copy_(inp.hidden, non_blocking=True)
-        self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
+        if self.chain_drafting:  # draft steps 1..k-1 (k = 1: d_1 alone, nothing to replay)
+            table, base = chain_draft_table(inp.page_ids, inp.num_cached, rows=rows)  # host
+            if table.shape[1] > self._draft_table.shape[1]:
+                raise ValueError(f"propose: {table.shape[1]} pages per request exceed the "
+                                 f"graph's {self._draft_table.shape[1]} (max_kv_len)")
+            h2d.copy_into(self._draft_table[:rows, : table.shape[1]], table)
+            h2d.copy_into(self._draft_base[:rows], base)
+            self._hidden[:bs].copy_(inp.hidden, non_blocking=True)
+            self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
         n = k + 1
         return VerifyInput(
             page_ids=inp.page_ids, num_cached=inp.num_cached,

@@ -34,6 +34,7 @@ from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
 from tandem.spec.adaptive import KPolicy
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
+from tandem.spec.graph_set import capture_k_graphs, graphs_for, policy_ks, verify_drafts
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
 from tandem.spec.extend import (
     compact_accepted_path,
@@ -86,15 +87,20 @@ class SpecEngine(LLMEngine):
         self.prefill_synced_hook: Callable[[tuple[ScheduledChunk, ...]], None] | None = None
         self.spec_stats = SpecStats()
         self.capture = head.cfg.feature_layers
-        # CUDA graphs for chain draft steps and verify: on whenever decode graphs are (CUDA,
-        # FlashInfer, cuda_graphs=True); batches beyond the largest bucket run eagerly.
+        # CUDA graphs for chain draft steps, verify and draft-extend: on whenever decode graphs
+        # are (CUDA, FlashInfer, cuda_graphs=True); batches beyond the largest bucket run
+        # eagerly. `spec_graphs` holds rounds of num_steps drafts; with a k policy, `k_graphs`
+        # holds the other k it may choose (spec/graph_set.py), sharing its pool and logits.
         self.spec_graphs: SpecGraphRunner | None = None
+        self.k_graphs: dict[int, SpecGraphRunner] = {}
         if self.graphs is not None:
             self.spec_graphs = SpecGraphRunner(
                 self.runner, self.draft, spec, spec_graph_batch_sizes(self.graphs.batch_sizes),
                 max_kv_len=self.max_model_len + spec.slots_per_round,
                 capture_layers=self.capture)
             self.spec_graphs.capture()
+            if policy is not None or spec.adaptive:
+                self.k_graphs = capture_k_graphs(self.spec_graphs, policy_ks(spec))
         if policy is None and spec.adaptive:  # after the graphs: profiling times them
             from tandem.spec.cost_profile import adaptive_policy
 
@@ -325,7 +331,7 @@ class SpecEngine(LLMEngine):
         #   p_j(t); a rejection sets p_j(t) = 0 and renormalises, and the bonus is drawn from
         #   what is left, so P(emit t) = p_j(t) -- the target's own distribution, lossless.
         # a accepted drafts + 1 bonus = a + 1 new tokens, 1 <= a + 1 <= num_steps + 1.
-        graphs, fault = self.spec_graphs, self.cfg.sampling_fault
+        graphs, fault = self._graphs_for(inp.num_drafts), self.cfg.sampling_fault
         if graphs is not None and all(p.greedy for p in inp.params) and graphs.can_extend(verify):
             # Greedy on the device: the acceptance kernel and the draft-extend graph are queued
             # back to back before the round's one host read, so the GPU extends while the host
@@ -350,17 +356,22 @@ class SpecEngine(LLMEngine):
 
     def _propose(self, req_ids: list[str], inp: DraftInput, num_drafts: int) -> VerifyInput:
         """Drafting k = num_drafts tokens. A seam for tests that force acceptance patterns with
-        scripted drafts. The graphs hold num_steps drafts: another k drafts eagerly, and its
-        verify and draft-extend (other shapes) run eagerly too."""
+        scripted drafts. Through the graphs of this k when captured (k = num_steps always; the
+        other k with a k policy), else eagerly (k = 0 proposes nothing either way)."""
         del req_ids
-        graphs = self.spec_graphs
-        if num_drafts == self.spec.num_steps and graphs is not None and graphs.can_propose(inp):
+        graphs = self._graphs_for(num_drafts)
+        if graphs is not None and graphs.can_propose(inp):
             return graphs.propose(inp)
         return propose(self.draft, inp, self.spec, num_drafts)
 
+    def _graphs_for(self, num_drafts: int) -> SpecGraphRunner | None:
+        """The CUDA graphs of a round of `num_drafts` drafts, or None (it runs eagerly)."""
+        return graphs_for(self.spec_graphs, self.k_graphs, num_drafts)
+
     def _verify_forward(self, verify: VerifyInput) -> ForwardOutput:
-        if self.spec_graphs is not None and self.spec_graphs.can_verify(verify):
-            return self.spec_graphs.verify(verify)
+        graphs = self._graphs_for(verify_drafts(self.spec, verify.num_nodes))
+        if graphs is not None and graphs.can_verify(verify):
+            return graphs.verify(verify)
         layout = verify_layout(verify, self.cfg.page_size, self.device)
         n = verify.batch_size * verify.num_nodes
         return self.runner.forward(ForwardBatch(
