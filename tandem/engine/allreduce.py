@@ -32,6 +32,7 @@ import bisect
 import dataclasses
 import logging
 import math
+import os
 import statistics
 import warnings
 from collections.abc import Callable, Sequence
@@ -141,6 +142,10 @@ class FastAllReduce:
 
     def __init__(self, group: ParallelGroup, device: torch.device, dtype: torch.dtype,
                  max_bytes: int = MAX_BYTES) -> None:
+        # No multimem op runs here, so the buffer needs no NVLink multicast object: keep torch
+        # from creating one (cuMulticastCreate) -- multicast can take a shared host's GPUs out
+        # of service (the device machines keep it off; so does this, wherever it runs).
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group, self.device, self.dtype = group, device, dtype
@@ -269,7 +274,7 @@ def attach_fast_all_reduce(par: ParallelContext, mode: str, device: torch.device
     fast, error = None, ""
     try:
         fast = FastAllReduce(tp, device, dtype)
-    except (RuntimeError, AttributeError, ImportError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- an optional fast path: NCCL serves instead
         error = repr(exc)
     ok = torch.tensor([int(fast is not None)], dtype=torch.int32, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.handle)
