@@ -315,3 +315,158 @@ def test_graph_spec_logprobs_equal_plain_up_to_bf16(target, which):
             assert len(x.top_ids) == len(y.top_ids) == TOP
             assert x.logprob == pytest.approx(y.logprob, abs=tol), (i, x, y)
             assert x.top_logprobs == pytest.approx(y.top_logprobs, abs=tol), (i, x, y)
+
+
+# ---- every k in CUDA graphs (spec/graph_set.py): the runners an adaptive policy's rounds replay
+
+
+class _Schedule:
+    """A k policy that follows `ks` step by step; every third step splits the batch (even rows
+    draft, odd rows run the plain round), as tests/unit/test_spec_adaptive.py's ForcedK."""
+
+    def __init__(self, ks) -> None:
+        self.ks, self.step = list(ks), 0
+        self.used: set[int] = set()
+
+    def plan(self, req_ids, allow_split):
+        from tandem.spec.adaptive import RoundPlan
+
+        k = self.ks[self.step % len(self.ks)]
+        self.step += 1
+        split = allow_split and self.step % 3 == 0 and len(req_ids) > 1
+        self.used.add(k)
+        return RoundPlan(num_drafts=k, drafting=tuple(not split or r % 2 == 0
+                                                      for r in range(len(req_ids))))
+
+    def observe(self, req_id, num_drafts, num_accepted):
+        pass
+
+    def forget(self, req_id):
+        pass
+
+
+KS = (4, 0, 1, 0, 2, 3, 1, 4, 0, 3)
+
+
+@pytest.fixture(scope="module")
+def k_engine(target):
+    return SpecEngine(_cfg(True), CHAIN, *target, policy=_Schedule(KS))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+@pytest.mark.parametrize("bs", [1, 3])  # 3 runs in the graphs of 4
+def test_k_graphs_replay_equals_eager_and_propose_and_extend_agree(k_engine, k, bs):
+    """The runner of k: drafting == eager drafting of k; the verify replay == the eager forward
+    planned into the same buffers, bit for bit (k = 0: the decode planner); the draft-extend
+    graph proposes the eager extend's top-k."""
+    from tandem.spec.accept import launch_greedy_accept
+    from tandem.spec.extend import draft_extend, make_extend_input
+
+    eng = k_engine
+    graphs = eng.k_graphs[k]
+    assert graphs.num_nodes == k + 1 and graphs.memory is eng.spec_graphs.memory
+    ids, inp = _input(eng, bs, seed=50 + 4 * k + bs)
+    verify = propose(eng.draft, inp, eng.spec, k)
+    if k >= 1:
+        assert torch.equal(graphs.propose(inp).tokens, verify.tokens)
+    rows = graphs.bucket(bs)
+    got = graphs.verify(verify)
+    got_logits, feats = got.logits.clone(), got.hidden.clone()
+    slices = pad_fixed_slices(verify_slices(verify, masked=False), rows, k + 1,
+                              eng.cfg.page_size, False)
+    lay = build_metadata(slices, eng.cfg.page_size, DEV)
+    plan = graphs._verify_planner.plan(lay.attn)
+    ids_in = torch.zeros(rows * (k + 1), dtype=torch.int64, device=DEV)
+    ids_in[: verify.tokens.numel()] = verify.tokens.reshape(-1)
+    eager = eng.runner.forward_planned(ids_in, lay.positions, plan, None, eng.capture)
+    m = got_logits.shape[0]
+    assert torch.equal(got_logits, eager.logits[:m]) and torch.equal(feats, eager.hidden[:m])
+    pending = launch_greedy_accept(verify, got_logits)
+    result = pending.result()
+    ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus, feats)
+    want = draft_extend(eng.draft, make_extend_input(verify, result, feats), eng.spec.topk)
+    assert torch.equal(ext.topk_ids, want.topk_ids)
+    _abort(eng, ids)
+
+
+def test_adaptive_schedule_with_graphs_is_lossless_up_to_bf16_near_ties(target, monkeypatch):
+    """k changes every step (0..4, split steps too); every round runs in the graphs of its k
+    (no eager draft-extend; eager drafting only proposes k = 0's root) and the output equals
+    plain greedy's up to bf16 near-ties. (FlashInfer has no float32 kernels: the float32
+    equality of the same schedule is test_float32_k_schedule_equals_plain below, with the
+    runners in eager mode, and tests/unit/test_spec_k_graphs.py on the CPU.)"""
+    import tandem.spec.engine as spec_engine
+
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 49152, (7 + 13 * i,), generator=g).tolist() for i in range(5)]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    plain = LLMEngine(_cfg(True), target[0])
+    want = [c.output_ids for c in plain.generate(prompts, params)]
+    policy = _Schedule(KS)
+    eng = SpecEngine(_cfg(True), CHAIN, *target, policy=policy)
+    assert sorted(eng.k_graphs) == [0, 1, 2, 3]
+    replays = {k: 0 for k in range(5)}
+    for k, runner in {**eng.k_graphs, 4: eng.spec_graphs}.items():
+        orig = runner.extend
+
+        def spy(*a, orig=orig, k=k):
+            replays[k] += 1
+            return orig(*a)
+
+        monkeypatch.setattr(runner, "extend", spy)
+    eager_ks = []
+    real = spec_engine.propose
+    monkeypatch.setattr(spec_engine, "propose",
+                        lambda d, i, s, k: eager_ks.append(k) or real(d, i, s, k))
+    monkeypatch.setattr(spec_engine, "draft_extend", None)  # an eager extend would raise
+    got = [c.output_ids for c in eng.generate(prompts, params)]
+    assert policy.used == set(KS) and all(replays[k] > 0 for k in range(5)), replays
+    assert set(eager_ks) <= {0}
+    for p, a, b in zip(prompts, got, want):
+        d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if d is None:
+            continue
+        tie = parting_gap(plain, p + list(b[:d]), (a[d], b[d]))
+        assert tie.both_in_top2 and tie.rel_gap <= 0.02, (d, tie)
+
+
+class _EagerPlanner:
+    """A fixed-buffer planner stand-in over the torch reference backend (float32): the runners
+    in eager mode (capture(eager=True)) run their fixed-shape bodies at every replay."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+
+    def plan(self, meta):
+        return self.backend.plan(meta)
+
+
+def test_float32_k_schedule_equals_plain(target, monkeypatch):
+    """float32 on the GPU (torch attention, Triton acceptance kernels): the runner of every k
+    in eager mode, under the schedule with splits, gives plain greedy's tokens exactly."""
+    from tandem.spec.cuda_graphs import SpecGraphRunner
+    from tandem.spec.graph_set import capture_k_graphs, policy_ks
+
+    cfg = EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda",
+                       dtype="float32", attention_backend="torch", cuda_graphs=False,
+                       max_num_seqs=8, max_model_len=1024, kv_cache_bytes=512 << 20)
+    model_cfg, path = resolve_model(cfg)
+    model = build_model(model_cfg, path, cfg, ParallelContext(), 1024)
+    head = dummy_head(DraftHeadConfig.like_target(model_cfg), model, DTYPES["float32"], DEV,
+                      1024)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 49152, (7 + 13 * i,), generator=g).tolist() for i in range(4)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = [c.output_ids for c in LLMEngine(cfg, model).generate(prompts, params)]
+    eng = SpecEngine(cfg, CHAIN, model, head, policy=_Schedule(KS))
+    backend = eng.runner.backend
+    monkeypatch.setattr(backend, "graph_decode_planner",
+                        lambda bs, pages: _EagerPlanner(backend), raising=False)
+    monkeypatch.setattr(backend, "graph_prefill_planner",
+                        lambda *a, **kw: _EagerPlanner(backend), raising=False)
+    full = SpecGraphRunner(eng.runner, eng.draft, CHAIN, (1, 2, 4), 1024 + CHAIN.slots_per_round,
+                           eng.capture)
+    full.capture(eager=True)
+    eng.spec_graphs, eng.k_graphs = full, capture_k_graphs(full, policy_ks(CHAIN), eager=True)
+    got = [c.output_ids for c in eng.generate(prompts, params)]
+    assert got == want
