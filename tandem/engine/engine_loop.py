@@ -242,14 +242,18 @@ class EngineLoop:
 
     def _iterate(self) -> bool:
         """One round: apply commands, expire deadlines, step. False when told to stop."""
-        # Block on the queue only when no request of ours is in the engine.
-        busy = bool(self._live) and not self._failure
-        if not self._apply(self._drain(block=not busy)):
+        # Block on the queue only when the engine has nothing to do: no request of ours, and
+        # no step in flight (overlap scheduling, engine/overlap.py: a step launched for
+        # requests aborted since is still read, so its pages and rows are settled).
+        if not self._apply(self._drain(block=not self._busy())):
             return False
         self._expire_deadlines()
-        if self._live and not self._failure:
+        if self._busy():
             self._step()
         return True
+
+    def _busy(self) -> bool:
+        return (bool(self._live) or self.engine.has_unfinished()) and not self._failure
 
     def _fail(self, exc: Exception) -> None:
         """The engine is in an unknown state: end every live request, accept no more."""

@@ -69,12 +69,13 @@ def run(coro):
 
 
 @pytest.mark.timeout(60)
-def test_stream_equals_generate_concurrently(model):
+@pytest.mark.parametrize("overlap", [False, True])  # engine/overlap.py: tokens a step late
+def test_stream_equals_generate_concurrently(model, overlap):
     ps = prompts(4, seed=3)
     ns = [5, 9, 1, 12]
     ref = _engine(model).generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True)
                                        for n in ns])
-    engine = _engine(model)
+    engine = _engine(model, overlap_schedule=overlap)
     d = ColocatedDispatcher.from_engine(engine)
 
     async def main():
@@ -117,8 +118,9 @@ def test_router_over_colocated_dispatcher(model):
 
 
 @pytest.mark.timeout(60)
-def test_abort_and_close_free_every_page(model):
-    engine = _engine(model)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_and_close_free_every_page(model, overlap):
+    engine = _engine(model, overlap_schedule=overlap)
     d = ColocatedDispatcher.from_engine(engine)
 
     async def main():
