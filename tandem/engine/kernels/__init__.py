@@ -8,6 +8,8 @@ from tandem.engine.kernels.ops import (
     fused_linear,
     kernel_policy,
     linear,
+    moe_experts,
+    moe_weighted_sum,
     paged_decode,
     rms_norm,
     rotary,
@@ -18,6 +20,6 @@ from tandem.engine.kernels.ops import (
 
 __all__ = [
     "KernelPolicy", "add_rms_norm", "current_policy", "decode_fusion_ok", "fused_linear",
-    "kernel_policy", "linear", "paged_decode", "rms_norm", "rotary", "rotary_store",
-    "silu_and_mul", "store_kv",
+    "kernel_policy", "linear", "moe_experts", "moe_weighted_sum", "paged_decode", "rms_norm",
+    "rotary", "rotary_store", "silu_and_mul", "store_kv",
 ]

@@ -8,7 +8,8 @@ decode batches) to the Triton GEMV kernels (`TANDEM_GEMV=0`; `TANDEM_GEMV_MAX_RO
 8; 1 keeps them to batch 1), and `KernelPolicy.fused_decode` lets layers of that many rows
 fold their norms, activation and residual adds into those GEMVs (`TANDEM_FUSED_DECODE=0`;
 `KernelPolicy.fused_draft` lets the draft head's layers do the same, `TANDEM_FUSED_DRAFT=0`
-turns that off).
+turns that off). MoE experts (`moe_experts`, `moe_weighted_sum`) run as grouped-GEMM Triton
+kernels on CUDA (triton_moe; twins in torch_moe), with no host read.
 `kernel_policy(...)` swaps the policy inside a `with` block (tests and benchmarks compare
 paths in one process). A policy change after a CUDA graph was captured does not affect the
 graph. Triton is imported on first CUDA use only.
@@ -26,7 +27,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.kernels import torch_ops
+from tandem.engine.kernels import torch_moe, torch_ops
+from tandem.engine.kernels.moe_blocks import align_blocks, block_rows
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ _policy = KernelPolicy(triton=os.environ.get("TANDEM_TRITON", "1") != "0",
                        fused_draft=os.environ.get("TANDEM_FUSED_DRAFT", "1") != "0")
 _triton_module: ModuleType | None = None
 _gemv_module: ModuleType | None = None
+_moe_module: ModuleType | None = None
 _triton_failed = False
 
 
@@ -102,18 +105,18 @@ def _triton_for(x: torch.Tensor) -> ModuleType | None:
     every op takes its differentiable torch twin. Without this, q/k of the head's attention
     and its norm weights got no gradient on the GPU (rope and RMSNorm outputs were cut off
     from the graph)."""
-    global _triton_module, _gemv_module, _triton_failed
+    global _triton_module, _gemv_module, _moe_module, _triton_failed
     if (not (_policy.triton and _on_triton_device(x)) or _triton_failed
             or torch.is_grad_enabled()):
         return None
     if _triton_module is None:
         try:
-            from tandem.engine.kernels import triton_gemv, triton_ops
+            from tandem.engine.kernels import triton_gemv, triton_moe, triton_ops
         except ImportError as exc:  # a CUDA machine without triton: slower, still correct
             log.warning("triton unavailable (%s); using torch kernels", exc)
             _triton_failed = True
             return None
-        _triton_module, _gemv_module = triton_ops, triton_gemv
+        _triton_module, _gemv_module, _moe_module = triton_ops, triton_gemv, triton_moe
     return _triton_module
 
 
@@ -232,3 +235,40 @@ def fused_linear(
         return gemv.gemv(x.contiguous(), weight, norm_weight=norm_weight, eps=eps,
                          silu_mul=silu_mul, residual=residual)
     return torch_ops.fused_linear(x, weight, norm_weight, eps, silu_mul, residual)
+
+
+def _moe_for(x: torch.Tensor) -> ModuleType:
+    """triton_moe for x on CUDA (policy allowing), else its twins (torch_moe)."""
+    if _triton_for(x) is None:
+        return torch_moe
+    assert _moe_module is not None
+    return _moe_module
+
+
+def moe_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor,
+    expert_start: int,
+) -> torch.Tensor:
+    """Fused MoE experts, no host read: x [T, H]; w13 [E_local, 2I, H] (gate rows, up rows);
+    w2 [E_local, H, I]; experts [T, k] int64 global ids, local ones in [expert_start,
+    expert_start + E_local) -> [T, k, H] each slot's unweighted expert output (0 for a slot
+    routed to another rank's expert). Shapes depend on (T, k, E_local) alone: capturable in a
+    CUDA graph per batch size. Pairs sorted by expert into blocks (moe_blocks), then two
+    grouped GEMMs (gate_up with SiLU * up, down)."""
+    impl = _moe_for(x)
+    num_tokens, top_k = experts.shape
+    num_local = w13.shape[0]
+    blocks = align_blocks(experts, expert_start, num_local,
+                          block_rows(num_tokens * top_k, num_local))
+    h = impl.moe_gate_up(x.contiguous(), w13, blocks)  # [R, I] sorted rows
+    return impl.moe_down(h, w2, blocks).view(num_tokens, top_k, w2.shape[1])
+
+
+def moe_weighted_sum(
+    y: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """y [T, k, H] per-slot expert outputs, weights [T, k] y.dtype, experts [T, k] int64 ->
+    [T, H] sum over slots of weights * y, added from zero in ascending expert id (the order
+    the expert loop added them in: deterministic, and the same sums whichever path made y)."""
+    impl = _moe_for(y)
+    return impl.moe_weighted_sum(y.contiguous(), weights.contiguous(), experts.argsort(dim=-1))

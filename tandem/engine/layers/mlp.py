@@ -10,12 +10,14 @@ same ones); otherwise the tokens are the same on every EP rank, so each rank sen
 slice of them and the slices are all-gathered afterwards.
 When ep has one rank and tp has several, expert intermediate columns shard over tp instead
 (the dispatch setting is then moot: every expert is local).
+The experts themselves run as fused grouped-GEMM kernels (kernels.moe_experts: pairs sorted by
+expert on the device, Triton on CUDA, torch twins elsewhere), with no host read and shapes
+fixed by the batch: the all-reduce path and the padded all-to-all capture in CUDA graphs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine import kernels
@@ -146,16 +148,12 @@ class SparseMoE(nn.Module):
     def _local_experts_by_token(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        """The all-reduce path's partial sum: [T, H], this rank's experts' weighted outputs."""
-        out = torch.zeros_like(x)
-        for e in range(self.w13.shape[0]):
-            token_idx, slot = torch.nonzero(experts == self.expert_start + e, as_tuple=True)
-            if token_idx.numel() == 0:
-                continue
-            h = silu_and_mul(F.linear(x[token_idx], self.w13[e]))  # [n, I_local]
-            y = F.linear(h, self.w2[e]) * weights[token_idx, slot, None]  # [n, H]
-            out.index_add_(0, token_idx, y)
-        return out
+        """The all-reduce path's partial sum: [T, H], this rank's experts' weighted outputs
+        (slots routed to other ranks' experts add 0). Fused MoE kernels: no host read, shapes
+        fixed by T (a decode step captures in a CUDA graph); the per-expert loop it replaced
+        is the tests' oracle (kernels/moe_reference.py)."""
+        y = kernels.moe_experts(x, self.w13, self.w2, experts, self.expert_start)  # [T, k, H]
+        return kernels.moe_weighted_sum(y, weights, experts)
 
     def _alltoall(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, slice_rows: int
@@ -166,25 +164,12 @@ class SparseMoE(nn.Module):
         num_tokens, k = experts.shape
         sent = self.a2a.dispatch(x, experts, capacity=slice_rows * k)
         back = self.a2a.combine(self._run_received(sent.rows, sent.local_expert), sent)
-        y = back.view(num_tokens, k, x.shape[1]) * weights[..., None]  # [T, k, H] weighted
-        # Sum each token's k outputs in ascending expert id, from zero: the order the
-        # all-reduce path adds them in on one rank, so both give the same float sums.
-        by_id = experts.argsort(dim=-1)[..., None].expand(-1, -1, y.shape[-1])  # [T, k, H]
-        y = y.gather(1, by_id)
-        out = torch.zeros_like(x)
-        for j in range(k):
-            out = out + y[:, j]
-        return out
+        # Each token's k outputs weighted and added from zero in ascending expert id: the
+        # order the all-reduce path adds them in on one rank, so both give the same sums.
+        return kernels.moe_weighted_sum(back.view(num_tokens, k, x.shape[1]), weights, experts)
 
     def _run_received(self, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         """rows [N, H], local_expert [N] int64 (-1: padding) -> [N, H] unweighted expert outputs
-        (zeros on padding rows). Eager per-expert loop; a CUDA-graph decode path needs a
-        grouped-GEMM kernel here (nonzero's size is a host read on CUDA)."""
-        out = torch.zeros_like(rows)
-        for e in range(self.w13.shape[0]):
-            idx = torch.nonzero(local_expert == e, as_tuple=True)[0]  # [n]
-            if idx.numel() == 0:
-                continue
-            h = silu_and_mul(F.linear(rows[idx], self.w13[e]))  # [n, I_local]
-            out.index_copy_(0, idx, F.linear(h, self.w2[e]))
-        return out
+        (zeros on padding rows): the fused kernels with one slot per row, no host read (the
+        padded variant's N = ep * capacity is fixed, so its decode step captures in a graph)."""
+        return kernels.moe_experts(rows, self.w13, self.w2, local_expert[:, None], 0)[:, 0]
