@@ -31,7 +31,14 @@ from tandem.engine.models.decoder import DecoderLM
 from tandem.engine.overlap import InflightStep, feed_input_ids, is_live
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine.request import Completion, FinishReason, Request, RequestOutput
+from tandem.engine.request import (
+    Completion,
+    FinishReason,
+    Request,
+    RequestOutput,
+    completion_of,
+    find_stop,
+)
 from tandem.engine.runner import ForwardBatch, ModelRunner
 from tandem.engine.sampling import Sampler, SampledRead, SamplingParams, read_sampled, row_error
 from tandem.engine.scheduler import Scheduler, StepPlan
@@ -94,8 +101,10 @@ class LLMEngine:
 
     def __init__(
         self, engine_cfg: EngineConfig, model: DecoderLM, tokenizer: object | None = None,
-        extra_kv_groups: Sequence[KVGroupSpec] = (),
+        extra_kv_groups: Sequence[KVGroupSpec] = (), reserved_pages: int = 0,
     ) -> None:
+        """reserved_pages: KV page ids kept out of the allocator for a subclass's own use
+        (pages 1 .. reserved_pages, after the scratch page 0; added to the pool's size)."""
         self.cfg, self.model, self.tokenizer = engine_cfg, model, tokenizer
         self.model_cfg: ModelConfig = model.cfg
         self.device = torch.device(engine_cfg.device)
@@ -106,8 +115,9 @@ class LLMEngine:
         num_pages = engine_cfg.num_pages or max(
             2, engine_cfg.kv_cache_bytes // KVPool.bytes_per_page(groups, engine_cfg.page_size, dtype)
         )
+        num_pages += reserved_pages
         self.kv_pool = KVPool(groups, num_pages, engine_cfg.page_size, dtype, self.device)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages, reserved=1 + reserved_pages)
         self.runner = ModelRunner(model, self.kv_pool, create_backend(
             engine_cfg.attention_backend, self.device, attention_shape_for(model, dtype)))
         self.graphs: DecodeGraphRunner | None = None
@@ -409,7 +419,7 @@ class LLMEngine:
                 bar.set_postfix(tokens=num_tokens, refresh=False)
         if bar is not None:
             bar.close()
-        return [_completion(reqs[i]) for i in ids]
+        return [completion_of(reqs[i]) for i in ids]
 
     @torch.inference_mode()
     def next_token_logits(self, ids: Sequence[int]) -> torch.Tensor:
@@ -427,24 +437,3 @@ class LLMEngine:
         finally:
             self.allocator.free(pages)
         return out.logits[0].float()
-
-
-def find_stop(text: str, prev_len: int, stops: Sequence[str]) -> int | None:
-    """Index of the earliest stop string in `text` that was not complete in text[:prev_len]."""
-    if not stops:
-        return None
-    start = max(0, prev_len - max(map(len, stops)) + 1)
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _completion(req: Request) -> Completion:
-    assert req.finish_reason is not None
-    now = time.perf_counter()
-    return Completion(
-        req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids),
-        text=req.text, finish_reason=req.finish_reason,
-        ttft_s=(req.first_token_time or now) - req.arrival_time,
-        latency_s=now - req.arrival_time, num_cached_tokens=req.num_cached_tokens,
-        error=req.error, logprobs=tuple(req.output_logprobs),
-    )

@@ -7,6 +7,7 @@ callers (`RequestOutput`, `Completion`) is a frozen value.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -105,3 +106,25 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str = ""  # finish_reason ERROR: why this request failed
     logprobs: tuple[TokenLogprob, ...] = ()  # [len(output_ids)] when the request asked
+
+
+def find_stop(text: str, prev_len: int, stops: Sequence[str]) -> int | None:
+    """Index of the earliest stop string in `text` that was not complete in text[:prev_len]."""
+    if not stops:
+        return None
+    start = max(0, prev_len - max(map(len, stops)) + 1)
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def completion_of(req: Request) -> Completion:
+    """The frozen summary of a finished request."""
+    assert req.finish_reason is not None
+    now = time.perf_counter()
+    return Completion(
+        req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), output_ids=tuple(req.output_ids),
+        text=req.text, finish_reason=req.finish_reason,
+        ttft_s=(req.first_token_time or now) - req.arrival_time,
+        latency_s=now - req.arrival_time, num_cached_tokens=req.num_cached_tokens,
+        error=req.error, logprobs=tuple(req.output_logprobs),
+    )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from tandem.engine.config import EngineConfig
+from tandem.engine.cuda_graphs import graph_batch_sizes
 from tandem.engine.llm import LLMEngine, validate_prompt
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
@@ -50,6 +51,7 @@ from tandem.spec.propose import propose
 from tandem.spec.scheduler import SpecScheduler
 from tandem.spec.slices import verify_layout
 from tandem.spec.stats import SpecStats
+from tandem.spec.tree_graphs import TreeDraftGraphs, graphs_expected, lanes_needed
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,12 @@ class SpecEngine(LLMEngine):
                  tokenizer: object | None = None, policy: KPolicy | None = None) -> None:
         """policy: how many drafts each step proposes (None: the adaptive policy when
         spec.adaptive, else always spec.num_steps; tests pass a forced one)."""
-        super().__init__(engine_cfg, model, tokenizer, extra_kv_groups=[draft_kv_group(head)])
+        # Tree drafting in CUDA graphs drafts over lane pages of its own (spec/tree_graphs.py):
+        # reserved out of the allocator when graphs will be captured.
+        lanes = lanes_needed(spec, engine_cfg.page_size, graph_batch_sizes(
+            engine_cfg.max_num_seqs)) if graphs_expected(engine_cfg, model) else 0
+        super().__init__(engine_cfg, model, tokenizer, extra_kv_groups=[draft_kv_group(head)],
+                         reserved_pages=lanes)
         self.spec, self.head = spec, head
         self.draft = DraftRunner(head, self.kv_pool, self.runner.backend,
                                  max_kv_len=self.max_model_len + spec.slots_per_round)
@@ -93,12 +100,19 @@ class SpecEngine(LLMEngine):
         # holds the other k it may choose (spec/graph_set.py), sharing its pool and logits.
         self.spec_graphs: SpecGraphRunner | None = None
         self.k_graphs: dict[int, SpecGraphRunner] = {}
+        self.tree_graphs: TreeDraftGraphs | None = None  # tree drafting (topk > 1)
         if self.graphs is not None:
             self.spec_graphs = SpecGraphRunner(
                 self.runner, self.draft, spec, spec_graph_batch_sizes(self.graphs.batch_sizes),
                 max_kv_len=self.max_model_len + spec.slots_per_round,
                 capture_layers=self.capture)
             self.spec_graphs.capture()
+            if lanes:
+                self.tree_graphs = TreeDraftGraphs(
+                    self.draft, spec, self.spec_graphs.batch_sizes,
+                    max_kv_len=self.max_model_len + spec.slots_per_round,
+                    lane_pages=range(1, 1 + lanes), pool=self.spec_graphs.memory.pool)
+                self.tree_graphs.capture()
             if policy is not None or spec.adaptive:
                 self.k_graphs = capture_k_graphs(self.spec_graphs, policy_ks(spec))
         if policy is None and spec.adaptive:  # after the graphs: profiling times them
@@ -362,6 +376,9 @@ class SpecEngine(LLMEngine):
         graphs = self._graphs_for(num_drafts)
         if graphs is not None and graphs.can_propose(inp):
             return graphs.propose(inp)
+        tree = self.tree_graphs
+        if tree is not None and num_drafts == self.spec.num_steps and tree.can_propose(inp):
+            return tree.propose(inp)
         return propose(self.draft, inp, self.spec, num_drafts)
 
     def _graphs_for(self, num_drafts: int) -> SpecGraphRunner | None:
