@@ -80,6 +80,7 @@ RESULTS: dict = {"notes": [
 ]}
 CHAIN = SpecConfig(num_steps=4)
 TREE = SpecConfig(num_steps=4, topk=4, num_draft_tokens=16)
+TREE8 = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)
 
 
 def log(*args: object) -> None:
@@ -554,6 +555,15 @@ def _graph_timings(eng: SpecEngine, graphs, inp: DraftInput, verify: VerifyInput
         res["propose_graph_equals_eager"] = bool(torch.equal(got, want))
         graphs.propose(inp)  # the drafting buffers hold this bucket's inputs again
         res["propose_replay_ms"] = event_ms(lambda: graphs.replay_propose_only(rows), iters)
+    tree = getattr(eng, "tree_graphs", None)
+    if tree is not None and tree.can_propose(inp):  # tree drafting graph (spec/tree_graphs.py)
+        res["propose_graph_ms"] = event_ms(lambda: tree.propose(inp), iters)
+        got = tree.propose(inp)
+        want = propose(eng.draft, inp, eng.spec)
+        res["propose_graph_equals_eager"] = bool(torch.equal(got.tokens, want.tokens)
+                                                 and got.parents == want.parents)
+        tbucket = tree.bucket(inp.batch_size)
+        res["propose_replay_ms"] = event_ms(lambda: tree.replay_only(tbucket), iters)
     if graphs.can_verify(verify):
         res["verify_graph_call_ms"] = event_ms(lambda: graphs.verify(verify), iters)
         g_logits = graphs.verify(verify).logits.clone()
@@ -595,6 +605,8 @@ def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: t
         sub = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle", draft_vocab_size=dv),
                          model, DTYPES[cfg.dtype], DEV, cfg.max_model_len)
         runs.append((f"chain4_dv{dv // 1024}k", CHAIN, sub))
+        runs.append((f"tree_dv{dv // 1024}k", TREE, sub))  # 4 x 4, 16 nodes
+        runs.append((f"tree8_dv{dv // 1024}k", TREE8, sub))  # 4 x 2, 8 nodes
     for name, spec, head in runs:
         if CONFIGS is not None and name not in CONFIGS:
             continue
