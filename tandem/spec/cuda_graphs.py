@@ -34,7 +34,7 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
   engine share one `GraphMemory`: the graph memory pool and one verify-logits buffer.
 
 Padding rows (n requests in the bucket B >= n) live on the scratch page (`slices`). Tree draft
-steps run eagerly. Layouts are built on the host and copied without a stream sync (`h2d`), so
+steps run in graphs of their own (`tree_graphs.py`). Layouts are built on the host and copied without a stream sync (`h2d`), so
 the host plans the next forward while the GPU runs the current one.
 """
 

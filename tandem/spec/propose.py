@@ -12,7 +12,8 @@ first.
 For a chain (K = 1) the masks are plain causal ones and no tree bookkeeping is needed: its
 steps read one page table per round and derive each step's positions, slots and key counts on
 the device (`chain_steps`, `engine/attention/device_decode`), so a CUDA graph runs them all.
-Tree steps rebuild their metadata from scratch for every draft step.
+Tree steps rebuild their metadata from scratch for every draft step (the eager reference; in
+CUDA graphs, trees draft as K beams over lane pages instead: `tree_graphs.py`).
 """
 
 from __future__ import annotations
