@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import socket
 import statistics
 import sys
@@ -277,9 +278,9 @@ def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
 
             traceback.print_exc()
             res[name] = {"error": repr(exc)}
-        if rank == 0:
-            log(f"{name}: {time.perf_counter() - t0:.1f} s")
-            Path(out_path).write_text(json.dumps(res, default=str))  # partial results too
+        if rank == 0:  # printed and saved as they come: a later hang loses nothing
+            log(f"{name} ({time.perf_counter() - t0:.1f} s): {json.dumps(res[name], default=str)}")
+            Path(out_path).write_text(json.dumps(res, default=str))
 
     with torch.inference_mode():
         bw = copy_bandwidth(dev)
@@ -330,7 +331,11 @@ def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
         section("steps_custom", lambda: bench_steps(custom, args, bw, quiet=rank > 0))
     if rank == 0:
         Path(out_path).write_text(json.dumps(res, default=str))
-    dist.destroy_process_group()
+    # No destroy_process_group: ncclCommDestroy hangs on a communicator that CUDA graphs
+    # captured (pytorch#115388; seen here on 2 H200s: both ranks hung after their last
+    # section). The results are written; leave without tearing down.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # ---- driver ---------------------------------------------------------------------------------
@@ -382,7 +387,7 @@ def main() -> None:
     if torch.cuda.is_available() and not args.smoke:
         env["device"] = torch.cuda.get_device_name()
     results: dict = {"env": env}
-    ref_path, out_path = str(tmp / "ref.pt"), str(tmp / "tp2.json")
+    ref_path, out_path = str(tmp / "ref.pt"), str(args.out / "gpu_tp_ranks.json")
     log(env)
     results["tp1"] = phase_tp1(args, ref_path)  # in this process: GPU 0, freed after
     (args.out / "gpu_tp.json").write_text(json.dumps(results, indent=1, default=str))

@@ -24,6 +24,7 @@ The control channel always uses a separate gloo group (Python objects, never on 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 from tandem.engine.parallel import ParallelContext, ParallelGroup
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -204,11 +206,26 @@ def _tp_subgroup(info: RankInfo, timeout_s: float, backend: str | None = None) -
     return ParallelGroup(rank=info.rank % info.tp, size=info.tp, handle=mine)
 
 
-def leave_group() -> None:
+def leave_group(timeout_s: float = 10.0) -> bool:
+    """Tear down the worker's process groups, waiting at most `timeout_s`. Returns whether the
+    teardown finished. It may not: ncclCommDestroy hangs on a communicator whose collectives a
+    CUDA graph captured (pytorch#115388; TP decode graphs do), so it runs on a daemon thread
+    and a shutdown goes on without it (the process is about to end)."""
+    import threading
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return True
+    done = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        log.warning("leave_group: the process group teardown did not finish in %.0f s "
+                    "(NCCL communicators captured in CUDA graphs); going on without it",
+                    timeout_s)
+        return False
+    return True
 
 
 # ---- per-rank values that cross the router as one opaque blob ------------------------------
