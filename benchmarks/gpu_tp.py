@@ -174,7 +174,6 @@ def copy_bandwidth(dev: torch.device) -> float:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), dev, 10)
-    del src, dst
     return 2 * n / (ms * 1e-3)
 
 
