@@ -175,7 +175,9 @@ class ScriptedSpecEngine(SpecEngine):
         self.refs, self.round_of = refs, 0
         self.accepted: list[int] = []
 
-    def _propose(self, req_ids: list[str], inp: DraftInput) -> VerifyInput:
+    def _propose(self, req_ids: list[str], inp: DraftInput, num_drafts: int = 0
+                 ) -> VerifyInput:
+        del num_drafts  # always num_steps here (no k policy)
         n = self.spec.tree_size
         depth = self.spec.num_steps if self.spec.topk == 1 else min(self.spec.num_steps,
                                                                       (n - 1) // 2)
@@ -210,9 +212,9 @@ class ScriptedSpecEngine(SpecEngine):
                            tokens=torch.tensor(tokens, dtype=torch.int64, device=self.device),
                            parents=tuple(parents), depths=tuple(depths))
 
-    def _commit(self, reqs, result, nxt):
+    def _commit(self, reqs, result, nxt, num_drafts):
         self.accepted += list(result.num_accepted)
-        return super()._commit(reqs, result, nxt)
+        return super()._commit(reqs, result, nxt, num_drafts)
 
 
 def _prompts(n: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:

@@ -18,6 +18,9 @@ def add_parser(subparsers) -> None:
                    help="Head directory (default: the head shipped for the default model)")
     p.add_argument("--num-draft-steps", type=int, default=4, help="Default: %(default)s")
     p.add_argument("--draft-topk", type=int, default=1, help="Default: %(default)s")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="Tree nodes verified per round, root included (default: num_draft_steps "
+                        "* draft_topk + 1, every node drafted)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="Default: %(default)s")
     p.add_argument("--prompts-file", default=None, metavar="TXT",
                    help="Chat prompts to measure on, one per line (default: the 10 held-out "
@@ -33,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.spec.evaluate import evaluate_head
 
     spec = SpecConfig(draft_model=args.draft_model, num_steps=args.num_draft_steps,
-                      topk=args.draft_topk)
+                      topk=args.draft_topk, num_draft_tokens=args.num_draft_tokens)
     if args.prompts_file:
         from pathlib import Path
 
@@ -51,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     per_pos = " ".join(f"{p:.2f}" for p in r.per_position)
     print(f"tau {r.tau:.2f} (standard error {r.tau_stderr:.2f}) over {r.num_rounds} rounds "
           f"of {r.num_prompts} held-out prompts "
-          f"(chain k={args.num_draft_steps} topk={args.draft_topk}, greedy, {args.dtype}); "
+          f"({'chain' if spec.topk == 1 else 'tree'} k={spec.num_steps} topk={spec.topk} "
+          f"nodes={spec.tree_size}, greedy, {args.dtype}); "
           f"P(draft j accepted) j=1..{len(r.per_position)}: {per_pos}; "
           f"identical to the target alone: {r.num_identical}/{r.num_prompts}")
     return 0
