@@ -57,8 +57,10 @@ from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.propose import chain_steps
+from tandem.spec.tree_graphs import DraftedTree
 from tandem.spec.slices import (
     chain_draft_table,
+    device_tree_layout,
     extend_rows,
     extend_slices,
     pad_fixed_slices,
@@ -311,9 +313,10 @@ class SpecGraphRunner:
         return (not self.masked and self.num_drafts >= 1
                 and self.bucket(inp.batch_size) is not None)
 
-    def can_verify(self, verify: VerifyInput) -> bool:
+    def can_verify(self, verify: VerifyInput | DraftedTree) -> bool:
+        chain = isinstance(verify, VerifyInput) and verify.is_chain
         return (verify.num_nodes == self.num_nodes and self.bucket(verify.batch_size) is not None
-                and (self.masked or verify.is_chain))
+                and (self.masked or chain))
 
     def propose(self, inp: DraftInput) -> VerifyInput:
         """Chain drafting through the drafting graph: the same tokens as
@@ -341,17 +344,22 @@ class SpecGraphRunner:
             parents=(tuple(range(-1, n - 1)),) * bs, depths=(tuple(range(n)),) * bs,
         )
 
-    def verify(self, verify: VerifyInput) -> ForwardOutput:
+    def verify(self, verify: VerifyInput | DraftedTree) -> ForwardOutput:
         """The verify forward through its graph -> logits [bs * N, V] float32 and features,
-        request-major, as `SpecEngine._verify_forward` returns them."""
+        request-major, as `SpecEngine._verify_forward` returns them. A `DraftedTree` (shape on
+        the device only) is verified without a host read: mask and positions built there."""
         bs, n = verify.batch_size, self.num_nodes
         rows = self.bucket(bs)
         if not self.can_verify(verify) or rows is None:
             raise ValueError(f"no verify graph for {bs} x {verify.num_nodes} nodes (captured "
                              f"{self.batch_sizes} x {n})")
         captured = self._verify_graphs[rows]
-        layout = verify_layout(verify, self.page_size, self.device, masked=self.masked,
-                               rows=rows)
+        if isinstance(verify, DraftedTree):
+            layout = device_tree_layout(verify.page_ids, verify.num_cached, verify.parents,
+                                        verify.depths, self.page_size, self.device, rows=rows)
+        else:
+            layout = verify_layout(verify, self.page_size, self.device, masked=self.masked,
+                                   rows=rows)
         plan = self._verify_planner.plan(layout.attn)
         self._verify_ids[: bs * n].copy_(verify.tokens.reshape(-1), non_blocking=True)
         self._verify_ids[bs * n : rows * n].zero_()  # padding rows: any valid token

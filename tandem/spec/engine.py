@@ -51,7 +51,12 @@ from tandem.spec.propose import propose
 from tandem.spec.scheduler import SpecScheduler
 from tandem.spec.slices import verify_layout
 from tandem.spec.stats import SpecStats
-from tandem.spec.tree_graphs import TreeDraftGraphs, graphs_expected, lanes_needed
+from tandem.spec.tree_graphs import (
+    DraftedTree,
+    TreeDraftGraphs,
+    graphs_expected,
+    lanes_needed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -333,10 +338,11 @@ class SpecEngine(LLMEngine):
         for the token after node j, given x_0 .. x_L and the path down to j."""
         # Draft: from its seed the draft guesses ahead, num_steps deep; a chain (topk = 1) or a
         # tree of topk children per node. A node at depth d guesses x_{L+d}; node 0 is x_L.
-        verify = self._propose(list(inp.req_ids), inp.draft, inp.num_drafts)
+        drafted = self._propose(list(inp.req_ids), inp.draft, inp.num_drafts)
         # Verify: ONE target forward over all the nodes, each attending to the cache and its own
         # ancestors only, gives p_j for every node j at once (and writes their target KV).
-        out = self._verify_forward(verify)
+        out = self._verify_forward(drafted)  # a tree drafted in graphs: its shape read after
+        verify = drafted.resolve() if isinstance(drafted, DraftedTree) else drafted
         features = target_features(out, self.head)  # [bs * N, F] what draft-extend reads
         # Accept (spec/accept.py), walking down from the root:
         # - greedy: step to the child whose token is argmax p_j; the bonus is argmax p at the
@@ -368,7 +374,8 @@ class SpecEngine(LLMEngine):
         ext_in = make_extend_input(verify, result, features)
         return result, draft_extend(self.draft, ext_in, self.spec.topk)
 
-    def _propose(self, req_ids: list[str], inp: DraftInput, num_drafts: int) -> VerifyInput:
+    def _propose(self, req_ids: list[str], inp: DraftInput, num_drafts: int
+                 ) -> VerifyInput | DraftedTree:
         """Drafting k = num_drafts tokens. A seam for tests that force acceptance patterns with
         scripted drafts. Through the graphs of this k when captured (k = num_steps always; the
         other k with a k policy), else eagerly (k = 0 proposes nothing either way)."""
@@ -378,17 +385,19 @@ class SpecEngine(LLMEngine):
             return graphs.propose(inp)
         tree = self.tree_graphs
         if tree is not None and num_drafts == self.spec.num_steps and tree.can_propose(inp):
-            return tree.propose(inp)
+            return tree.launch(inp)  # shape still on the device: verify first, read after
         return propose(self.draft, inp, self.spec, num_drafts)
 
     def _graphs_for(self, num_drafts: int) -> SpecGraphRunner | None:
         """The CUDA graphs of a round of `num_drafts` drafts, or None (it runs eagerly)."""
         return graphs_for(self.spec_graphs, self.k_graphs, num_drafts)
 
-    def _verify_forward(self, verify: VerifyInput) -> ForwardOutput:
+    def _verify_forward(self, verify: VerifyInput | DraftedTree) -> ForwardOutput:
         graphs = self._graphs_for(verify_drafts(self.spec, verify.num_nodes))
         if graphs is not None and graphs.can_verify(verify):
             return graphs.verify(verify)
+        if isinstance(verify, DraftedTree):
+            verify = verify.resolve()
         layout = verify_layout(verify, self.cfg.page_size, self.device)
         n = verify.batch_size * verify.num_nodes
         return self.runner.forward(ForwardBatch(

@@ -113,6 +113,33 @@ def verify_layout(verify: VerifyInput, page_size: int, device: torch.device | st
                        positions=layout.positions)
 
 
+def device_tree_layout(page_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
+                       parents: torch.Tensor, depths: torch.Tensor, page_size: int,
+                       device: torch.device | str, rows: int | None = None) -> BatchLayout:
+    """`verify_layout` of a tree whose shape is on the device only: parents [bs, N] (tree
+    positions, -1 for the root) and depths [bs, N], device tensors. The host metadata is a
+    chain's of N nodes (the same pages, key counts and slots num_cached + j); the positions
+    num_cached + depth and the ancestor mask are built on the device. Never waits."""
+    bs, n = parents.shape
+    rows = bs if rows is None else rows
+    slices = [SeqSlice(page_ids=p, num_cached=nc, num_new=n)
+              for p, nc in zip(page_ids, num_cached)]
+    if rows > bs:
+        slices = pad_fixed_slices(slices, rows, n, page_size, False)
+    layout = build_layout(slices, page_size, device)
+    num_all = list(num_cached) + [0] * (rows - bs)
+    sizes = [n * (nc + n) for nc in num_all]
+    offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+    meta = h2d.tensor([num_all, offsets], torch.int64, device)  # [2, rows]
+    chain = torch.arange(-1, n - 1, device=parents.device).expand(rows - bs, n)
+    mask = spec_kernels.tree_mask(torch.cat([parents, chain]).to(torch.int32), meta[0], meta[1],
+                                  sum(sizes), max(num_all))
+    positions = torch.cat([(meta[0, :bs, None] + depths).reshape(-1),
+                           layout.positions[bs * n:]])  # [rows * N]
+    return BatchLayout(attn=dataclasses.replace(layout.attn, custom_mask=mask),
+                       positions=positions)
+
+
 def pad_fixed_slices(slices: Sequence[SeqSlice], batch_size: int, num_new: int,
                      page_size: int, masked: bool) -> list[SeqSlice]:
     """`slices` (each with num_new new tokens) plus padding rows up to batch_size: num_new

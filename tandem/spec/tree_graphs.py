@@ -23,8 +23,9 @@ host reads and a fresh metadata build per step. Here the K frontier nodes of a r
   order) laid out by level, parents first, with parents as tree positions.
 
 The request's own pages are never written while drafting (the target's verify and the
-draft-extend write them, as for a chain). The tree's shape is read on the host once, after
-the graph (the verify mask is built from it): the round's one extra host read.
+draft-extend write them, as for a chain). The verify forward is built from the tree on the
+device (`DraftedTree`: mask and positions on the device) and queued before the host reads the
+tree's shape, which acceptance and compaction need: the read overlaps the verify.
 
 Lane pages are reserved for the engine's life (`LLMEngine(reserved_pages=...)`): buckets are
 capped (`TREE_MAX_BATCH`), since trees pay at small batches and lanes cost pages.
@@ -74,6 +75,40 @@ def lanes_needed(spec: SpecConfig, page_size: int, batch_sizes: Sequence[int]) -
     if spec.topk == 1 or spec.num_steps < 2:
         return 0
     return 2 * max(tree_buckets(batch_sizes)) * spec.topk * lane_pages_per_beam(spec, page_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class DraftedTree:
+    """A tree drafted on the device whose shape the host has not read yet: enough to verify it
+    (`SpecGraphRunner.verify` builds its ancestor mask and positions on the device), so the
+    verify forward is queued before the host waits for anything; `resolve()` then reads the
+    shape (by then long copied) into the `VerifyInput` the rest of the round uses. New
+    tensors: the graph's buffers are reused by the next replay."""
+
+    page_ids: tuple[tuple[int, ...], ...]
+    num_cached: tuple[int, ...]  # [bs]
+    tokens: torch.Tensor  # [bs, T] int64, root first
+    parents: torch.Tensor  # [bs, T] int64 tree positions, -1 for the root (device)
+    depths: torch.Tensor  # [bs, T] int64 (device)
+    read: HostCopy  # parents, depths and the ancestor-closed flags, copying to the host
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_cached)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def resolve(self) -> VerifyInput:
+        # SYNC: the tree's shape (queued after the drafting graph; the host needs it for
+        # acceptance and compaction).
+        parents, depths, ok = self.read.wait()
+        if not bool(ok.all()):
+            raise AssertionError("draft tree selection is not ancestor-closed")
+        return VerifyInput(page_ids=self.page_ids, num_cached=self.num_cached,
+                           tokens=self.tokens, parents=tuple(map(tuple, parents.tolist())),
+                           depths=tuple(map(tuple, depths.tolist())))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -243,6 +278,11 @@ class TreeDraftGraphs:
         """The tree of `propose._propose_tree` on the same inputs (the same tokens, parents
         and depths up to the draft attention's rounding), drafted by the bucket's graph. One
         host read: the tree's shape."""
+        return self.launch(inp).resolve()
+
+    def launch(self, inp: DraftInput) -> DraftedTree:
+        """Queue the bucket's drafting graph and the copy of the tree's shape to the host;
+        never waits."""
         bs, rows = inp.batch_size, self.bucket(inp.batch_size)
         if rows is None or not self.can_propose(inp):
             raise ValueError(f"no tree drafting graph for a batch of {bs} (captured "
@@ -262,15 +302,11 @@ class TreeDraftGraphs:
             self._body(rows)
         else:
             captured.graph.replay()
-        tokens = self._out_tokens[:bs].clone()  # a new tensor: the buffer is reused
-        # SYNC: the tree's shape, for the verify mask (the round's one extra host read).
-        parents, depths, ok = HostCopy.start(
-            (self._out_parents[:bs], self._out_depths[:bs], self._out_ok[:bs])).wait()
-        if not bool(ok.all()):
-            raise AssertionError("draft tree selection is not ancestor-closed")
-        return VerifyInput(page_ids=inp.page_ids, num_cached=inp.num_cached, tokens=tokens,
-                           parents=tuple(map(tuple, parents.tolist())),
-                           depths=tuple(map(tuple, depths.tolist())))
+        parents, depths = self._out_parents[:bs].clone(), self._out_depths[:bs].clone()
+        return DraftedTree(page_ids=inp.page_ids, num_cached=inp.num_cached,
+                           tokens=self._out_tokens[:bs].clone(), parents=parents,
+                           depths=depths,
+                           read=HostCopy.start((parents, depths, self._out_ok[:bs].clone())))
 
     def replay_only(self, rows: int) -> None:
         """Replay a bucket's graph on the inputs in its buffers (benchmarks: GPU time)."""

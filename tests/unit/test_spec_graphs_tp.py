@@ -76,8 +76,8 @@ def _generate(eng: SpecEngine) -> dict:
     verify = runner.verify
     runner.verify = lambda v: calls.__setitem__("verify", calls["verify"] + 1) or verify(v)
     if tree is not None:
-        propose = tree.propose
-        tree.propose = lambda i: calls.__setitem__("tree", calls["tree"] + 1) or propose(i)
+        launch = tree.launch
+        tree.launch = lambda i: calls.__setitem__("tree", calls["tree"] + 1) or launch(i)
     tokens = [c.output_ids for c in eng.generate(prompts, params)]
     if tree is not None:
         eng.allocator.free(eng.lanes)

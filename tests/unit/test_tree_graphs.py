@@ -94,8 +94,8 @@ def test_spec_engine_drafting_trees_in_graphs_equals_plain_greedy(name, bs, monk
     graphs, lanes = _tree_graphs(eng)
     eng.tree_graphs = graphs
     calls = []
-    orig = graphs.propose
-    monkeypatch.setattr(graphs, "propose", lambda inp: calls.append(1) or orig(inp))
+    orig = graphs.launch  # the round verifies the drafted tree before reading its shape
+    monkeypatch.setattr(graphs, "launch", lambda inp: calls.append(1) or orig(inp))
     got = [c.output_ids for c in eng.generate(ps, params)]
     assert got == want
     assert calls and eng.spec_stats.num_tokens > eng.spec_stats.num_rounds
