@@ -136,3 +136,30 @@ def test_buckets_lanes_and_refusals():
     assert not graphs.can_propose(inp)
     with pytest.raises(ValueError, match="no tree drafting graph"):
         graphs.propose(inp)
+
+
+@pytest.mark.parametrize("rows", [2, 4])  # 4: two padding requests
+def test_device_tree_layout_equals_the_host_tree_layout(rows):
+    from tandem.spec.phases import VerifyInput
+    from tandem.spec.slices import device_tree_layout, verify_layout
+
+    parents = ((-1, 0, 0, 1, 2, 3), (-1, 0, 1, 1, 0, 4))
+    depths = tuple(_depths(ps) for ps in parents)
+    page_ids, num_cached = ((3, 4, 5), (7, 8)), (5, 2)
+    tokens = torch.arange(12).view(2, 6)
+    host = verify_layout(VerifyInput(page_ids=page_ids, num_cached=num_cached, tokens=tokens,
+                                     parents=parents, depths=depths), 4, "cpu", masked=True,
+                         rows=rows, device_mask=True)
+    dev = device_tree_layout(page_ids, num_cached, torch.tensor(parents), torch.tensor(depths),
+                             4, "cpu", rows=rows)
+    assert torch.equal(dev.positions, host.positions)
+    assert torch.equal(dev.attn.custom_mask, host.attn.custom_mask)
+    for f in ("slot_ids", "qo_indptr", "kv_page_indptr", "kv_page_ids", "kv_lens"):
+        assert torch.equal(getattr(dev.attn, f), getattr(host.attn, f)), f
+
+
+def _depths(parents) -> tuple[int, ...]:
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return tuple(out)
