@@ -36,7 +36,7 @@ _WHERE = {  # public name -> the module that defines it
     "OutOfPages": "tandem.engine.kv_cache",
     "PageAllocator": "tandem.engine.kv_cache",
     "PageError": "tandem.engine.kv_cache",
-    "PoolTooSmall": "tandem.engine.llm",
+    "PoolTooSmall": "tandem.engine.request",
     "ParallelContext": "tandem.engine.parallel",
     "ParallelGroup": "tandem.engine.parallel",
     "PrefixCache": "tandem.engine.prefix_cache",
@@ -55,7 +55,7 @@ _WHERE = {  # public name -> the module that defines it
     "resolve_model": "tandem.engine.loader",
     "target_probs": "tandem.engine.sampling",
     "tree_mask": "tandem.engine.attention",
-    "validate_prompt": "tandem.engine.llm",
+    "validate_prompt": "tandem.engine.request",
 }
 
 __all__ = [

@@ -8,6 +8,11 @@ the graph of the smallest captured size >= n; the caller pads the batch with
 
 Attention is planned (host work) before each replay into buffers that never move (the
 backend's `graph_decode_planner`), so the captured kernels read the new page tables.
+
+With DP attention every rank replays the graph of the same size (the engine agrees on it each
+step) and the MLP's gather of the DP ranks' rows takes its counts from the size -- every TP
+lead `bs` rows, the other TP ranks none (`ParallelContext.static_dp_counts`) -- instead of
+exchanging them (a host read a graph cannot hold).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 
 from tandem.engine.attention.metadata import SeqSlice, build_metadata
+from tandem.engine.parallel import ParallelContext
 from tandem.engine.runner import ForwardBatch, ModelRunner
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -48,9 +54,9 @@ def pad_decode_slices(slices: Sequence[SeqSlice], batch_size: int) -> list[SeqSl
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None in eager mode (CPU tests): the body runs
     plan: Any  # the attention plan the graph was captured with (its fixed buffers)
-    logits: torch.Tensor  # [B, V] float32, written by every replay
+    logits: torch.Tensor | None  # [B, V] float32, written by every replay
 
 
 class DecodeGraphRunner:
@@ -63,7 +69,7 @@ class DecodeGraphRunner:
     scratch page; nothing is re-captured, so buffers keep their addresses for life."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int],
-                 max_pages_per_seq: int) -> None:
+                 max_pages_per_seq: int, par: ParallelContext | None = None) -> None:
         planner_factory = getattr(runner.backend, "graph_decode_planner", None)
         if planner_factory is None:
             raise ValueError(f"attention backend '{runner.backend.name}' cannot replay graphs")
@@ -77,23 +83,35 @@ class DecodeGraphRunner:
         self._positions = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
         self._graphs: dict[int, _Captured] = {}
         self._pool: Any = None
+        self._par = par if par is not None and par.dp.size > 1 else None  # DP attention only
 
-    def capture(self) -> None:
+    def _body(self, bs: int, plan: Any) -> torch.Tensor:
+        """The captured forward -> logits [bs, V] of every row."""
+        counts = self._par.static_dp_counts(bs) if self._par is not None else None
+        return self.runner.forward_planned(self._input_ids[:bs], self._positions[:bs], plan,
+                                           None, dp_counts=counts).logits
+
+    def capture(self, eager: bool = False) -> None:
         """Capture every batch size, largest first (smaller graphs reuse its pool memory).
-        Each size runs once eagerly first: Triton compiles and tunes, cuBLAS picks kernels."""
+        Each size runs once eagerly first: Triton compiles and tunes, cuBLAS picks kernels.
+        eager=True captures nothing: every `run` runs the body, with the same buffers, padding
+        and DP counts (how CPU tests check the graph path's logic)."""
         device = self._input_ids.device
         for bs in reversed(self.batch_sizes):
             meta = build_metadata(pad_decode_slices([], bs), self.page_size, device).attn
             plan = self._planner.plan(meta)
-            ids, pos = self._input_ids[:bs], self._positions[:bs]
-            self.runner.forward_planned(ids, pos, plan, None)
+            self._body(bs, plan)
+            if eager:
+                self._graphs[bs] = _Captured(graph=None, plan=plan, logits=None)
+                continue
             torch.cuda.synchronize(device)  # SYNC: once per size, at start-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self.runner.forward_planned(ids, pos, plan, None)
+                logits = self._body(bs, plan)
             self._pool = graph.pool()
-            self._graphs[bs] = _Captured(graph=graph, plan=plan, logits=out.logits)
-        torch.cuda.synchronize(device)  # SYNC: start-up only
+            self._graphs[bs] = _Captured(graph=graph, plan=plan, logits=logits)
+        if not eager:
+            torch.cuda.synchronize(device)  # SYNC: start-up only
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.attn.is_decode and batch.attn.num_seqs in self._graphs
@@ -110,6 +128,8 @@ class DecodeGraphRunner:
         self._input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
         self._positions[:bs].copy_(batch.positions, non_blocking=True)
         plan = self._planner.plan(attn)  # rewrites the captured wrapper's buffers in place
+        if captured.graph is None:  # eager mode (CPU tests)
+            return self._body(bs, plan)[batch.logits_indices]
         assert plan.wrapper is captured.plan.wrapper and plan.slot_ids.data_ptr() == \
             captured.plan.slot_ids.data_ptr()
         captured.graph.replay()

@@ -11,7 +11,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -31,13 +30,16 @@ from tandem.engine.models.decoder import DecoderLM
 from tandem.engine.overlap import InflightStep, feed_input_ids, is_live
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.prefix_cache import PrefixCache
-from tandem.engine.request import (
+from tandem.engine.request import (  # noqa: F401 -- PoolTooSmall, validate_prompt re-exported
     Completion,
+    EngineStats,
     FinishReason,
+    PoolTooSmall,
     Request,
     RequestOutput,
     completion_of,
     find_stop,
+    validate_prompt,
 )
 from tandem.engine.runner import ForwardBatch, ModelRunner
 from tandem.engine.sampling import Sampler, SampledRead, SamplingParams, read_sampled, row_error
@@ -45,41 +47,6 @@ from tandem.engine.scheduler import Scheduler, StepPlan
 from tandem.messages import TokenLogprob
 
 log = logging.getLogger(__name__)
-
-
-class PoolTooSmall(ValueError):
-    """The request needs more KV pages (prompt + max_new_tokens) than the whole pool has: it
-    can never run on this engine, however long it waits."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineStats:
-    num_pages: int
-    num_free_pages: int
-    num_running: int
-    num_waiting: int
-    # Prefix caching (zeros when off): pages the cache maps (those no request holds are not
-    # counted free but are reclaimed on demand), and totals of prompt tokens looked up at
-    # admission / served from the cache -- hit rate = hit / query.
-    num_cached_pages: int = 0
-    num_prefix_query_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-
-
-def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_len: int) -> None:
-    """Raise ValueError naming the problem: empty, out-of-vocab id, or longer than the context."""
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_token_ids: the prompt is empty")
-    for i, t in enumerate(prompt_ids):
-        if not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ValueError(
-                f"prompt_token_ids[{i}]: token id {t!r} is outside the vocabulary [0, {vocab_size})"
-            )
-    if len(prompt_ids) >= max_len:
-        raise ValueError(
-            f"prompt_token_ids: the prompt has {len(prompt_ids)} tokens; the context holds "
-            f"{max_len} (prompt + at least one new token)"
-        )
 
 
 def kv_groups_for(model: DecoderLM) -> list[KVGroupSpec]:
@@ -121,11 +88,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_pool, create_backend(
             engine_cfg.attention_backend, self.device, attention_shape_for(model, dtype)))
         self.graphs: DecodeGraphRunner | None = None
-        if (engine_cfg.cuda_graphs and self.device.type == "cuda" and model.par.dp.size == 1
-                and hasattr(self.runner.backend, "graph_decode_planner")):
+        if (engine_cfg.cuda_graphs and self.device.type == "cuda"
+                and hasattr(self.runner.backend, "graph_decode_planner")
+                and (model.par.dp.size == 1 or self.dp_graphs_ok(engine_cfg))):
             self.graphs = DecodeGraphRunner(
                 self.runner, graph_batch_sizes(engine_cfg.max_num_seqs),
-                max_pages_per_seq=-(-self.max_model_len // engine_cfg.page_size))
+                max_pages_per_seq=-(-self.max_model_len // engine_cfg.page_size),
+                par=model.par)
             self.graphs.capture()
         self.prefix_cache = (PrefixCache(self.allocator, engine_cfg.page_size,
                                          self.PREFIX_LOOKAHEAD)
@@ -237,6 +206,11 @@ class LLMEngine:
     # Overlap scheduling needs every step to be this class's `step`; SpecEngine runs rounds.
     SUPPORTS_OVERLAP = True
 
+    def dp_graphs_ok(self, cfg: EngineConfig) -> bool:
+        """Whether decode graphs may be captured under DP attention: the plain engine's steps
+        (not a subclass's rounds), and no MoE dispatch that reads split sizes on the host."""
+        return type(self).step is LLMEngine.step and cfg.moe_dispatch != "alltoall"
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
@@ -245,21 +219,22 @@ class LLMEngine:
             # and the next step's planning run while the GPU computes.
             prev, self._inflight = self._inflight, self._launch(plan) if plan.chunks else None
             return self._resolve(prev) if prev is not None else []
+        graph_bs = self._graph_batch_size(plan)  # DP attention: agreed by every rank
         if not plan.chunks:
             if self.model.par.dp.size > 1:  # DP attention: the other ranks may have work
-                self.runner.idle_forward(self.device)
+                self._dp_idle(graph_bs)
             return []
-        reqs, sampled = self._forward_and_sample(plan)
+        reqs, sampled = self._forward_and_sample(plan, graph_bs)
         # SYNC: the one host sync per step (stop checks): the tokens, and the logprobs of the
         # rows that asked, in one read.
         token_list, logprobs = read_sampled(sampled)
         return [self._append_row(r, t, err, lp)
                 for r, t, err, lp in zip(reqs, token_list, sampled.errors, logprobs)]
 
-    def _forward_and_sample(self, plan: StepPlan) -> tuple[list[Request], object]:
-        """The step's forward (a graph replay when one fits) and sampling, committed; no host
-        read. Returns the sampling rows' requests and the `SampleOutput`."""
-        graph_bs = self._graph_batch_size(plan)
+    def _forward_and_sample(self, plan: StepPlan, graph_bs: int | None
+                            ) -> tuple[list[Request], object]:
+        """The step's forward (the graph of `graph_bs` rows, or eager: None) and sampling,
+        committed; no host read. Returns the sampling rows' requests and the `SampleOutput`."""
         batch = self._build_batch(plan, graph_bs or len(plan.chunks))
         if graph_bs is not None and self.graphs is not None:
             logits = self.graphs.run(batch)
@@ -275,7 +250,7 @@ class LLMEngine:
     def _launch(self, plan: StepPlan) -> InflightStep:
         """Overlap: run the step up to sampling and queue the read of its tokens; each sampling
         row's request gets a pending token (its next input, taken from the device)."""
-        reqs, sampled = self._forward_and_sample(plan)
+        reqs, sampled = self._forward_and_sample(plan, self._graph_batch_size(plan))
         for r in reqs:
             r.num_pending += 1
         return InflightStep(reqs=tuple(reqs), tokens=sampled.tokens, errors=sampled.errors,
@@ -294,10 +269,27 @@ class LLMEngine:
         return outputs
 
     def _graph_batch_size(self, plan: StepPlan) -> int | None:
-        """The padded size of a CUDA graph that can run this step, or None (eager)."""
-        if self.graphs is None or any(len(c.token_ids) != 1 for c in plan.chunks):
+        """The padded size of a CUDA graph that can run this step, or None (eager). With DP
+        attention every rank must replay the same graph (its collectives gather the same rows
+        from every rank) or none: the ranks agree on the largest size any needs, and on eager
+        when one of them runs a prefill chunk (SYNC: one all-reduce of a small int per step;
+        an idle rank replays the graph over padding rows alone)."""
+        if self.graphs is None:
             return None
-        return padded_batch_size(len(plan.chunks), self.graphs.batch_sizes)
+        sizes, dp = self.graphs.batch_sizes, self.model.par.dp
+        own = (len(plan.chunks) if all(len(c.token_ids) == 1 for c in plan.chunks)
+               else sizes[-1] + 1)
+        if dp.size > 1:
+            own = dp.all_reduce_max(own, self.device)
+        return padded_batch_size(own, sizes) if 0 < own <= sizes[-1] else None
+
+    def _dp_idle(self, graph_bs: int | None) -> None:
+        """DP attention, a rank with nothing scheduled: the forward the others' collectives
+        need -- their graph over padding rows, or the eager empty forward."""
+        if graph_bs is None or self.graphs is None:
+            self.runner.idle_forward(self.device)
+        else:
+            self.graphs.run(self._build_batch(StepPlan(chunks=(), preempted=()), graph_bs))
 
     def _build_batch(self, plan: StepPlan, num_rows: int) -> ForwardBatch:
         """Rows beyond the plan's chunks (CUDA-graph padding) write only the scratch page."""

@@ -148,6 +148,11 @@ class ParallelContext:
         them on a TP lead, none on the other TP ranks (they hold the same rows)."""
         return num_tokens if self.tp.rank == 0 else 0
 
+    def static_dp_counts(self, num_tokens: int) -> tuple[int, ...]:
+        """Every world rank's `dp_gather_rows` when each DP rank runs `num_tokens` rows (a
+        decode graph of that size on every rank): known without asking the others."""
+        return tuple(num_tokens if r % self.tp.size == 0 else 0 for r in range(self.dp.size))
+
     def dp_lead_offset(self, dp_counts: tuple[int, ...]) -> int:
         """Where this DP rank's rows start in the gathered batch (`dp_counts`: every rank's
         `dp_gather_rows`, world rank order)."""

@@ -18,6 +18,41 @@ from tandem.messages import TokenLogprob
 PENDING = -1  # in `Request.all_ids`: a token sampled on the device whose value is not read yet
 
 
+class PoolTooSmall(ValueError):
+    """The request needs more KV pages (prompt + max_new_tokens) than the whole pool has: it
+    can never run on this engine, however long it waits."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    num_pages: int
+    num_free_pages: int
+    num_running: int
+    num_waiting: int
+    # Prefix caching (zeros when off): pages the cache maps (those no request holds are not
+    # counted free but are reclaimed on demand), and totals of prompt tokens looked up at
+    # admission / served from the cache -- hit rate = hit / query.
+    num_cached_pages: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+
+def validate_prompt(prompt_ids: Sequence[int], vocab_size: int, max_len: int) -> None:
+    """Raise ValueError naming the problem: empty, out-of-vocab id, or longer than the context."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_token_ids: the prompt is empty")
+    for i, t in enumerate(prompt_ids):
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(
+                f"prompt_token_ids[{i}]: token id {t!r} is outside the vocabulary [0, {vocab_size})"
+            )
+    if len(prompt_ids) >= max_len:
+        raise ValueError(
+            f"prompt_token_ids: the prompt has {len(prompt_ids)} tokens; the context holds "
+            f"{max_len} (prompt + at least one new token)"
+        )
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     req_id: str

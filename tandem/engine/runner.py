@@ -69,18 +69,20 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, plan: Any,
         logits_indices: torch.Tensor | None, capture_layers: tuple[int, ...] = (),
         after_layer: Callable[[int], None] | None = None,
+        dp_counts: tuple[int, ...] | None = None,
     ) -> ForwardOutput:
         """The forward after planning (what `DecodeGraphRunner` captures). input_ids,
-        positions [T] int64; logits_indices [n] int64, or None for logits of every row."""
+        positions [T] int64; logits_indices [n] int64, or None for logits of every row.
+        dp_counts (DP attention): every rank's rows in the MLP's gather when the caller knows
+        them (a CUDA graph: `ParallelContext.static_dp_counts`); None gathers them (SYNC)."""
         group = self.kv_group
         kv_slots = getattr(self.backend, "kv_slots", None)  # optional capability
         dp = self.model.par.dp
         ctx = ForwardContext(
             backend=self.backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i),
             kv_slots=kv_slots(plan) if kv_slots is not None else None,
-            dp_counts=dp.all_gather_counts(self.model.par.dp_gather_rows(input_ids.shape[0]),
-                                           input_ids.device)
-            if dp.size > 1 else None,
+            dp_counts=None if dp.size == 1 else dp_counts or dp.all_gather_counts(
+                self.model.par.dp_gather_rows(input_ids.shape[0]), input_ids.device),
         )
         out = self.model(input_ids, positions, ctx, capture_layers, after_layer=after_layer)
         rows = out.hidden if logits_indices is None else out.hidden[logits_indices]

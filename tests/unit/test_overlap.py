@@ -149,10 +149,10 @@ def _count_rows(eng: LLMEngine) -> dict[str, int]:
     rows: dict[str, int] = {}
     inner = eng._forward_and_sample
 
-    def spy(plan):
+    def spy(plan, graph_bs):
         for c in plan.chunks:
             rows[c.req_id] = rows.get(c.req_id, 0) + len(c.token_ids)
-        return inner(plan)
+        return inner(plan, graph_bs)
 
     eng._forward_and_sample = spy
     return rows
