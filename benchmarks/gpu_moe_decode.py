@@ -175,7 +175,8 @@ def run_rank(rank: int, args, port: int, out_path: str) -> None:
                                    attention_backend="flashinfer" if cuda else "torch",
                                    cuda_graphs=cuda, max_num_seqs=max(args.batch),
                                    max_model_len=args.ctx + 512, kv_cache_bytes=args.kv_bytes,
-                                   max_num_batched_tokens=8192, moe_dispatch=dispatch)
+                                   max_num_batched_tokens=8192, moe_dispatch=dispatch,
+                                   dp_decode_graphs=True)
                 eng = LLMEngine.from_config(cfg, par)
                 dp = par.num_dp_ranks
                 res[layout] = bench(eng, rank, dp, args, res["copy_bytes_per_s"])

@@ -271,6 +271,9 @@ class EngineConfig:
     # ranks, variable splits: one host read per MoE layer) or "alltoall_padded" (fixed
     # capacity, no host read: for decode CUDA graphs). A no-op without EP.
     moe_dispatch: Literal["allreduce", "alltoall", "alltoall_padded"] = "allreduce"
+    # Decode CUDA graphs under DP attention (plain engine; cuda_graphs.py): every rank replays
+    # the size the ranks agree on. Off by default until run on GPUs (CPU-tested in eager mode).
+    dp_decode_graphs: bool = False
     # Overlap scheduling (overlap.py): launch step n+1 before reading step n's tokens, so the
     # host's work hides behind the GPU's. None: on for CUDA devices (plain engine, no DP).
     overlap_schedule: bool | None = None
@@ -290,6 +293,9 @@ class EngineConfig:
             raise ConfigError(f"num_pages: need at least 2 pages, got {self.num_pages}")
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(f"cuda_graphs: must be true or false, got {self.cuda_graphs!r}")
+        if not isinstance(self.dp_decode_graphs, bool):
+            raise ConfigError(f"dp_decode_graphs: must be true or false, "
+                              f"got {self.dp_decode_graphs!r}")
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ConfigError(f"overlap_schedule: must be true, false or null (auto), "
                               f"got {self.overlap_schedule!r}")

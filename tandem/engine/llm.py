@@ -207,9 +207,11 @@ class LLMEngine:
     SUPPORTS_OVERLAP = True
 
     def dp_graphs_ok(self, cfg: EngineConfig) -> bool:
-        """Whether decode graphs may be captured under DP attention: the plain engine's steps
-        (not a subclass's rounds), and no MoE dispatch that reads split sizes on the host."""
-        return type(self).step is LLMEngine.step and cfg.moe_dispatch != "alltoall"
+        """Whether decode graphs may be captured under DP attention: asked for
+        (`dp_decode_graphs`), the plain engine's steps (not a subclass's rounds), and no MoE
+        dispatch that reads split sizes on the host."""
+        return (cfg.dp_decode_graphs and type(self).step is LLMEngine.step
+                and cfg.moe_dispatch != "alltoall")
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
