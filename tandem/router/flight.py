@@ -120,6 +120,10 @@ async def follow(request: RoutedRequest, flight: Flight, events: asyncio.Queue, 
             early = (-1, "")  # a FirstToken arriving later is not streamed
         outputs += 1
         reason = _FINISH.get(ev.finish_reason) if ev.finished else None
+        if ev.finished and reason is None:  # a finish this router does not know: fail now,
+            raise RequestFailed(  # never wait for the deadline of a request that has ended
+                f"decode worker '{dname}': unknown finish reason {ev.finish_reason!r}",
+                request_id=rid)
         spec = acceptance_from_rounds(rounds, num_steps) if reason is not None else None
         if tokens or text or reason is not None:
             yield TokenChunk(request_id=rid, token_ids=tokens, text_delta=text,

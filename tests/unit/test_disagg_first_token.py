@@ -27,3 +27,31 @@ def test_a_mismatch_is_logged_and_kept(caplog):
         assert drop_first((12, 13), "yo", (11, "Hi"), "r7") == ((12, 13), "yo")
         assert drop_first((11,), "Ho", (11, "Hi"), "r8") == ((11,), "Ho")
     assert len(caplog.records) == 2 and "r7" in caplog.records[0].getMessage()
+
+
+def test_a_finish_reason_the_router_does_not_know_fails_the_request_at_once():
+    """A decode output that ends the request with a reason the router has no name for fails
+    the request right away (it used to wait for the request's deadline)."""
+    import asyncio
+    import time
+
+    import pytest
+
+    from tandem.messages import DecodeOutput, SamplingParams
+    from tandem.router.dispatch import Placement, RequestFailed, RoutedRequest
+    from tandem.router.flight import Flight, follow
+
+    async def main():
+        req = RoutedRequest(request_id="r", room=7, model="m", prompt_ids=(1, 2),
+                            params=SamplingParams(max_new_tokens=4),
+                            placement=Placement(prefill_worker="p", decode_worker="d"),
+                            deadline=time.time() + 60)
+        events: asyncio.Queue = asyncio.Queue()
+        events.put_nowait(("d", DecodeOutput(room=7, token_ids=(5,), text_delta="x",
+                                             finished=True, finish_reason="timeout")))
+        flight = Flight(prefill="p", decode="d", room=7)
+        with pytest.raises(RequestFailed, match="unknown finish reason 'timeout'"):
+            async for _ in follow(req, flight, events, num_steps=4, table=None):
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), 5))
