@@ -82,13 +82,23 @@ class Admission:
         try:
             await asyncio.wait_for(waiter, _remaining(deadline))
         except asyncio.TimeoutError:
+            self._drop(waiter)
             raise DeadlineExceeded(f"request '{request_id}' passed its deadline while queued "
                                    f"behind {self._running} running requests") from None
         except BaseException:
             if waiter.done() and not waiter.cancelled():  # the slot was handed over: pass it on
                 self._release()
+            self._drop(waiter)
             raise
         # the slot was handed to us by _release (the count did not drop)
+
+    def _drop(self, waiter: asyncio.Future) -> None:
+        """Take a waiter that left (deadline, cancel) out of the queue now, not at the next
+        release: the queue holds only requests still waiting."""
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:  # already handed a slot (popped by _release)
+            pass
 
     def _release(self) -> None:
         while self._waiters:

@@ -51,9 +51,12 @@ def test_deadline_while_queued_and_a_cancelled_waiter_gives_its_slot_on():
         with pytest.raises(DeadlineExceeded, match="while queued"):
             async with adm.slot("late", time.time() + 0.05):
                 pass
+        assert not adm._waiters  # a waiter that left is out of the queue at once
         cancelled = asyncio.ensure_future(adm.slot("c", None).__aenter__())
         await asyncio.sleep(0.01)
         cancelled.cancel()
+        await asyncio.sleep(0)
+        assert not adm._waiters
         got: list[str] = []
 
         async def waiter():
