@@ -146,7 +146,7 @@ class ColocatedDispatcher:
                     spec = acceptance_from_rounds(rounds, worker.loop.engine.spec.num_steps)
                 yield TokenChunk(request_id=request.request_id, token_ids=out.token_ids,
                                  text_delta=out.text_delta, finish_reason=out.finish_reason,
-                                 spec=spec, logprobs=out.logprobs)
+                                 spec=spec, logprobs=out.logprobs, queue_s=out.queue_s)
         except DispatchError as exc:
             span.fail(exc)
             raise

@@ -69,6 +69,7 @@ class LoopOutput:
     finish_reason: FinishReason | None = None
     error: LoopError | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # [len(token_ids)] when the request asks
+    queue_s: float | None = None  # a finished output: seconds queued in the engine
 
     @property
     def terminal(self) -> bool:
@@ -393,7 +394,7 @@ def _merged(req_id: str, outs: Sequence[RequestOutput]) -> LoopOutput:
     return LoopOutput(
         req_id=req_id, token_ids=tuple(t for o in outs for t in o.new_token_ids),
         text_delta="".join(o.text_delta for o in outs),
-        logprobs=tuple(lp for o in outs for lp in o.logprobs),
+        logprobs=tuple(lp for o in outs for lp in o.logprobs), queue_s=last.queue_s,
         finish_reason=last.finish_reason if last.finished and not failed else None,
         error=LoopError(kind=LoopErrorKind.REQUEST_FAILED, message=last.error) if failed
         else None)

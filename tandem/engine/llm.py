@@ -387,9 +387,11 @@ class LLMEngine:
             req.text = req.text[:visible_end]
             self.scheduler.finish(req, reason)
             self._detok.pop(req.req_id, None)
+        queued = (req.scheduled_time - req.arrival_time
+                  if reason is not None and req.scheduled_time is not None else None)
         return RequestOutput(req_id=req.req_id, new_token_ids=new_token_ids, text_delta=delta,
                              finished=reason is not None, finish_reason=reason,
-                             logprobs=logprobs)
+                             logprobs=logprobs, queue_s=queued)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

@@ -77,6 +77,9 @@ class Request:
     error: str = ""  # why it failed (finish_reason ERROR)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    # When the scheduler first gave it a running slot (perf_counter; None while queued or
+    # when it came in running, handed off): its queue time is this minus arrival_time.
+    scheduled_time: float | None = None
     num_preemptions: int = 0
     # Prefix caching (scheduler.py): the chained keys of the prompt's cacheable pages (computed
     # at first admission), how many leading pages of `page_ids` the cache already has (matched
@@ -125,6 +128,9 @@ class RequestOutput:
     finish_reason: FinishReason | None
     error: str = ""  # finish_reason ERROR: why this request failed ("stage: Type: message")
     logprobs: tuple[TokenLogprob, ...] = ()  # [len(new_token_ids)] when the request asked
+    # The finishing output only: seconds it waited in this engine's queue for a running slot
+    # (None: it came in running, or the output is not its last)
+    queue_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

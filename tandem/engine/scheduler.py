@@ -20,6 +20,7 @@ The scheduler owns the request table and the queues (the only writer of `Request
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -137,6 +138,8 @@ class Scheduler:
             self._count_hit(req, len(hit))
             self.waiting.popleft()
             self.running.append(req)
+            if req.scheduled_time is None:  # its first slot (not a re-admission after preemption)
+                req.scheduled_time = time.perf_counter()
             chunks.append(self._chunk(req, n))
             scheduled.add(req.req_id)
             budget -= n

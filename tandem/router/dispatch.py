@@ -124,8 +124,8 @@ class TokenChunk:
     # [len(token_ids)] when the request asks (params.logprobs), else ()
     logprobs: tuple[TokenLogprob, ...] = ()
     spec: SpecAcceptance | None = None  # last chunk only, when the decode worker speculates
-    # Last chunk only: seconds the request waited for its turn (a running slot, decode pages);
-    # None where the dispatcher does not queue requests itself (colocated: the engine does)
+    # Last chunk only: seconds the request waited for its turn (a running slot, decode pages;
+    # colocated: the engine's queue); None when not known
     queue_s: float | None = None
 
     @property

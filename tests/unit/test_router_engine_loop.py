@@ -290,3 +290,26 @@ def test_unexpected_add_request_error_fails_one_request_only(model):
         _wait_free(d, engine)
     finally:
         run(d.close())
+
+
+@pytest.mark.timeout(60)
+def test_the_last_chunk_carries_the_time_queued_in_the_engine(model):
+    """Colocated mode queues in the engine: a request that waited for the only running slot
+    reports that wait (queue_s, what the router's queue-time metric observes)."""
+    engine = _engine(model, max_num_seqs=1)
+    d = ColocatedDispatcher.from_engine(engine)
+
+    async def main():
+        return await asyncio.gather(_tokens(d, _req("a", [1, 2, 3], 12)),
+                                    _tokens(d, _req("b", [4, 5, 6], 12)))
+
+    try:
+        (_, first), (_, second) = run(main())
+        waits = {c[-1].request_id: c[-1].queue_s for c in (first, second)}
+        assert all(w is not None and w >= 0 for w in waits.values())
+        assert all(c.queue_s is None for c in first[:-1] + second[:-1])  # last chunk only
+        # One of them ran first; the other waited for its 12 tokens.
+        assert max(waits.values()) > min(waits.values())
+        _wait_free(d, engine)
+    finally:
+        run(d.close())
