@@ -65,3 +65,51 @@ def test_tree_replay_equals_its_body_run_eagerly(engine, bs):
     want = propose(eng.draft, inp, eng.spec)  # the eager host-side tree (FlashInfer + mask)
     assert torch.equal(got.tokens[:, :1 + TREE.topk], want.tokens[:, :1 + TREE.topk])
     _abort(eng, ids)
+
+
+def test_float32_tree_graphs_are_lossless():
+    """float32 on the GPU (FlashInfer has no float32 kernels: the torch attention backend, the
+    verify and extend runners in eager mode over it), tree drafting through real CUDA graphs of
+    `TreeDraftGraphs` (the Triton device-metadata decode kernel in float32): greedy speculative
+    == plain, token for token."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_spec_graph_padding import _FakePlanner
+
+    from tandem.engine import EngineConfig, LLMEngine, SamplingParams
+    from tandem.spec.cuda_graphs import SpecGraphRunner
+    from tandem.spec.tree_graphs import TreeDraftGraphs, lanes_needed
+
+    cfg = EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda",
+                       dtype="float32", attention_backend="torch", cuda_graphs=False,
+                       max_num_seqs=8, max_model_len=512, kv_cache_bytes=256 << 20)
+    model_cfg, path = resolve_model(cfg)
+    model = build_model(model_cfg, path, cfg, ParallelContext(), 512)
+    head = dummy_head(DraftHeadConfig.like_target(model_cfg), model, torch.float32,
+                      torch.device("cuda"), 512)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 49152, (6 + 17 * i,), generator=g).tolist() for i in range(3)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = [c.output_ids for c in LLMEngine(cfg, model).generate(prompts, params)]
+    eng = SpecEngine(cfg, TREE, model, head)
+    backend = eng.runner.backend
+    backend.graph_decode_planner = lambda bs, pages: _FakePlanner(backend, True)
+    backend.graph_prefill_planner = (lambda bs, n, pages, kv, custom_mask:
+                                     _FakePlanner(backend, False, n, custom_mask))
+    sizes = (1, 2, 4)
+    runner = SpecGraphRunner(eng.runner, eng.draft, TREE, sizes,
+                             max_kv_len=eng.max_model_len + TREE.slots_per_round,
+                             capture_layers=eng.capture)
+    runner.capture(eager=True)
+    eng.spec_graphs = runner
+    lanes = eng.allocator.alloc(lanes_needed(TREE, cfg.page_size, sizes))
+    eng.tree_graphs = TreeDraftGraphs(eng.draft, TREE, sizes,
+                                      max_kv_len=eng.max_model_len + TREE.slots_per_round,
+                                      lane_pages=lanes)
+    eng.tree_graphs.capture()  # real CUDA graphs
+    got = [c.output_ids for c in eng.generate(prompts, params)]
+    assert got == want
+    eng.allocator.free(lanes)
+    assert eng.allocator.num_free == eng.allocator.num_usable
