@@ -150,21 +150,12 @@ def bench(eng, rank: int, dp: int, args, bw: float) -> list[dict]:
 def run_rank(rank: int, args, port: int, out_path: str) -> None:
     import os
 
-    import torch.distributed as dist
+    from gpu_tp import copy_bandwidth, join_two_ranks
 
-    from gpu_tp import copy_bandwidth
+    from tandem.engine import EngineConfig, LLMEngine
 
-    from tandem.engine import EngineConfig, LLMEngine, ParallelGroup
-
-    cuda = not args.smoke
-    dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=2)
-    group = ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
+    dev, group = join_two_ranks(rank, port, args.smoke)
+    cuda = dev.type == "cuda"
     res: dict = {"rank": rank, "copy_bytes_per_s": copy_bandwidth(dev)}
     with torch.inference_mode():
         for layout in args.layouts:

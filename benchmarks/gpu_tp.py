@@ -251,20 +251,27 @@ def graph_vs_eager(eng, sizes=(1, 3, 8)) -> list[dict]:
     return rows
 
 
-def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
+def join_two_ranks(rank: int, port: int, smoke: bool):
+    """This process as rank `rank` of 2 (NCCL on GPU `rank`; gloo on the CPU with --smoke) ->
+    (device, the world's ParallelGroup)."""
     import torch.distributed as dist
 
-    from tandem.engine import ParallelContext, ParallelGroup
+    from tandem.engine import ParallelGroup
 
-    cuda = not args.smoke
-    dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(dev)
-    else:
+    dev = torch.device("cpu" if smoke else f"cuda:{rank}")
+    if smoke:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=2)
-    group = ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
+    else:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("gloo" if smoke else "nccl",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    return dev, ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
+
+
+def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
+    from tandem.engine import ParallelContext
+
+    dev, group = join_two_ranks(rank, port, args.smoke)
     par = ParallelContext(tp=group, ep=group)
     res: dict = {"rank": rank}
 

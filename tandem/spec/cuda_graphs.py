@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from tandem.engine import h2d
 from tandem.engine.cuda_graphs import (
     check_latest_plan,
     padded_batch_size,
@@ -59,10 +58,10 @@ from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.tree_graphs import DraftedTree
 from tandem.spec.slices import (
-    chain_draft_table,
     device_tree_layout,
     extend_rows,
     extend_slices,
+    load_draft_table,
     pad_fixed_slices,
     verify_layout,
 )
@@ -329,12 +328,8 @@ class SpecGraphRunner:
         self._tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
         self._tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
         if self.chain_drafting:  # draft steps 1..k-1 (k = 1: d_1 alone, nothing to replay)
-            table, base = chain_draft_table(inp.page_ids, inp.num_cached, rows=rows)  # host
-            if table.shape[1] > self._draft_table.shape[1]:
-                raise ValueError(f"propose: {table.shape[1]} pages per request exceed the "
-                                 f"graph's {self._draft_table.shape[1]} (max_kv_len)")
-            h2d.copy_into(self._draft_table[:rows, : table.shape[1]], table)
-            h2d.copy_into(self._draft_base[:rows], base)
+            load_draft_table(self._draft_table, self._draft_base, inp.page_ids,
+                             inp.num_cached, rows)
             self._hidden[:bs].copy_(inp.hidden, non_blocking=True)
             self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
         n = k + 1

@@ -58,6 +58,20 @@ def chain_draft_table(page_ids: Sequence[Sequence[int]], num_cached: Sequence[in
     return torch.tensor(table, dtype=torch.int32), torch.tensor(base, dtype=torch.int64)
 
 
+def load_draft_table(table_buf: torch.Tensor, base_buf: torch.Tensor,
+                     page_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
+                     rows: int) -> None:
+    """`chain_draft_table` of a round copied into a graph's buffers (page table [B_max, P_max]
+    int32, num_cached [B_max] int64) without a stream sync; raises when the requests' page
+    lists outgrow the buffers (the graph's max_kv_len)."""
+    table, base = chain_draft_table(page_ids, num_cached, rows=rows)  # host
+    if table.shape[1] > table_buf.shape[1]:
+        raise ValueError(f"propose: {table.shape[1]} pages per request exceed the graph's "
+                         f"{table_buf.shape[1]} (max_kv_len)")
+    h2d.copy_into(table_buf[:rows, : table.shape[1]], table)
+    h2d.copy_into(base_buf[:rows], base)
+
+
 def verify_slices(verify: VerifyInput, masked: bool | None = None,
                   host_mask: bool = True) -> list[SeqSlice]:
     """One slice per request: N nodes at positions num_cached + depth, written at slots

@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from tandem.engine import h2d
 from tandem.engine.attention.device_decode import DeviceDecodePlan
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import padded_batch_size
@@ -47,7 +46,7 @@ from tandem.engine.d2h import HostCopy
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DRAFT_GROUP, DraftRunner
 from tandem.spec.phases import DraftInput, VerifyInput
-from tandem.spec.slices import chain_draft_table
+from tandem.spec.slices import load_draft_table
 
 TREE_MAX_BATCH = 16  # the largest bucket tree drafting captures (larger batches: eager)
 
@@ -287,12 +286,7 @@ class TreeDraftGraphs:
         if rows is None or not self.can_propose(inp):
             raise ValueError(f"no tree drafting graph for a batch of {bs} (captured "
                              f"{self.batch_sizes}, topk {self.spec.topk})")
-        table, base = chain_draft_table(inp.page_ids, inp.num_cached, rows=rows)  # host
-        if table.shape[1] > self._table.shape[1]:
-            raise ValueError(f"propose: {table.shape[1]} pages per request exceed the graph's "
-                             f"{self._table.shape[1]} (max_kv_len)")
-        h2d.copy_into(self._table[:rows, : table.shape[1]], table)
-        h2d.copy_into(self._base[:rows], base)
+        load_draft_table(self._table, self._base, inp.page_ids, inp.num_cached, rows)
         self._root[:bs].copy_(inp.last_tokens, non_blocking=True)
         self._ids0[:bs].copy_(inp.topk_ids, non_blocking=True)
         self._logp0[:bs].copy_(inp.topk_logp, non_blocking=True)
