@@ -7,6 +7,10 @@ On the device machine (2 GPUs), from the repository root:
 
     python3 benchmarks/gpu_tp.py --smoke --out /tmp/tp   # CPU, gloo, a tiny Llama: end to end
 
+    # 4 GPUs, the 70B shape (one GPU cannot hold it: no TP=1 reference; one engine per rank):
+    python3 benchmarks/gpu_tp.py --out $OUT --tp 4 --model llama-3.1-70b --skip-tp1 \
+        --custom-only --batch 1 64 --kv-bytes-tp2 8589934592
+
 Phase 1 (one process, GPU 0): TP=1 engine with graphs -- greedy tokens and prompt logits (the
 reference), whole step() and graph replay at each batch size. Phase 2 (one process per GPU,
 NCCL): two TP=2 engines on the same dummy weights, `all_reduce: nccl` and `all_reduce: auto`.
@@ -41,10 +45,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-TINY = {  # --smoke: a Llama small enough for two CPU ranks, shaped for TP=2
+TINY = {  # --smoke: a Llama small enough for CPU ranks, shaped for TP=2 and TP=4
     "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
-    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "max_position_embeddings": 4096, "tie_word_embeddings": False, "eos_token_id": 2,
 }
 NEAR_TIE = 0.02  # tests/gpu/test_spec_graphs.py: two runs may part only within 2% of the scale
@@ -167,6 +171,47 @@ def bench_steps(eng, args, bw: float, quiet: bool = False) -> list[dict]:
     return rows
 
 
+def spec_rounds(plain, args) -> list[dict]:
+    """The EAGLE round on the TP engine's target (chain k=4, a random EAGLE-1 head over a 32k
+    draft vocabulary -- 8k for smaller vocabularies --, its speculative graphs): rounds back to
+    back at batch 1 and 8, median ms. Random weights accept nothing: the speedup is computed
+    (tau x plain step / round, in `table`)."""
+    from tandem.engine import SamplingParams
+    from tandem.engine.loader import DTYPES
+    from tandem.spec import DraftHeadConfig, SpecConfig, SpecEngine, dummy_head
+
+    cfg, dev = plain.model_cfg, plain.device
+    vocab = 32768 if cfg.vocab_size > 100_000 else min(8192, cfg.vocab_size)
+    head = dummy_head(DraftHeadConfig.like_target(cfg, "eagle", draft_vocab_size=vocab),
+                      plain.model, DTYPES[plain.cfg.dtype], dev, args.ctx + 512)
+    eng = SpecEngine(plain.cfg, SpecConfig(num_steps=4), plain.model, head)
+    g, rows = torch.Generator().manual_seed(1), []
+    for bs in sorted({1, min(8, plain.cfg.max_num_seqs)}):
+        ids = [eng.add_request(torch.randint(3, cfg.vocab_size, (args.ctx,), generator=g).tolist(),
+                               SamplingParams(max_new_tokens=400, ignore_eos=True))
+               for _ in range(bs)]
+        for _ in range(100):  # prefill: every request seeded
+            if all(i in eng.seeds for i in ids):
+                break
+            eng.step()
+        else:
+            raise RuntimeError(f"spec_rounds: {bs} requests not all seeded after 100 steps")
+        for _ in range(3):
+            eng.step()
+        times = []
+        for _ in range(args.steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            eng.step()  # one round (its host read ends it)
+            times.append((time.perf_counter() - t0) * 1e3)
+        rows.append(dict(batch=bs, round_ms=statistics.median(times), draft_vocab=vocab,
+                         graphs=eng.spec_graphs is not None))
+        for i in ids:
+            eng.abort(i)
+    del eng
+    return rows
+
+
 def copy_bandwidth(dev: torch.device) -> float:
     if dev.type != "cuda":
         return 0.0
@@ -251,9 +296,9 @@ def graph_vs_eager(eng, sizes=(1, 3, 8)) -> list[dict]:
     return rows
 
 
-def join_two_ranks(rank: int, port: int, smoke: bool):
-    """This process as rank `rank` of 2 (NCCL on GPU `rank`; gloo on the CPU with --smoke) ->
-    (device, the world's ParallelGroup)."""
+def join_ranks(rank: int, world: int, port: int, smoke: bool):
+    """This process as rank `rank` of `world` (NCCL on GPU `rank`; gloo on the CPU with
+    --smoke) -> (device, the world's ParallelGroup)."""
     import torch.distributed as dist
 
     from tandem.engine import ParallelGroup
@@ -264,14 +309,14 @@ def join_two_ranks(rank: int, port: int, smoke: bool):
     else:
         torch.cuda.set_device(dev)
     dist.init_process_group("gloo" if smoke else "nccl",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    return dev, ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return dev, ParallelGroup(rank=rank, size=world, handle=dist.group.WORLD)
 
 
 def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
     from tandem.engine import ParallelContext
 
-    dev, group = join_two_ranks(rank, port, args.smoke)
+    dev, group = join_ranks(rank, args.tp, port, args.smoke)
     par = ParallelContext(tp=group, ep=group)
     res: dict = {"rank": rank}
 
@@ -292,7 +337,10 @@ def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
         bw = copy_bandwidth(dev)
         res["copy_bytes_per_s"] = bw
         custom, res["build_s_custom"] = engine(args, dev, par, "auto", args.kv_bytes_tp2)
-        nccl, res["build_s_nccl"] = engine(args, dev, par, "nccl", args.kv_bytes_tp2)
+        if args.custom_only:  # one engine (a 70B-shaped pair does not fit an H100 per rank)
+            nccl = custom
+        else:
+            nccl, res["build_s_nccl"] = engine(args, dev, par, "nccl", args.kv_bytes_tp2)
         fast = custom.model.par.tp.fast
         res["custom_attached"] = fast is not None
         res["graph_batch_sizes"] = {k: e.graphs.batch_sizes if e.graphs else None
@@ -307,6 +355,10 @@ def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
         if custom.graphs is not None:
             section("graph_vs_eager_custom", lambda: graph_vs_eager(custom))
             section("graph_vs_eager_nccl", lambda: graph_vs_eager(nccl))
+        if args.skip_tp1:  # no single-GPU reference (a model one GPU cannot hold)
+            section("steps_custom", lambda: bench_steps(custom, args, bw, quiet=rank > 0))
+            section("spec_rounds", lambda: spec_rounds(custom, args))
+            _leave(rank, res, out_path)
         ref = torch.load(ref_path)
         ps = prompts(custom.model_cfg.vocab_size)
 
@@ -333,8 +385,14 @@ def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
             return out
 
         section("greedy", tokens_check)
-        section("steps_nccl", lambda: bench_steps(nccl, args, bw, quiet=rank > 0))
+        if not args.custom_only:
+            section("steps_nccl", lambda: bench_steps(nccl, args, bw, quiet=rank > 0))
         section("steps_custom", lambda: bench_steps(custom, args, bw, quiet=rank > 0))
+        section("spec_rounds", lambda: spec_rounds(custom, args))
+    _leave(rank, res, out_path)
+
+
+def _leave(rank: int, res: dict, out_path: str) -> None:
     if rank == 0:
         Path(out_path).write_text(json.dumps(res, default=str))
     # No destroy_process_group: ncclCommDestroy hangs on a communicator that CUDA graphs
@@ -359,13 +417,22 @@ def table(results: dict) -> None:
                 "greedy"):
         print(f"{key}: {tp2.get(key)}")
     print("\n           batch  ctx  step med  step mean  graph ms  floor ms  step/floor")
-    for name, rows in (("TP=1", tp1.get("steps")), ("TP=2 nccl", tp2.get("steps_nccl")),
-                       ("TP=2 custom", tp2.get("steps_custom"))):
+    n = results["env"].get("tp", 2)
+    for name, rows in (("TP=1", tp1.get("steps")), (f"TP={n} nccl", tp2.get("steps_nccl")),
+                       (f"TP={n} custom", tp2.get("steps_custom"))):
         for r in rows if isinstance(rows, list) else []:
             floor = r["floor_ms"] or float("nan")
             print(f"{name:<11} {r['batch']:5d} {r['ctx']:4d} {r['step_median_ms']:9.3f} "
                   f"{r['step_mean_ms']:10.3f} {r.get('graph_ms', float('nan')):9.3f} "
                   f"{floor:9.3f} {r['step_median_ms'] / floor:10.2f}x")
+    plain = {r["batch"]: r["step_median_ms"] for r in tp2.get("steps_custom") or []
+             if isinstance(r, dict)}
+    for r in tp2.get("spec_rounds") or []:
+        if isinstance(r, dict) and "round_ms" in r:
+            base = plain.get(r["batch"])
+            speed = f"{3 * base / r['round_ms']:.2f}x" if base else "n/a"
+            print(f"EAGLE round TP={n}, batch {r['batch']}: {r['round_ms']:.3f} ms (chain k=4, "
+                  f"draft vocab {r['draft_vocab']}); computed speedup at tau 3: {speed}")
 
 
 def main() -> None:
@@ -379,6 +446,11 @@ def main() -> None:
     ap.add_argument("--kv-bytes-tp1", type=int, default=14 << 30)
     ap.add_argument("--kv-bytes-tp2", type=int, default=8 << 30)
     ap.add_argument("--smoke", action="store_true", help="CPU + gloo, a tiny Llama")
+    ap.add_argument("--tp", type=int, default=2, help="ranks (GPUs) of the TP engine")
+    ap.add_argument("--skip-tp1", action="store_true",
+                    help="no TP=1 reference (a model one GPU cannot hold, e.g. llama-3.1-70b)")
+    ap.add_argument("--custom-only", action="store_true",
+                    help="one TP engine (the custom all-reduce), not a second NCCL-only one")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp())
@@ -389,13 +461,14 @@ def main() -> None:
             str(tmp / "tiny"), 32, [1, 2], 4, 6)
         args.kv_bytes_tp1 = args.kv_bytes_tp2 = 16 << 20
     env = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"), model=args.model,
-               ctx=args.ctx, batch=args.batch)
+               ctx=args.ctx, batch=args.batch, tp=args.tp)
     if torch.cuda.is_available() and not args.smoke:
         env["device"] = torch.cuda.get_device_name()
     results: dict = {"env": env}
     ref_path, out_path = str(tmp / "ref.pt"), str(args.out / "gpu_tp_ranks.json")
     log(env)
-    results["tp1"] = phase_tp1(args, ref_path)  # in this process: GPU 0, freed after
+    if not args.skip_tp1:
+        results["tp1"] = phase_tp1(args, ref_path)  # in this process: GPU 0, freed after
     (args.out / "gpu_tp.json").write_text(json.dumps(results, indent=1, default=str))
     gc.collect()
     if torch.cuda.is_available():
@@ -404,7 +477,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        mp.start_processes(phase_tp2, args=(args, port, ref_path, out_path), nprocs=2,
+        mp.start_processes(phase_tp2, args=(args, port, ref_path, out_path), nprocs=args.tp,
                            start_method="spawn")
     finally:  # what the ranks finished, even when one failed
         if Path(out_path).exists():

@@ -24,6 +24,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072, "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
     },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_parameters": _LLAMA3_ROPE,
+        "max_position_embeddings": 131072, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    },
     "qwen3-30b-a3b": {
         "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
