@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag = _EngineFlag
     g.add_argument("--model", action=flag, default="default",
                    help="HF checkpoint directory, a preset (smollm2-135m, llama-3.1-8b, "
-                        "qwen3-30b-a3b; needs --load-format dummy) or 'default' (the bundled "
+                        "llama-3.1-70b, qwen3-30b-a3b; needs --load-format dummy) or 'default' "
+                        "(the bundled "
                         "SmolLM2-135M-Instruct, imported once from its GGUF). Default: %(default)s")
     g.add_argument("--load-format", action=flag, choices=["auto", "dummy"], default="auto",
                    help="'dummy' fills random weights of the model's shape. Default: %(default)s")
