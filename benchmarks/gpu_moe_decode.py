@@ -150,11 +150,11 @@ def bench(eng, rank: int, dp: int, args, bw: float) -> list[dict]:
 def run_rank(rank: int, args, port: int, out_path: str) -> None:
     import os
 
-    from gpu_tp import copy_bandwidth, join_two_ranks
+    from gpu_tp import copy_bandwidth, join_ranks
 
     from tandem.engine import EngineConfig, LLMEngine
 
-    dev, group = join_two_ranks(rank, port, args.smoke)
+    dev, group = join_ranks(rank, 2, port, args.smoke)
     cuda = dev.type == "cuda"
     res: dict = {"rank": rank, "copy_bytes_per_s": copy_bandwidth(dev)}
     with torch.inference_mode():
