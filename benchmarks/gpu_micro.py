@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+
+from tandem.engine.graph_timing import graph_us as engine_graph_us
 
 DEV = torch.device("cuda")
 
@@ -41,21 +42,7 @@ def _site_kwargs(fused: str, nw: torch.Tensor, res: torch.Tensor) -> dict:
 def graph_us(fn, calls: int, iters: int = 20) -> float:
     """Median microseconds per call of `fn` captured `calls` times in one graph."""
     fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return engine_graph_us(fn, calls, iters)
 
 
 def attention_decode(ctx: int = 1060) -> list[dict]:

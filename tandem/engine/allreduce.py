@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import math
 import os
-import statistics
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.graph_timing import graph_us
 from tandem.engine.parallel import ParallelContext, ParallelGroup
 
 log = logging.getLogger(__name__)
@@ -215,22 +215,7 @@ def time_in_graph(fn: Callable[[], Any], calls: int = 20, replays: int = 7) -> f
     `replays` replays). `fn` runs twice eagerly first (rendezvous lookups, NCCL set-up)."""
     fn()
     fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+    return graph_us(fn, calls, replays)
 
 
 def measure(fast: FastAllReduce, sizes: Sequence[int],

@@ -8,6 +8,7 @@ wrote. `triton_gemv` asks `one_row_config` / `rows_config` and launches what the
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import torch
 import triton
 
 from tandem.engine.cache_root import default_cache_root
+from tandem.engine.graph_timing import graph_us
 from tandem.engine.kernels.gemv_kernels import INTERPRET
 
 log = logging.getLogger(__name__)
@@ -182,21 +184,8 @@ def _graph_time(cfg: Config | RowsChoice, launch, weights: tuple[torch.Tensor, .
                 calls: int = 8, reps: int = 5) -> float:
     """Median ms of one call of `cfg`, from replays of a graph of `calls` calls."""
     launch(cfg, weights[0])  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            launch(cfg, weights[i % len(weights)])
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[reps // 2]
+    cycle = itertools.cycle(weights)  # call i of the graph reads weights[i % len(weights)]
+    return graph_us(lambda: launch(cfg, next(cycle)), calls, reps) / 1e3
 
 
 def tuned_configs() -> dict[tuple, Config | RowsChoice]:
