@@ -106,7 +106,7 @@ class LLMEngine:
         # without DP attention; `_inflight` is the launched step not read yet.
         want = (engine_cfg.overlap_schedule if engine_cfg.overlap_schedule is not None
                 else self.device.type == "cuda")
-        self.overlap = want and self.SUPPORTS_OVERLAP and model.par.dp.size == 1
+        self.overlap = want and self.PLAIN_STEPS and model.par.dp.size == 1
         self._inflight: InflightStep | None = None
         self._detok: dict[str, object] = {}
         self._ids = itertools.count()
@@ -201,18 +201,18 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------
 
-    # A step never records autograd, whoever calls it (Ray worker loops, the CLI, tests): the
-    # kernels' dispatch keeps the Triton kernels (which have no backward) for inference only.
-    # Overlap scheduling needs every step to be this class's `step`; SpecEngine runs rounds.
-    SUPPORTS_OVERLAP = True
+    # Every step is this class's `step` (one forward, then sampling): what overlap scheduling
+    # and decode graphs under DP attention rely on. SpecEngine runs rounds instead.
+    PLAIN_STEPS = True
 
     def dp_graphs_ok(self, cfg: EngineConfig) -> bool:
         """Whether decode graphs may be captured under DP attention: asked for
-        (`dp_decode_graphs`), the plain engine's steps (not a subclass's rounds), and no MoE
-        dispatch that reads split sizes on the host."""
-        return (cfg.dp_decode_graphs and type(self).step is LLMEngine.step
-                and cfg.moe_dispatch != "alltoall")
+        (`dp_decode_graphs`), plain steps, and no MoE dispatch that reads split sizes on the
+        host."""
+        return cfg.dp_decode_graphs and self.PLAIN_STEPS and cfg.moe_dispatch != "alltoall"
 
+    # A step never records autograd, whoever calls it (Ray worker loops, the CLI, tests): the
+    # kernels' dispatch keeps the Triton kernels (which have no backward) for inference only.
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()

@@ -70,7 +70,7 @@ class SpecEngine(LLMEngine):
     # The draft KV at position p is computed from (f_p, x_{p+1}) and shares the target's page
     # ids: a cached page must also match the token after it (engine/prefix_cache.py).
     PREFIX_LOOKAHEAD = 1
-    SUPPORTS_OVERLAP = False  # rounds read the acceptance each round (engine/overlap.py)
+    PLAIN_STEPS = False  # rounds, each reading its acceptance (engine/llm.py)
 
     def __init__(self, engine_cfg: EngineConfig, spec: SpecConfig, model, head: EagleHead,
                  tokenizer: object | None = None, policy: KPolicy | None = None) -> None:

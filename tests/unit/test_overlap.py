@@ -236,4 +236,10 @@ def test_overlap_is_off_for_the_speculative_engine_and_auto_on_cuda_only():
     spec = SpecEngine(engine_cfg(overlap_schedule=True), SpecConfig(num_steps=2), MODEL,
                       tiny_head(MODEL, "eagle", live=None))
     assert not spec.overlap
-    assert not LLMEngine(engine_cfg(), MODEL).overlap  # None = auto: off on the CPU
+    plain = LLMEngine(engine_cfg(), MODEL)
+    assert not plain.overlap  # None = auto: off on the CPU
+    # DP decode graphs rely on plain steps too (and are asked for, and no host-read dispatch)
+    assert plain.dp_graphs_ok(engine_cfg(dp_decode_graphs=True))
+    assert not plain.dp_graphs_ok(engine_cfg())
+    assert not plain.dp_graphs_ok(engine_cfg(dp_decode_graphs=True, moe_dispatch="alltoall"))
+    assert not spec.dp_graphs_ok(engine_cfg(dp_decode_graphs=True))
