@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from test_spec_graph_padding import _FakePlanner
 
 from hf_tiny import save_tiny
 from rank_helpers import run_ranks
@@ -21,17 +22,6 @@ pytestmark = pytest.mark.timeout(240)
 
 ASSIGNMENTS = ((0, 1, 1, 0), (0, 0, 0, 0))  # which DP rank owns each request, per scenario
 SIZES = (1, 2, 4)
-
-
-class _Planner:
-    """FlashInfer's fixed-buffer decode planner on the CPU: plans with the reference backend."""
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-
-    def plan(self, meta):
-        assert meta.is_decode
-        return self.backend.plan(meta)
 
 
 def _requests():
@@ -51,7 +41,7 @@ def _engine(model_dir, par: ParallelContext | None = None, graphs: bool = True,
                                              moe_dispatch=moe_dispatch), par)
     if graphs:
         backend = eng.runner.backend
-        backend.graph_decode_planner = lambda bs, pages: _Planner(backend)
+        backend.graph_decode_planner = lambda bs, pages: _FakePlanner(backend, True)
         eng.graphs = DecodeGraphRunner(eng.runner, SIZES, max_pages_per_seq=16,
                                        par=eng.model.par)
         eng.graphs.capture(eager=True)

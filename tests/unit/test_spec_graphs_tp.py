@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from disagg_helpers import tiny_model_and_head
+from test_spec_graph_padding import _FakePlanner
 
 from rank_helpers import run_ranks
 from tandem.engine import EngineConfig, SamplingParams
@@ -22,16 +23,6 @@ pytestmark = pytest.mark.timeout(240)
 SPECS = {"chain": SpecConfig(num_steps=3), "tree": SpecConfig(num_steps=3, topk=2,
                                                             num_draft_tokens=5)}
 SIZES = (1, 2, 4)
-
-
-class _Planner:
-    """FlashInfer's fixed-buffer planners on the CPU: plan with the reference backend."""
-
-    def __init__(self, backend) -> None:
-        self.backend = backend
-
-    def plan(self, meta):
-        return self.backend.plan(meta)
 
 
 def _engine(dirs, spec: SpecConfig, par=None, graphs: bool = True) -> SpecEngine:
@@ -46,8 +37,9 @@ def _engine(dirs, spec: SpecConfig, par=None, graphs: bool = True) -> SpecEngine
     if not graphs:
         return eng
     backend = eng.runner.backend
-    backend.graph_decode_planner = lambda bs, pages: _Planner(backend)
-    backend.graph_prefill_planner = lambda bs, n, pages, kv, custom_mask: _Planner(backend)
+    backend.graph_decode_planner = lambda bs, pages: _FakePlanner(backend, True)
+    backend.graph_prefill_planner = (lambda bs, n, pages, kv, custom_mask:
+                                     _FakePlanner(backend, False, n, custom_mask))
     runner = SpecGraphRunner(eng.runner, eng.draft, spec, SIZES,
                              max_kv_len=eng.max_model_len + spec.slots_per_round,
                              capture_layers=eng.capture)
