@@ -28,6 +28,7 @@ from tandem.spec import (
     propose,
 )
 from tandem.spec.evaluate import parting_gap
+from near_ties import assert_parts_only_at_near_ties  # noqa: E402 (tests/gpu on sys.path)
 from tandem.spec.propose import chain_steps
 from tandem.spec.slices import pad_fixed_slices, verify_slices
 
@@ -167,14 +168,9 @@ def test_spec_with_graphs_is_lossless_up_to_bf16_near_ties(target, which, policy
         eng = SpecEngine(_cfg(True), spec, *target)
         assert eng.spec_graphs is not None
         got = [c.output_ids for c in eng.generate(prompts, params)]
-    for p, a, b in zip(prompts, got, want):
-        d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if d is None:
-            continue
-        tie = parting_gap(plain, p + list(b[:d]), (a[d], b[d]))
-        # bf16: a verify over N tokens and a 1-token decode round differently; they may part
-        # only where the two best candidates are within 2% of the logit scale.
-        assert tie.both_in_top2 and tie.rel_gap <= 0.02, (d, tie)
+    # bf16: a verify over N tokens and a 1-token decode round differently; they may part
+    # only where the two best candidates are within 2% of the logit scale.
+    assert_parts_only_at_near_ties(plain, prompts, got, want)
 
 
 @pytest.mark.parametrize("which", ["chain", "tree"])
@@ -422,12 +418,7 @@ def test_adaptive_schedule_with_graphs_is_lossless_up_to_bf16_near_ties(target, 
     got = [c.output_ids for c in eng.generate(prompts, params)]
     assert policy.used == set(KS) and all(replays[k] > 0 for k in range(5)), replays
     assert set(eager_ks) <= {0}
-    for p, a, b in zip(prompts, got, want):
-        d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if d is None:
-            continue
-        tie = parting_gap(plain, p + list(b[:d]), (a[d], b[d]))
-        assert tie.both_in_top2 and tie.rel_gap <= 0.02, (d, tie)
+    assert_parts_only_at_near_ties(plain, prompts, got, want)
 
 
 class _EagerPlanner:
