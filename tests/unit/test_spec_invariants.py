@@ -47,6 +47,7 @@ from tandem.spec import (
     VerifyInput,
     VerifyResult,
 )
+from tandem.spec.tree_graphs import DraftedTree
 
 N_NEW = 14
 CHAIN = SpecConfig(num_steps=4)
@@ -299,7 +300,8 @@ def test_fresh_metadata_for_every_forward(spec, monkeypatch):
 PHASES = (DraftSeed, RoundInput, DraftInput, VerifyInput, VerifyResult, DraftExtendInput)
 
 
-@pytest.mark.parametrize("cls", PHASES, ids=lambda c: c.__name__)
+# DraftedTree: a tree drafted in CUDA graphs before its shape is read (spec/tree_graphs.py)
+@pytest.mark.parametrize("cls", (*PHASES, DraftedTree), ids=lambda c: c.__name__)
 def test_phase_classes_are_frozen_slotted_dataclasses(cls):
     assert dataclasses.is_dataclass(cls)
     params = cls.__dataclass_params__
