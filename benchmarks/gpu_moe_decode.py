@@ -124,20 +124,42 @@ def bench(eng, rank: int, dp: int, args, bw: float) -> list[dict]:
             eng.step()
         plan = eng.scheduler.schedule()  # one more decode batch, measured eagerly (not committed)
         hit = experts_hit(eng, eng._build_batch(plan, len(plan.chunks)))
-        times = []
-        for _ in range(args.steps):
+        # Back to back, synchronized only at the ends: with overlap scheduling a step() returns
+        # once the next step is launched, so one step timed between two synchronizations would
+        # measure its host work, not the GPU's. Median over a few such runs.
+        # How the timed steps ran: graph replays vs eager forwards (DP ranks fall back to
+        # eager when any rank has a prefill chunk)
+        counts = {"graph": 0, "eager": 0}
+        wrapped = [(obj, attr, getattr(obj, attr)) for obj, attr, key in
+                   ((eng.graphs, "run", "graph"), (eng.runner, "forward", "eager"))
+                   if obj is not None]
+        for obj, attr, orig in wrapped:
+            key = "graph" if attr == "run" else "eager"
+
+            def counted(*a, orig=orig, key=key, **kw):
+                counts[key] += 1
+                return orig(*a, **kw)
+            setattr(obj, attr, counted)
+        runs = []
+        for _ in range(3):
             if eng.device.type == "cuda":
                 torch.cuda.synchronize(eng.device)
             t0 = time.perf_counter()
-            eng.step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        step_ms = statistics.median(times)
+            for _ in range(args.steps):
+                eng.step()
+            if eng.device.type == "cuda":
+                torch.cuda.synchronize(eng.device)
+            runs.append((time.perf_counter() - t0) * 1e3 / args.steps)
+        step_ms = statistics.median(runs)
+        for obj, attr, _ in wrapped:
+            delattr(obj, attr)  # the instance attribute: the class's method again
         kv_len = sum(r.num_tokens for r in reqs) / max(1, mine)
         floor_bytes = other + hit * cfg.num_layers * per_expert + mine * kv_len * per_tok
         rows.append(dict(batch=total, per_rank=mine, step_ms=step_ms,
                          tokens_per_s=total / (step_ms * 1e-3), experts_hit=hit,
                          floor_ms=floor_bytes / bw * 1e3 if bw else None,
-                         graphs=eng.graphs is not None))
+                         graphs=eng.graphs is not None, overlap=eng.overlap,
+                         forwards=counts))
         if rank == 0:
             log(rows[-1])
         for i in ids:

@@ -7,18 +7,21 @@ NUM_PROMPTS=0: import only) have put the imported model in /tmp/gc/smollm2:
     source .devbundle-fi/activate.sh; export PYTHONPATH=.:$PYTHONPATH
     python benchmarks/gpu_spec_chat.py --model /tmp/gc/smollm2 --out $OUT
 
-Per engine (plain; speculative chain k=4 over the same model object):
+Per engine (plain; speculative chain k=4 over the same model object; adaptive: k chosen per
+step from the cost table it profiles at start-up, spec/adaptive.py):
 - batch 1: the prompts one at a time; decode time per output token = (time of the last token -
   time of the first) / (tokens - 1), summed over prompts (prefill excluded);
-- all prompts at once (continuous batching): output tokens per second, prefill included;
-- tau and P(draft j accepted) of each phase; answers identical to plain (bf16: the two may part
-  at near-ties, docs/architecture.md "Lossless"; float32 exactness is tested elsewhere).
+- each --concurrency level C: every prompt, at most C in flight (a new one starts as one ends,
+  like `tandem bench`'s closed-loop clients): output tokens per second, prefill included;
+- tau and P(draft j accepted) per phase; answers next to plain's (bf16: the two may part at
+  near-ties, docs/architecture.md "Lossless"; float32 exactness is tested elsewhere).
 Writes $OUT/gpu_spec_chat.json and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -58,10 +61,25 @@ def one_at_a_time(eng: LLMEngine, prompts: list[list[int]], params: SamplingPara
     return outs, decode_s, decode_tokens
 
 
-def all_at_once(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
-                ) -> tuple[list[tuple[int, ...]], float]:
+def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                concurrency: int) -> tuple[list[tuple[int, ...]], float]:
+    """Every prompt, at most `concurrency` in flight (a new one starts as one ends, as
+    `tandem bench`'s closed-loop clients do) -> (outputs in prompt order, wall seconds)."""
+    outs: list[tuple[int, ...]] = [()] * len(prompts)
+    waiting = list(enumerate(prompts))
+    running: dict[str, int] = {}
+    toks: dict[str, list[int]] = {}
     t0 = time.perf_counter()
-    outs = [tuple(c.output_ids) for c in eng.generate(prompts, params)]
+    while waiting or running:
+        while waiting and len(running) < concurrency:
+            i, p = waiting.pop(0)
+            rid = eng.add_request(p, params)
+            running[rid], toks[rid] = i, []
+        for o in eng.step():
+            if o.req_id in running:
+                toks[o.req_id] += o.new_token_ids
+                if o.finished:
+                    outs[running.pop(o.req_id)] = tuple(toks.pop(o.req_id))
     return outs, time.perf_counter() - t0
 
 
@@ -106,76 +124,109 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None,
                     help="default: flashinfer with CUDA graphs on cuda; torch (no graphs) "
                          "for the float32 exactness check")
+    ap.add_argument("--concurrency", default="1,4,16,50",
+                    help="closed-loop levels: at most C prompts in flight (default 1,4,16,50)")
+    ap.add_argument("--engines", default="plain,spec,adaptive",
+                    help="plain; spec (chain k=4 every step); adaptive (k per step, "
+                         "spec/adaptive.py)")
     ap.add_argument("--skip-batch1", action="store_true",
-                    help="all prompts at once only (the float32 check: eager steps are slow)")
+                    help="no per-token decode timing one prompt at a time (eager is slow)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "cuda"
     backend = args.attention_backend or ("flashinfer" if gpu else "torch")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    names = args.engines.split(",")
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        attention_backend=backend, cuda_graphs=gpu and backend == "flashinfer",
                        max_num_seqs=64, max_model_len=1024,
                        kv_cache_bytes=(4 << 30) if gpu else (256 << 20))
     spec = SpecConfig(draft_model=args.draft_model, num_steps=4)
-    name = torch.cuda.get_device_name() if gpu else "cpu"
-    res: dict = {"env": {"device": name, "torch": torch.__version__,
+    dev_name = torch.cuda.get_device_name() if gpu else "cpu"
+    res: dict = {"env": {"device": dev_name, "torch": torch.__version__,
                          "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
-                         "max_new_tokens": args.max_new_tokens}}
+                         "max_new_tokens": args.max_new_tokens, "levels": levels}}
     with torch.inference_mode():
         spec_eng = SpecEngine.from_config(cfg, spec)
         tok = spec_eng.tokenizer
-        plain = LLMEngine(cfg, spec_eng.model, tok)
+        engines: dict[str, LLMEngine] = {"spec": spec_eng,
+                                         "plain": LLMEngine(cfg, spec_eng.model, tok)}
+        if "adaptive" in names:  # its own engine: profiles its cost table at start-up
+            engines["adaptive"] = SpecEngine.from_config(
+                cfg, dataclasses.replace(spec, adaptive=True))
         questions = [q.strip() for q in Path(args.prompts_file).read_text().splitlines()
                      if q.strip()]
         prompts = [tok.encode_chat([ChatMessage(role="user", content=q)]) for q in questions]
         params = SamplingParams(max_new_tokens=args.max_new_tokens)
-        for eng in (plain, spec_eng):  # warm-up: Triton tuning, FlashInfer modules
-            all_at_once(eng, prompts[:4], params)
-        for name, eng in (("plain", plain), ("spec", spec_eng)):
-            before = snapshot(spec_eng)
+        for name in names:  # warm-up: Triton tuning, FlashInfer modules
+            closed_loop(engines[name], prompts[:4], params, 4)
+        for name in names:
+            eng = engines[name]
+            is_spec = isinstance(eng, SpecEngine)
             row: dict = {}
-            outs1: list[tuple[int, ...]] = []
             if not args.skip_batch1:
+                before = snapshot(eng) if is_spec else None
                 outs1, dec_s, dec_n = one_at_a_time(eng, prompts, params)
                 row = {"batch1_decode_ms_per_token": 1e3 * dec_s / dec_n, "batch1_tokens": dec_n}
-                if name == "spec":
-                    row["batch1_acceptance"] = stats_delta(spec_eng, before)
-            before = snapshot(spec_eng)
-            outs, wall = all_at_once(eng, prompts, params)
-            row["all_tokens_per_s"] = sum(len(o) for o in outs) / wall
-            row["all_wall_s"] = wall
-            if name == "spec":
-                row["all_acceptance"] = stats_delta(spec_eng, before)
+                if is_spec:
+                    row["batch1_acceptance"] = stats_delta(eng, before)
+                res[f"{name}_outputs_batch1"] = outs1
+            for c in levels:
+                before = snapshot(eng) if is_spec else None
+                outs, wall = closed_loop(eng, prompts, params, c)
+                lvl = {"tokens_per_s": sum(len(o) for o in outs) / wall, "wall_s": wall}
+                if is_spec:
+                    lvl["acceptance"] = stats_delta(eng, before)
+                row[f"c{c}"] = lvl
+                res[f"{name}_outputs_c{c}"] = outs
             res[name] = row
-            res[f"{name}_outputs"] = outs
-            res[f"{name}_outputs_batch1"] = outs1
             print(name, json.dumps(row), flush=True)
-        same = sum(a == b for a, b in zip(res["spec_outputs"], res["plain_outputs"]))
-        res["identical_answers"] = f"{same}/{len(prompts)}"
-        same1 = sum(a == b for a, b in zip(res["spec_outputs_batch1"],
-                                           res["plain_outputs_batch1"]))
-        res["identical_answers_batch1"] = ("-" if args.skip_batch1
-                                           else f"{same1}/{len(prompts)}")
-        res["divergences"] = divergences(plain, prompts, res["spec_outputs"],
-                                         res["plain_outputs"])
-        p, s = res["plain"], res["spec"]
-        if not args.skip_batch1:
-            res["speedup_batch1_decode"] = (p["batch1_decode_ms_per_token"]
-                                            / s["batch1_decode_ms_per_token"])
-        res["speedup_all_tokens_per_s"] = s["all_tokens_per_s"] / p["all_tokens_per_s"]
+        summary = {}
+        for name in names:
+            if name == "plain" or "plain" not in names:
+                continue
+            p, s = res["plain"], res[name]
+            sm: dict = {}
+            if not args.skip_batch1:
+                sm["batch1_decode_speedup"] = (p["batch1_decode_ms_per_token"]
+                                               / s["batch1_decode_ms_per_token"])
+            for c in levels:
+                same = sum(a == b for a, b in zip(res[f"{name}_outputs_c{c}"],
+                                                  res[f"plain_outputs_c{c}"]))
+                sm[f"c{c}"] = {"tokens_per_s_ratio": s[f"c{c}"]["tokens_per_s"]
+                               / p[f"c{c}"]["tokens_per_s"],
+                               "identical_answers": f"{same}/{len(prompts)}"}
+            c = levels[-1]
+            sm["divergences"] = divergences(engines["plain"], prompts,
+                                            res[f"{name}_outputs_c{c}"],
+                                            res[f"plain_outputs_c{c}"])
+            summary[name] = sm
+        res["summary"] = summary
     (args.out / "gpu_spec_chat.json").write_text(json.dumps(res, indent=1))
     print(f"\n{res['env']}")
-    if not args.skip_batch1:
-        print(f"batch 1, decode ms/token: plain {p['batch1_decode_ms_per_token']:.3f}, "
-              f"speculative {s['batch1_decode_ms_per_token']:.3f} (tau "
-              f"{s['batch1_acceptance']['tau']:.2f}) -> {res['speedup_batch1_decode']:.2f}x")
-    print(f"{len(prompts)} at once, tokens/s: plain {p['all_tokens_per_s']:.0f}, speculative "
-          f"{s['all_tokens_per_s']:.0f} (tau {s['all_acceptance']['tau']:.2f}) -> "
-          f"{res['speedup_all_tokens_per_s']:.2f}x; identical answers {res['identical_answers']} "
-          f"(batch 1: {res['identical_answers_batch1']})")
-    dv = res["divergences"]
-    print(f"where they part ({dv['count']}): both tokens among plain's top 2 in "
-          f"{dv['both_in_top2']}, top-2 gap <= {dv['max_rel_gap']:.4f} of the logit scale")
+    head = f"{'engine':<9} {'b1 ms/tok':>9} " + " ".join(f"{'c=' + str(c) + ' tok/s':>12}"
+                                                           for c in levels)
+    print(head)
+    for name in names:
+        r = res[name]
+        b1 = f"{r['batch1_decode_ms_per_token']:9.3f}" if "batch1_decode_ms_per_token" in r \
+            else f"{'-':>9}"
+        cells = []
+        for c in levels:
+            cell = f"{r[f'c{c}']['tokens_per_s']:.0f}"
+            if name in summary:
+                cell += f" {summary[name][f'c{c}']['tokens_per_s_ratio']:.2f}x"
+            cells.append(f"{cell:>12}")
+        print(f"{name:<9} {b1} " + " ".join(cells))
+    for name, sm in summary.items():
+        taus = " ".join(f"c={c}: {res[name][f'c{c}']['acceptance']['tau']:.2f}" for c in levels)
+        same = " ".join(f"c={c}: {sm[f'c{c}']['identical_answers']}" for c in levels)
+        dv = sm["divergences"]
+        b1 = (f"batch 1 decode {sm['batch1_decode_speedup']:.2f}x; "
+              if "batch1_decode_speedup" in sm else "")
+        print(f"{name}: {b1}tau {taus}; identical answers {same}; where they part at "
+              f"c={levels[-1]} ({dv['count']}): both among plain's top 2 in "
+              f"{dv['both_in_top2']}, top-2 gap <= {dv['max_rel_gap']:.4f} of the logit scale")
 
 
 if __name__ == "__main__":
