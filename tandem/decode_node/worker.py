@@ -187,6 +187,7 @@ class DecodeWorker:
         # steps are coordinated among the ranks that split the requests (DP).
         self._tp_sync, self._dp_sync = split_sync(sync, parallel or ParallelContext())
         self.engine = build_engine(cfg, parallel)
+        self.engine.overlap_ok = False  # KV lands in free pages: none reused mid-step
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # the receiver's landing slots
         self._free_slots = list(range(cfg.aux_slots))
         self.receiver = DecodeReceiver(

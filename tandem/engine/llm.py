@@ -102,11 +102,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
                                    engine_cfg.max_num_batched_tokens, self.prefix_cache)
         self.sampler = Sampler(engine_cfg.sampling_fault)
-        # Overlap scheduling (engine/overlap.py): on CUDA by default, for the plain engine
-        # without DP attention; `_inflight` is the launched step not read yet.
+        # Overlap scheduling (engine/overlap.py): on CUDA by default, for plain steps without
+        # DP attention (`overlap_ok`; a decode worker clears it: pages that receive KV
+        # transfers must not be reused while a step is in flight); `_inflight` is the
+        # launched step not read yet.
         want = (engine_cfg.overlap_schedule if engine_cfg.overlap_schedule is not None
                 else self.device.type == "cuda")
-        self.overlap = want and self.PLAIN_STEPS and model.par.dp.size == 1
+        self.overlap_ok = want and model.par.dp.size == 1
+        self.overlap = self.overlap_ok and self.PLAIN_STEPS
         self._inflight: InflightStep | None = None
         self._detok: dict[str, object] = {}
         self._ids = itertools.count()
@@ -164,6 +167,11 @@ class LLMEngine:
         self.scheduler.finish(req, FinishReason.ABORT)
         self._detok.pop(req_id, None)
         return True
+
+    def leave_overlap(self) -> list[RequestOutput]:
+        """Read the step in flight (its outputs), if any; later steps run without overlap."""
+        prev, self._inflight, self.overlap = self._inflight, None, False
+        return self._resolve(prev) if prev is not None else []
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None

@@ -37,18 +37,23 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 # Bump when the table's meaning or the profiling changes (cache key). 2: every k runs in CUDA
-# graphs (spec/graph_set.py), so tables of version 1 (k < num_steps eager) are stale.
-POLICY_VERSION = 2
+# graphs (spec/graph_set.py), so tables of version 1 (k < num_steps eager) are stale. 3: the
+# table also prices the plain engine's step (`StepCostTable.plain`).
+POLICY_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepCostTable:
     """Measured seconds per step: `seconds[i][k]` for a batch of `batch_sizes[i]` requests
-    and k drafts per request (k = 0: a plain step). Linear in the batch size between grid
-    points; below the grid the smallest size's row, above it the last segment's slope."""
+    and k drafts per request (k = 0: the speculative engine's plain round, which still
+    draft-extends), and `plain[i]` for a step of the plain engine's own path over the same
+    batch (no draft model; overlap scheduling where the engine has it; empty: not measured).
+    Linear in the batch size between grid points; below the grid the smallest size's row,
+    above it the last segment's slope."""
 
     batch_sizes: tuple[int, ...]  # ascending, >= 1
     seconds: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][max_k + 1] seconds, > 0
+    plain: tuple[float, ...] = ()  # [len(batch_sizes)] seconds, > 0; or () unmeasured
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
@@ -61,6 +66,9 @@ class StepCostTable:
             raise ValueError("seconds: one row per batch size, all of the same length >= 1")
         if any(not s > 0 for row in self.seconds for s in row):
             raise ValueError("seconds: every cost must be > 0")
+        if self.plain and (len(self.plain) != len(self.batch_sizes)
+                           or any(not s > 0 for s in self.plain)):
+            raise ValueError("plain: one cost > 0 per batch size, or none")
 
     @property
     def max_k(self) -> int:
@@ -70,23 +78,32 @@ class StepCostTable:
         """Seconds of a step with k drafts per request over `batch_size` requests."""
         if not 0 <= k <= self.max_k:
             raise ValueError(f"k: must be in [0, {self.max_k}], got {k}")
+        return self._at([row[k] for row in self.seconds], batch_size)
+
+    def plain_cost(self, batch_size: int) -> float | None:
+        """Seconds of the plain engine's step over `batch_size` requests (None: unmeasured)."""
+        return self._at(self.plain, batch_size) if self.plain else None
+
+    def _at(self, values: Sequence[float], batch_size: int) -> float:
         sizes = self.batch_sizes
         if batch_size <= sizes[0] or len(sizes) == 1:
-            return self.seconds[0][k]
+            return values[0]
         i = min(bisect.bisect_left(sizes, batch_size), len(sizes) - 1)  # segment [i-1, i]
         lo, hi = sizes[i - 1], sizes[i]
-        a, b = self.seconds[i - 1][k], self.seconds[i][k]
+        a, b = values[i - 1], values[i]
         return max(a + (b - a) * (batch_size - lo) / (hi - lo), min(a, b))
 
     def to_json(self) -> str:
         return json.dumps({"batch_sizes": list(self.batch_sizes),
-                           "seconds": [list(r) for r in self.seconds]})
+                           "seconds": [list(r) for r in self.seconds],
+                           "plain": list(self.plain)})
 
     @staticmethod
     def from_json(text: str) -> StepCostTable:
         raw = json.loads(text)
         return StepCostTable(batch_sizes=tuple(int(b) for b in raw["batch_sizes"]),
-                             seconds=tuple(tuple(float(s) for s in r) for r in raw["seconds"]))
+                             seconds=tuple(tuple(float(s) for s in r) for r in raw["seconds"]),
+                             plain=tuple(float(s) for s in raw.get("plain", ())))
 
 
 def expected_tokens(p: Sequence[float], k: int) -> float:
@@ -165,15 +182,22 @@ class KPolicy(Protocol):
 
     def forget(self, req_id: str) -> None: ...
 
+    # Optional (`SpecScheduler.plain_regime`): whether plain engine steps beat every round
+    # for a batch of this size; a policy without it never runs the plain regime.
+    # def plain_wins(self, batch_size: int) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdaptiveSettings:
     alpha: float = 0.1  # EWMA weight of one observation
     prior: float = 0.6  # P(accepted) at every position before anything is observed
     relax: float = 0.02  # per unobserved step, the pull back toward the prior
+    # per step of the plain regime (no request drafts): slower, so that trying speculation
+    # again costs a few rounds every few hundred steps, not every few dozen
+    plain_relax: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "prior", "relax"):
+        for name in ("alpha", "prior", "relax", "plain_relax"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
 
@@ -208,6 +232,22 @@ class AdaptivePolicy:
         if plan.num_drafts == 0:
             self.overall = relax(self.overall, self._prior(), rate)
         return plan
+
+    def plain_wins(self, batch_size: int) -> bool:
+        """Whether `batch_size` requests decode faster as plain engine steps (no draft model,
+        overlapped where the engine can) than by the best round at the engine-wide estimate.
+        Asked once per step while it holds (the plain regime, `SpecEngine.step`), which is
+        also an unobserved step: the estimate relaxes toward the prior, so the engine tries
+        speculation again after a while and measures it afresh."""
+        plain = self.table.plain_cost(batch_size)
+        if plain is None:
+            return False
+        best = max((expected_tokens(self.overall, k) / self.table.cost(k, batch_size)
+                    for k in range(1, self.max_k + 1)), default=0.0)
+        wins = 1.0 / plain >= best
+        if wins:
+            self.overall = relax(self.overall, self._prior(), self.settings.plain_relax)
+        return wins
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         a = self.settings.alpha

@@ -4,7 +4,9 @@ and policy version), or measured now by timing the engine's own rounds -- with i
 graphs on a GPU, a few eager rounds on the CPU -- for a grid of batch sizes and every k in
 0 .. num_steps, and cached under $TANDEM_CACHE/spec-cost/ (as the GEMV tuning is). On a GPU
 every k is timed through its own graphs (`SpecEngine.k_graphs`, captured before the policy
-is made), so the table prices the rounds the policy will run.
+is made), so the table prices the rounds the policy will run. It also prices the plain engine's
+own step (`SpecEngine.plain_step`: overlapped where the engine overlaps), which the plain regime
+runs where no round pays (`AdaptivePolicy.plain_wins`).
 
 Owns: the profiling requests it adds to the engine (removed again before it returns) and the
 cost files it writes. What a profiled cost covers: one round's forwards (drafting, verify,
@@ -60,6 +62,10 @@ class SpecEngine(Protocol):
     def abort(self, req_id: str) -> bool: ...
 
     def _spec_round(self, inp: RoundInput) -> tuple: ...
+
+    def plain_step(self) -> list: ...
+
+    def leave_overlap(self) -> list: ...
 
 
 log = logging.getLogger(__name__)
@@ -130,11 +136,14 @@ def profile(eng: SpecEngine, repeats: int,
                    for k in range(eng.spec.num_steps + 1)]
             seconds.append(tuple(row))
             log.info("spec cost, batch %d: %s ms", b, ", ".join(f"{s * 1e3:.2f}" for s in row))
+        plain = _time_plain_steps(eng, [r.req_id for r in reqs], sizes, repeats)
+        log.info("plain step cost: %s ms", ", ".join(f"{s * 1e3:.2f}" for s in plain))
     finally:
+        eng.leave_overlap()
         for rid in req_ids:
             eng.abort(rid)
     eng.spec_stats = SpecStats()  # the profiling rounds are no request's acceptance
-    return StepCostTable(batch_sizes=sizes, seconds=tuple(seconds))
+    return StepCostTable(batch_sizes=sizes, seconds=tuple(seconds), plain=plain)
 
 
 def _max_batch(eng: SpecEngine) -> int:
@@ -150,6 +159,30 @@ def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:
     while not all(rid in eng.seeds for rid in req_ids):
         eng.step()
     return req_ids
+
+
+def _time_plain_steps(eng: SpecEngine, req_ids: list[str], sizes: tuple[int, ...],
+                      repeats: int) -> tuple[float, ...]:
+    """Seconds of one plain engine step (`plain_step`: no draft model, overlapped where the
+    engine overlaps) over each batch size, steps timed back to back: the profiling requests
+    lose their seeds (they are aborted afterwards), and the batch shrinks from the largest
+    size down by aborting requests."""
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    for rid in req_ids:
+        eng.spec_scheduler.drop_seed(rid)
+    live, out = list(req_ids), {}
+    steps = max(4, 4 * repeats)
+    for b in sorted(sizes, reverse=True):
+        while len(live) > b:
+            eng.abort(live.pop())
+        eng.plain_step()  # warm-up (and under overlap: one step in flight)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.plain_step()
+        sync()
+        out[b] = (time.perf_counter() - t0) / steps
+    return tuple(out[b] for b in sizes)
 
 
 def _time_round(eng: SpecEngine, inp: RoundInput, repeats: int) -> float:

@@ -44,7 +44,7 @@ from tandem.spec.extend import (
     make_extend_input,
     next_draft_input,
 )
-from tandem.spec.handoff import PrefillHandoff
+from tandem.spec.handoff import PrefillHandoff, restore_generator
 from tandem.spec.head import EagleHead
 from tandem.spec.phases import DraftInput, DraftSeed, RoundInput, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
@@ -167,9 +167,12 @@ class SpecEngine(LLMEngine):
 
     @torch.inference_mode()  # as LLMEngine.step
     def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
         spec_sched = self.spec_scheduler
         spec_sched.drop_unrunnable()
+        # The plain regime (SpecScheduler.plain_regime): plain steps while rounds cannot pay
+        if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):
+            return self.plain_step()
+        outputs = self.leave_overlap()
         plan = self.scheduler.schedule(exclude=frozenset(spec_sched.seeds))
         if self.dp_join(bool(plan.chunks)):  # DP attention: idle ranks join (engine/llm.py)
             outputs += self._prefill_step(plan)
@@ -184,6 +187,12 @@ class SpecEngine(LLMEngine):
                 result, nxt = self._spec_round(inp)
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
         return outputs
+
+    def plain_step(self) -> list[RequestOutput]:
+        """One step of the plain engine's own path (overlapped where `overlap_ok`), over
+        requests without seeds; `leave_overlap` before the next speculative step."""
+        self.overlap = self.overlap_ok
+        return super().step()
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
         batch = self._build_batch(plan, len(plan.chunks))  # eager: no graph padding
@@ -249,7 +258,7 @@ class SpecEngine(LLMEngine):
                          topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[0])
         if req.req_id in self.handoff_only:
             self._hand_off(req, seed, result)
-        elif not result.finished:
+        elif not result.finished and not self.spec_scheduler.is_plain(req.req_id):
             self.spec_scheduler.set_seed(req.req_id, seed)
         return result
 
@@ -304,16 +313,7 @@ class SpecEngine(LLMEngine):
                 f"seed: describes {seed.num_cached} cached tokens / last token "
                 f"{seed.last_token}, the request has {len(prompt_ids)} / {first_token}"
             )
-        gen = None
-        if not params.greedy and (generator_state or params.seed is not None):
-            # The prefill side's generator state, so a seeded request goes on drawing the
-            # stream it started there; an unseeded request (no state) draws with the other
-            # unseeded rows from the shared RNG, as in LLMEngine.add_request.
-            gen = torch.Generator(device=self.device)
-            if generator_state:
-                gen.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-            else:
-                gen.manual_seed(params.seed)
+        gen = restore_generator(params, generator_state, self.device)
         max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         req = Request(req_id=req_id, prompt_ids=prompt_ids, params=params,
                       max_total_len=max_total, generator=gen, page_ids=list(page_ids),

@@ -131,3 +131,19 @@ class PrefillHandoff:
 
     def seed_bytes(self) -> bytes:
         return encode_seed(self.seed, self.generator_state, self.first_logprob)
+
+
+def restore_generator(params, generator_state: bytes, device: torch.device
+                      ) -> torch.Generator | None:
+    """A handed-in request's sampling generator: the prefill side's state, so a seeded request
+    goes on drawing the stream it started there; None for a greedy request, and for an
+    unseeded one without state (it draws with the other unseeded rows from the shared RNG,
+    as in LLMEngine.add_request)."""
+    if params.greedy or not (generator_state or params.seed is not None):
+        return None
+    gen = torch.Generator(device=device)
+    if generator_state:
+        gen.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+    else:
+        gen.manual_seed(params.seed)
+    return gen

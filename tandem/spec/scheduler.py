@@ -40,6 +40,9 @@ class SpecScheduler:
                  policy: KPolicy | None = None) -> None:
         self.scheduler, self.spec, self.max_model_len = scheduler, spec, max_model_len
         self._seeds: dict[str, DraftSeed] = {}
+        # Requests that decode by plain steps for the rest of their life (the plain regime
+        # made them so: their draft KV stops being written, so they never draft again)
+        self._plain: set[str] = set()
         self.policy = policy  # None: every round drafts spec.num_steps
 
     @property
@@ -55,6 +58,27 @@ class SpecScheduler:
     def drop_seed(self, req_id: str) -> None:
         self._seeds.pop(req_id, None)
         self._forget(req_id)
+
+    def is_plain(self, req_id: str) -> bool:
+        return req_id in self._plain
+
+    def plain_regime(self, allowed: bool) -> bool:
+        """Whether this step runs as a plain engine step (`LLMEngine.step`: no draft model,
+        overlap scheduling where the engine has it): when `allowed` and the policy prices a
+        plain step over every request the engine holds above the best round
+        (`AdaptivePolicy.plain_wins`). Then every request becomes plain for good (seeds
+        dropped): outputs stay those of plain decoding (a request's tokens never depend on
+        how they were proposed), and the regime never leaves a seed stale. New requests are
+        plain too while it holds; once speculation looks worth it again, new requests draft
+        and the plain ones finish plain."""
+        wins = getattr(self.policy, "plain_wins", None)
+        batch = min(len(self.scheduler.requests), self.scheduler.max_num_seqs)
+        if not allowed or wins is None or not batch or not wins(batch):
+            return False
+        for rid in self.scheduler.requests:
+            self._plain.add(rid)
+            self.drop_seed(rid)
+        return True
 
     def drop_unrunnable(self) -> None:
         """Before a step, drop the seeds no round may use:
@@ -132,10 +156,12 @@ class SpecScheduler:
         self._seeds[req.req_id] = seed
 
     def _drop_stale(self) -> None:
-        """A request no longer running (preempted: its KV is gone) keeps no seed."""
+        """A request no longer running (preempted: its KV is gone) keeps no seed; one the
+        engine no longer holds is no longer plain."""
         running = {r.req_id for r in self.scheduler.running}
         for rid in [rid for rid in self._seeds if rid not in running]:
             self.drop_seed(rid)
+        self._plain &= self.scheduler.requests.keys()
 
     def _forget(self, req_id: str) -> None:
         if self.policy is not None:

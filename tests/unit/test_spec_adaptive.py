@@ -234,6 +234,8 @@ def test_profiled_table_is_cached_and_a_second_start_reads_it(tmp_path, monkeypa
     eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle"))
     table = eng.spec_scheduler.policy.table
     assert table.max_k == 2 and table.batch_sizes == cost_profile.CPU_BATCH_SIZES
+    # the plain engine's step is priced too (the plain regime's input), per batch size
+    assert len(table.plain) == len(table.batch_sizes) and all(s > 0 for s in table.plain)
     assert cost_profile.cache_file(eng).is_file()
     assert eng.spec_stats.num_rounds == 0 and not eng.scheduler.requests  # profiling left
     assert_pages_free(eng)

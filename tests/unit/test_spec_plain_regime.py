@@ -1,0 +1,192 @@
+"""The plain regime of adaptive speculation (SpecScheduler.plain_regime, AdaptivePolicy.plain_wins):
+where the cost table prices a plain engine step above every round, the speculative engine runs
+plain engine steps (no draft model; overlapped where the engine overlaps) and every request it
+holds decodes plain for the rest of its life. Tested: the policy's choice from the table, and
+the engine under a forced regime schedule -- greedy output equal to plain decoding token for
+token in float32 (with and without overlap scheduling, requests arriving on both sides of a
+switch), requests made plain never drafting again, seeded sampling reproducible, every page
+back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from spec_helpers import (
+    assert_pages_free,
+    engine_cfg,
+    greedy,
+    one_thread,  # noqa: F401 (autouse fixture)
+    prompts,
+    reference,
+    tiny_head,
+    tiny_target,
+)
+
+from tandem.engine import SamplingParams
+from tandem.spec import SpecConfig, SpecEngine
+from tandem.spec.adaptive import AdaptivePolicy, AdaptiveSettings, RoundPlan, StepCostTable
+
+# A round of k drafts costs 1 + 0.1 k at 1 row; a plain step 0.5 (cheap: a launch-bound small
+# model with overlap) or 0.9 at 1 row, 3.0 at 64 rows.
+ROUNDS = ((1.0, 1.1, 1.2, 1.3), (4.0, 8.0, 12.0, 16.0))
+
+
+def table(plain: tuple[float, ...]) -> StepCostTable:
+    return StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=plain)
+
+
+# ---- the policy, pure ---------------------------------------------------------------------------
+
+
+def test_plain_wins_where_a_plain_step_beats_the_best_round():
+    # prior 0.6: E(3) = 1 + .6 + .36 + .216 = 2.176 tokens per 1.3 s round = 1.67 tokens/s
+    cheap = AdaptivePolicy(table=table((0.5, 3.0)), max_k=3)
+    assert cheap.plain_wins(1)  # 2 tokens/s plain
+    dear = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3)
+    assert not dear.plain_wins(1)  # 1.11 tokens/s plain
+    assert dear.plain_wins(64)  # 64 / 3.0 plain vs 64 * 2.176 / 16.0 at k = 3
+    for _ in range(20):  # drafts that always land: speculation wins at 1 row again
+        dear.observe("a", 3, 3)
+    assert not dear.plain_wins(1)
+    # unmeasured plain cost (a table of an older version): never the plain regime
+    assert not AdaptivePolicy(table=table(()), max_k=3).plain_wins(64)
+
+
+def test_the_plain_regime_relaxes_the_estimate_toward_the_prior_slowly():
+    pol = AdaptivePolicy(table=table((0.7, 3.0)), max_k=3,
+                         settings=AdaptiveSettings(plain_relax=0.01))
+    for _ in range(10):
+        pol.observe("a", 3, 0)  # drafts that never land
+    low = pol.overall
+    assert pol.plain_wins(1)
+    assert low[0] < pol.overall[0] < 0.6  # one unobserved step: a little back toward 0.6
+    steps = 1
+    while pol.plain_wins(1):  # back toward the prior until speculation looks worth a try
+        steps += 1
+        assert steps < 2000
+    assert steps > 20
+
+
+def test_the_plain_cost_round_trips_and_is_checked():
+    t = table((0.5, 3.0))
+    assert StepCostTable.from_json(t.to_json()) == t
+    assert t.plain_cost(1) == 0.5 and t.plain_cost(32) == pytest.approx(0.5 + 2.5 * 31 / 63)
+    old = '{"batch_sizes": [1, 64], "seconds": [[1.0, 1.1], [4.0, 8.0]]}'  # before "plain"
+    assert StepCostTable.from_json(old).plain_cost(1) is None
+    with pytest.raises(ValueError, match="plain"):
+        table((0.5,))
+    with pytest.raises(ValueError, match="plain"):
+        table((0.5, 0.0))
+
+
+# ---- the engine under a forced regime schedule -------------------------------------------------
+
+
+class ForcedRegime:
+    """A policy that drafts k every speculative step and answers `plain_wins` from a schedule,
+    one entry per call (the engine asks once per step)."""
+
+    def __init__(self, regime: tuple[bool, ...], k: int = 3) -> None:
+        self.regime, self.k = itertools.cycle(regime), k
+        self.asked: list[bool] = []
+
+    def plain_wins(self, batch_size: int) -> bool:
+        assert batch_size >= 1
+        self.asked.append(next(self.regime))
+        return self.asked[-1]
+
+    def plan(self, req_ids, allow_split):
+        return RoundPlan(num_drafts=self.k, drafting=(True,) * len(req_ids))
+
+    def observe(self, req_id, num_drafts, num_accepted):
+        pass
+
+    def forget(self, req_id):
+        pass
+
+
+SPEC = SpecConfig(num_steps=3)
+# spec steps (prefill, rounds), then plain ones, then spec again: requests of the first spec
+# stretch go plain and stay plain; the ones added later draft
+REGIME = (False,) * 4 + (True,) * 5 + (False,) * 6
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("bs", [1, 3])
+def test_greedy_equals_plain_across_regime_switches(bs, overlap):
+    model = tiny_target("llama")
+    first, later = prompts(bs, seed=61 + bs), prompts(2, seed=71)
+    policy = ForcedRegime(REGIME)
+    eng = SpecEngine(engine_cfg(overlap_schedule=overlap), SPEC, model,
+                     tiny_head(model, "eagle"), policy=policy)
+    assert eng.overlap_ok == overlap and not eng.overlap
+    ids = [eng.add_request(p, greedy(30)) for p in first]
+    out: dict[str, list[int]] = {}
+    made_plain: set[str] = set()
+    drafted_later = overlapped = False
+    for step in itertools.count():
+        assert step < 400
+        if step == 12:  # after the plain stretch: these requests draft
+            ids += [eng.add_request(p, greedy(30)) for p in later]
+        for o in eng.step():
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+        made_plain |= {r for r in ids[:bs] if eng.spec_scheduler.is_plain(r)}
+        assert not made_plain & set(eng.seeds), "a request made plain drafted again"
+        drafted_later |= any(r in eng.seeds for r in ids[bs:])
+        overlapped |= eng._inflight is not None  # a plain step left in flight
+        if not eng.has_unfinished():
+            break
+    assert made_plain == set(ids[:bs]) and drafted_later and overlapped == overlap
+    assert True in policy.asked and eng.spec_stats.num_rounds > 0
+    want = reference(model, first + later, greedy(30))
+    assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
+    assert_pages_free(eng)
+
+
+def test_seeded_sampling_is_reproducible_under_a_regime_schedule():
+    model = tiny_target("llama")
+    ps = prompts(3, seed=8)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=5)
+    runs = []
+    for _ in range(2):
+        eng = SpecEngine(engine_cfg(overlap_schedule=True), SPEC, model,
+                         tiny_head(model, "eagle"), policy=ForcedRegime(REGIME))
+        runs.append([c.output_ids for c in eng.generate(ps, params)])
+        assert_pages_free(eng)
+    assert runs[0] == runs[1]
+
+
+def test_no_plain_regime_while_a_prefill_only_request_is_in_the_engine():
+    """A prefill worker's requests leave with a draft seed: the regime never takes them."""
+    model = tiny_target("llama")
+    policy = ForcedRegime((True,))
+    eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"), policy=policy)
+    eng.add_prefill_request(prompts(1, seed=3)[0], greedy(8), "p-0")
+    while eng.has_unfinished():
+        eng.step()
+    (handoff,) = eng.take_handoffs()
+    assert handoff.seed is not None and not eng.spec_scheduler.is_plain("p-0")
+    assert policy.asked == []
+    eng.free_pages(handoff.page_ids)
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_worker_never_overlaps_its_plain_steps(tmp_path):
+    """KV transfers land in a decode worker's free pages: a page freed while a plain step is
+    in flight must not be handed to a transfer, so the worker's engine never overlaps, even
+    where its config asks for overlap scheduling."""
+    import dataclasses
+
+    from disagg_helpers import tiny_model_and_head, worker_config
+
+    from tandem.decode_node.worker import DecodeWorker
+
+    model_dir, head_dir = tiny_model_and_head(tmp_path)
+    cfg = worker_config("d", model_dir, head_dir, "fake")
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, overlap_schedule=True))
+    decode = DecodeWorker(cfg)
+    try:
+        assert not decode.engine.overlap_ok and not decode.engine.overlap
+    finally:
+        decode.close()
