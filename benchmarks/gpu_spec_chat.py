@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -154,6 +155,13 @@ def main() -> None:
         if "adaptive" in names:  # its own engine: profiles its cost table at start-up
             engines["adaptive"] = SpecEngine.from_config(
                 cfg, dataclasses.replace(spec, adaptive=True))
+            table = engines["adaptive"].spec_scheduler.policy.table
+            res["adaptive_table"] = json.loads(table.to_json())
+            print("adaptive cost table (ms): batch: k = 0..K | plain step", flush=True)
+            for b, row, p in itertools.zip_longest(table.batch_sizes, table.seconds,
+                                                   table.plain):
+                print(f"  {b:4d}: {' '.join(f'{x * 1e3:6.3f}' for x in row)} | "
+                      f"{p * 1e3 if p else float('nan'):6.3f}", flush=True)
         questions = [q.strip() for q in Path(args.prompts_file).read_text().splitlines()
                      if q.strip()]
         prompts = [tok.encode_chat([ChatMessage(role="user", content=q)]) for q in questions]

@@ -229,6 +229,11 @@ class LLMEngine:
             # and the next step's planning run while the GPU computes.
             prev, self._inflight = self._inflight, self._launch(plan) if plan.chunks else None
             return self._resolve(prev) if prev is not None else []
+        return self._run_plan(plan)
+
+    def _run_plan(self, plan: StepPlan) -> list[RequestOutput]:
+        """A step of `plan` without overlap: forward (its graph when one fits), sampling, the
+        host read, the stop checks."""
         graph_bs = self._graph_batch_size(plan)  # DP attention: agreed by every rank
         if not plan.chunks:
             if self.model.par.dp.size > 1:  # DP attention: the other ranks may have work

@@ -174,7 +174,10 @@ class SpecEngine(LLMEngine):
             return self.plain_step()
         outputs = self.leave_overlap()
         plan = self.scheduler.schedule(exclude=frozenset(spec_sched.seeds))
-        if self.dp_join(bool(plan.chunks)):  # DP attention: idle ranks join (engine/llm.py)
+        if plan.chunks and all(spec_sched.is_plain(c.req_id) and len(c.token_ids) == 1
+                               for c in plan.chunks):  # decode rows of plain requests only
+            outputs += self._run_plan(plan)  # their decode graph; no draft work
+        elif self.dp_join(bool(plan.chunks)):  # DP attention: idle ranks join (engine/llm.py)
             outputs += self._prefill_step(plan)
         # Pages for the round (may preempt); a prompt completed in this step decodes next step.
         reqs = spec_sched.reserve(exclude=frozenset(c.req_id for c in plan.chunks))

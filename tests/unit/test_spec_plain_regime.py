@@ -121,6 +121,10 @@ def test_greedy_equals_plain_across_regime_switches(bs, overlap):
     eng = SpecEngine(engine_cfg(overlap_schedule=overlap), SPEC, model,
                      tiny_head(model, "eagle"), policy=policy)
     assert eng.overlap_ok == overlap and not eng.overlap
+    # plain requests' decode rows run the plain path (their graph), never the prefill path's
+    # eager forward with a draft prefill
+    prefill_plans, run_plain = [], eng._prefill_step
+    eng._prefill_step = lambda plan: prefill_plans.append(plan) or run_plain(plan)
     ids = [eng.add_request(p, greedy(30)) for p in first]
     out: dict[str, list[int]] = {}
     made_plain: set[str] = set()
@@ -138,6 +142,8 @@ def test_greedy_equals_plain_across_regime_switches(bs, overlap):
         if not eng.has_unfinished():
             break
     assert made_plain == set(ids[:bs]) and drafted_later and overlapped == overlap
+    assert not [p for p in prefill_plans
+                if all(c.req_id in made_plain and len(c.token_ids) == 1 for c in p.chunks)]
     assert True in policy.asked and eng.spec_stats.num_rounds > 0
     want = reference(model, first + later, greedy(30))
     assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
