@@ -1,6 +1,6 @@
 """The router stands without torch (a router machine in front of the cluster needs no GPU
-libraries): importing it, its disaggregated dispatcher, the gRPC servicer and the shared
-request vocabulary loads no torch. Run in a fresh interpreter: this test process has torch."""
+libraries): importing it, its disaggregated dispatcher, the gRPC servicer, the OpenAI-compatible
+HTTP front and the shared request vocabulary loads no torch. Run in a fresh interpreter: this test process has torch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 @pytest.mark.parametrize("module", ["tandem.router", "tandem.router.disagg",
                                     "tandem.router.server", "tandem.router.servicer",
                                     "tandem.messages", "tandem.tokenizer", "tandem.trace",
-                                    "tandem.otel"])
+                                    "tandem.otel", "tandem.http_api", "tandem.http_api.app",
+                                    "tandem.http_api.server"])
 def test_importing_it_loads_no_torch(module):
     code = (f"import sys, {module}; loaded = [m for m in sys.modules if m.split('.')[0] == 'torch'];"
             " assert not loaded, loaded[:5]")
