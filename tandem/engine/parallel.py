@@ -10,6 +10,7 @@ the small all-reduces it was measured faster on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,18 @@ class ParallelGroup:
         return int(t.item())
 
 
+    def max_over_ranks(self, values: Sequence[float], device: torch.device) -> tuple[float, ...]:
+        """Element-wise largest of `values` over ranks (e.g. a measured cost table that every
+        rank must use alike)."""
+        if self.size == 1:
+            return tuple(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(list(values), dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.handle)
+        return tuple(t.tolist())
+
+
 SINGLE = ParallelGroup()
 
 
@@ -131,6 +144,11 @@ class ParallelContext:
     @property
     def mlp_tp(self) -> ParallelGroup:
         """The group dense MLP columns (and un-EP'd MoE columns) split over."""
+        return self.dp if self.dp.size > 1 else self.tp
+
+    @property
+    def every_rank(self) -> ParallelGroup:
+        """The group of every rank of the worker (DP is DP-major over all of them; else TP)."""
         return self.dp if self.dp.size > 1 else self.tp
 
     @property

@@ -38,7 +38,8 @@ from typing import Protocol
 
 # Bump when the table's meaning or the profiling changes (cache key). 2: every k runs in CUDA
 # graphs (spec/graph_set.py), so tables of version 1 (k < num_steps eager) are stale. 3: the
-# table also prices the plain engine's step (`StepCostTable.plain`).
+# table also prices the plain engine's step (`StepCostTable.plain`), and a round is priced as
+# the whole engine step (commit and stop checks included).
 POLICY_VERSION = 3
 
 
@@ -185,6 +186,22 @@ class KPolicy(Protocol):
     # Optional (`SpecScheduler.plain_regime`): whether plain engine steps beat every round
     # for a batch of this size; a policy without it never runs the plain regime.
     # def plain_wins(self, batch_size: int) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FixedK:
+    """The policy of k drafts for every request every step (cost profiling)."""
+
+    k: int
+
+    def plan(self, req_ids: Sequence[str], allow_split: bool) -> RoundPlan:
+        return RoundPlan(num_drafts=self.k, drafting=(True,) * len(req_ids))
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+    def forget(self, req_id: str) -> None:
+        pass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,7 +1,7 @@
 """The `StepCostTable` of one speculative engine: read from `SpecConfig.cost_table`, or from
 the cache of an earlier start (same model shape, dtype, device, draft head, num_steps, tandem
-and policy version), or measured now by timing the engine's own rounds -- with its real CUDA
-graphs on a GPU, a few eager rounds on the CPU -- for a grid of batch sizes and every k in
+and policy version), or measured now by timing the engine's own steps -- with its real CUDA
+graphs on a GPU, a few eager steps on the CPU -- for a grid of batch sizes and every k in
 0 .. num_steps, and cached under $TANDEM_CACHE/spec-cost/ (as the GEMV tuning is). On a GPU
 every k is timed through its own graphs (`SpecEngine.k_graphs`, captured before the policy
 is made), so the table prices the rounds the policy will run. It also prices the plain engine's
@@ -9,9 +9,9 @@ own step (`SpecEngine.plain_step`: overlapped where the engine overlaps), which 
 runs where no round pays (`AdaptivePolicy.plain_wins`).
 
 Owns: the profiling requests it adds to the engine (removed again before it returns) and the
-cost files it writes. What a profiled cost covers: one round's forwards (drafting, verify,
-draft-extend) and its one host read; not the stop checks of the commit, which cost the same
-per committed token whatever k is."""
+cost files it writes. What a profiled cost covers: a whole engine step -- the round's forwards
+(drafting, verify, draft-extend), its host read, and the commit's stop checks -- or a whole
+plain step (whose host work overlaps the GPU's where the engine overlaps)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ import hashlib
 import logging
 import os
 import re
-import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,9 +29,9 @@ import torch
 from tandem import __version__
 from tandem.engine.cache_root import default_cache_root
 from tandem.messages import SamplingParams
-from tandem.spec.adaptive import POLICY_VERSION, AdaptivePolicy, StepCostTable
+from tandem.spec.adaptive import POLICY_VERSION, AdaptivePolicy, FixedK, StepCostTable
 from tandem.spec.config import SpecConfig
-from tandem.spec.phases import DraftSeed, RoundInput
+from tandem.spec.phases import DraftSeed
 from tandem.spec.scheduler import SpecScheduler
 from tandem.spec.stats import SpecStats
 
@@ -61,8 +60,6 @@ class SpecEngine(Protocol):
 
     def abort(self, req_id: str) -> bool: ...
 
-    def _spec_round(self, inp: RoundInput) -> tuple: ...
-
     def plain_step(self) -> list: ...
 
     def leave_overlap(self) -> list: ...
@@ -82,26 +79,50 @@ def adaptive_policy(eng: SpecEngine) -> AdaptivePolicy:
 
 
 def cost_table(eng: SpecEngine) -> StepCostTable:
+    """The table every rank of the worker uses alike: the ranks step together (collectives in
+    every forward), so they must choose the same k and regime from the same numbers. They
+    profile together when any lacks a cached table, and take each cost's largest over ranks."""
     if eng.spec.cost_table is not None:
         return StepCostTable.from_json(Path(eng.spec.cost_table).read_text())
+    ranks = eng.model.par.every_rank
     path = cache_file(eng)
-    if path is not None and path.is_file():
-        try:
-            table = StepCostTable.from_json(path.read_text())
-            if table.max_k == eng.spec.num_steps:
-                return table
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("spec cost table %s unreadable (%s): profiling again", path, exc)
-    table = profile(eng, repeats=5 if eng.device.type == "cuda" else 2)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(table.to_json())
-            os.replace(tmp, path)  # atomic: a concurrent start reads the old file or this one
-        except OSError as exc:
-            log.warning("spec cost table: cannot cache it in %s (%s)", path, exc)
-    return table
+    table = _cached(path, eng.spec.num_steps)
+    if ranks.all_reduce_max(int(table is None), eng.device):
+        table = profile(eng, repeats=5 if eng.device.type == "cuda" else 2)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(table.to_json())
+                os.replace(tmp, path)  # atomic: a concurrent start reads the old or this one
+            except OSError as exc:
+                log.warning("spec cost table: cannot cache it in %s (%s)", path, exc)
+    assert table is not None
+    return _agreed(table, ranks, eng.device)
+
+
+def _cached(path: Path | None, num_steps: int) -> StepCostTable | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        table = StepCostTable.from_json(path.read_text())
+        return table if table.max_k == num_steps else None
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("spec cost table %s unreadable (%s): profiling again", path, exc)
+        return None
+
+
+def _agreed(table: StepCostTable, ranks: Any, device: torch.device) -> StepCostTable:
+    """Each cost the largest over `ranks` (the slowest rank sets the pace of a step)."""
+    if ranks.size == 1:
+        return table
+    width = table.max_k + 1
+    flat = ranks.max_over_ranks([s for row in table.seconds for s in row] + list(table.plain),
+                                device)
+    n = len(table.batch_sizes)
+    rows = tuple(tuple(flat[i * width:(i + 1) * width]) for i in range(n))
+    return StepCostTable(batch_sizes=table.batch_sizes, seconds=rows,
+                         plain=tuple(flat[n * width:]))
 
 
 def cache_file(eng: SpecEngine) -> Path | None:
@@ -121,35 +142,56 @@ def cache_file(eng: SpecEngine) -> Path | None:
 
 def profile(eng: SpecEngine, repeats: int,
             batch_sizes: tuple[int, ...] | None = None) -> StepCostTable:
-    """Time `repeats` rounds (median, after one warm-up) at each batch size and k."""
+    """Time whole engine steps at each batch size over fresh requests (aborted after): for
+    every k in 0 .. num_steps, `repeats` steps back to back (after one warm-up) with the
+    policy forced to k; then plain engine steps (`plain_step`) over the same requests. A step's
+    time covers all it does -- the round (drafting, verify, draft-extend), its host read, the
+    commit's stop checks and detokenizing -- since a plain step overlaps that host work with
+    the GPU and a round does not, pricing rounds alone made them look cheaper than they run."""
     if batch_sizes is None:
         batch_sizes = GPU_BATCH_SIZES if eng.device.type == "cuda" else CPU_BATCH_SIZES
-    sizes = tuple(b for b in batch_sizes if b <= _max_batch(eng)) or (1,)
-    req_ids = _seeded_requests(eng, max(sizes))
+    sizes = tuple(b for b in batch_sizes if b <= _max_batch(eng, repeats)) or (1,)
+    sched = eng.spec_scheduler
+    policy = sched.policy
+    seconds, plain = [], []
     try:
-        sched = eng.spec_scheduler
-        reqs = sched.reserve(exclude=frozenset())  # pages for one round of every request
-        reqs = [r for r in reqs if r.req_id in req_ids]
-        seconds = []
         for b in sizes:
-            row = [_time_round(eng, sched.round_input(reqs[:b], k), repeats)
-                   for k in range(eng.spec.num_steps + 1)]
+            req_ids = _seeded_requests(eng, b)
+            try:
+                row = []
+                for k in range(eng.spec.num_steps + 1):
+                    sched.policy = FixedK(k)
+                    row.append(_time_steps(eng, eng.step, repeats))
+                sched.policy = policy
+                for rid in req_ids:  # plain from here: the plain engine's own steps
+                    sched.drop_seed(rid)
+                plain.append(_time_steps(eng, eng.plain_step, max(4, 4 * repeats)))
+                eng.leave_overlap()
+            finally:
+                for rid in req_ids:
+                    eng.abort(rid)
             seconds.append(tuple(row))
-            log.info("spec cost, batch %d: %s ms", b, ", ".join(f"{s * 1e3:.2f}" for s in row))
-        plain = _time_plain_steps(eng, [r.req_id for r in reqs], sizes, repeats)
-        log.info("plain step cost: %s ms", ", ".join(f"{s * 1e3:.2f}" for s in plain))
+            log.info("spec cost, batch %d: %s ms; plain step %.2f ms", b,
+                     ", ".join(f"{s * 1e3:.2f}" for s in row), plain[-1] * 1e3)
     finally:
+        sched.policy = policy
         eng.leave_overlap()
-        for rid in req_ids:
-            eng.abort(rid)
     eng.spec_stats = SpecStats()  # the profiling rounds are no request's acceptance
-    return StepCostTable(batch_sizes=sizes, seconds=tuple(seconds), plain=plain)
+    return StepCostTable(batch_sizes=sizes, seconds=tuple(seconds), plain=tuple(plain))
 
 
-def _max_batch(eng: SpecEngine) -> int:
-    """Requests of the profiling prompt that fit the pool with a round's slots each."""
-    per_req = -(-(len(_PROMPT) + eng.spec.slots_per_round + 2) // eng.cfg.page_size)
-    return min(eng.cfg.max_num_seqs, eng.allocator.num_free // per_req)
+def _growth(eng: SpecEngine, repeats: int) -> int:
+    """Tokens a profiling request may gain: every k's steps commit at most k + 1 each, then
+    the plain steps one each."""
+    k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * (repeats + 1)
+    return k_steps + max(4, 4 * repeats) + 1
+
+
+def _max_batch(eng: SpecEngine, repeats: int) -> int:
+    """Requests of the profiling prompt that fit the pool as they grow, with a round's slots
+    each."""
+    tokens = len(_PROMPT) + _growth(eng, repeats) + eng.spec.slots_per_round + 2
+    return min(eng.cfg.max_num_seqs, eng.allocator.num_free // -(-tokens // eng.cfg.page_size))
 
 
 def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:
@@ -161,41 +203,13 @@ def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:
     return req_ids
 
 
-def _time_plain_steps(eng: SpecEngine, req_ids: list[str], sizes: tuple[int, ...],
-                      repeats: int) -> tuple[float, ...]:
-    """Seconds of one plain engine step (`plain_step`: no draft model, overlapped where the
-    engine overlaps) over each batch size, steps timed back to back: the profiling requests
-    lose their seeds (they are aborted afterwards), and the batch shrinks from the largest
-    size down by aborting requests."""
+def _time_steps(eng: SpecEngine, step: Callable[[], list], n: int) -> float:
+    """Mean seconds of `n` calls of `step` back to back, after one warm-up call."""
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    for rid in req_ids:
-        eng.spec_scheduler.drop_seed(rid)
-    live, out = list(req_ids), {}
-    steps = max(4, 4 * repeats)
-    for b in sorted(sizes, reverse=True):
-        while len(live) > b:
-            eng.abort(live.pop())
-        eng.plain_step()  # warm-up (and under overlap: one step in flight)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            eng.plain_step()
-        sync()
-        out[b] = (time.perf_counter() - t0) / steps
-    return tuple(out[b] for b in sizes)
-
-
-def _time_round(eng: SpecEngine, inp: RoundInput, repeats: int) -> float:
-    """Median seconds of `_spec_round(inp)`: a round writes only its own reserved slots and
-    commits nothing, so it can run again on the same input."""
-    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    with torch.inference_mode():
-        eng._spec_round(inp)  # warm-up
-        times = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            eng._spec_round(inp)
-            sync()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / n
