@@ -658,7 +658,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="per timed row: cProfile of 30 rounds (profiles.txt) and a CUPTI trace "
                          "of 4 (trace_*.json.gz)")
+    ap.add_argument("--verify-plan", default="",
+                    help="FlashInfer plan options for the verify and tree graphs, for an A/B "
+                         "(comma list of uniform_q_len, disable_split_kv; default: none)")
     args = ap.parse_args()
+    if args.verify_plan:
+        from tandem.engine.attention.flashinfer_backend import PrefillGraphWrappers
+
+        opts = frozenset(o for o in args.verify_plan.split(",") if o)
+        unknown = opts - {"uniform_q_len", "disable_split_kv"}
+        if unknown:
+            ap.error(f"--verify-plan: unknown option(s) {sorted(unknown)}")
+        PrefillGraphWrappers.plan_options = opts
     global DEV, DRAFT_VOCAB, CONFIGS, PROFILE, OUT_DIR
     DEV = torch.device(args.device)
     DRAFT_VOCAB = args.draft_vocab
@@ -671,7 +682,7 @@ def main() -> None:
         import triton
 
         name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
-        RESULTS["env"] = dict(device=name, torch=torch.__version__,
+        RESULTS["env"] = dict(device=name, torch=torch.__version__, verify_plan=args.verify_plan,
                               flashinfer=flashinfer.__version__, triton=triton.__version__,
                               date=time.strftime("%Y-%m-%d"))
     except Exception as exc:

@@ -205,6 +205,12 @@ class PrefillGraphWrappers:
     Invariants: only the latest plan is valid (shared buffers); buffers never move; a batch
     that does not fit (pages, mask bytes, another token count, another mask mode) raises."""
 
+    # FlashInfer plan options under test (benchmarks/gpu_spec.py --verify-plan sets them for an
+    # A/B before engines are built; the engine sets none): "uniform_q_len" (every sequence has
+    # tokens_per_seq query rows: the scheduler sizes its query tile for them instead of the
+    # ragged worst case), "disable_split_kv" (no split-KV partial outputs, no merge kernel).
+    plan_options: frozenset[str] = frozenset()
+
     def __init__(
         self, fi: Any, float_workspace: torch.Tensor, shape: AttentionShape,
         device: torch.device, max_batch_size: int, tokens_per_seq: int, max_num_pages: int,
@@ -274,6 +280,7 @@ class PrefillGraphWrappers:
             meta.kv_last_page_len_cpu, s.num_qo_heads, s.num_kv_heads, s.head_dim,
             meta.page_size, custom_mask=meta.custom_mask, causal=meta.custom_mask is None,
             sm_scale=s.scale, q_data_type=s.dtype, kv_data_type=s.dtype, non_blocking=True,
+            **self._option_args(),
         )
         self._guard.after_plan()
         slots = self._slot_ids[: bs * n]  # a fixed address for graph replay
@@ -282,6 +289,16 @@ class PrefillGraphWrappers:
         self._epoch.value += 1
         return FlashInferPlan(wrapper=self._wrappers[bs], slot_ids=slots, epoch=self._epoch,
                               planned_at=self._epoch.value)
+
+
+    def _option_args(self) -> dict[str, Any]:
+        opts = self.plan_options
+        args: dict[str, Any] = {}
+        if "uniform_q_len" in opts:
+            args["uniform_q_len"] = self.tokens_per_seq
+        if "disable_split_kv" in opts:
+            args["disable_split_kv"] = True
+        return args
 
 
 class FlashInferBackend:
