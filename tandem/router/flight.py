@@ -108,6 +108,9 @@ async def follow(request: RoutedRequest, flight: Flight, events: asyncio.Queue, 
             continue
         # a DecodeOutput (what is left on the two channels)
         if ev.finish_reason == "error":
+            if flight.aborted:  # abort() raced: decode reports the abort before prefill does
+                yield aborted_chunk(rid)
+                return
             raise decode_failure(rid, pname, dname, ev)
         tokens, text, lps = tuple(ev.token_ids), ev.text_delta, ev.logprobs
         if outputs > 0 and ev.token_ids:

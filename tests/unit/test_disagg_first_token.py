@@ -55,3 +55,31 @@ def test_a_finish_reason_the_router_does_not_know_fails_the_request_at_once():
                 pass
 
     asyncio.run(asyncio.wait_for(main(), 5))
+
+
+def test_an_abort_that_decode_reports_first_ends_the_request_as_aborted():
+    """abort() of a flight whose decode side reports the abort (an error output: its transfer
+    was aborted by prefill) before the prefill side's outcome arrives: the request ends as
+    aborted, not as a failed transfer (CI saw this race once)."""
+    import asyncio
+    import time
+
+    from tandem.messages import DecodeOutput, SamplingParams
+    from tandem.router.dispatch import Placement, RoutedRequest
+    from tandem.router.flight import Flight, follow
+
+    async def main():
+        req = RoutedRequest(request_id="r", room=7, model="m", prompt_ids=(1, 2),
+                            params=SamplingParams(max_new_tokens=4),
+                            placement=Placement(prefill_worker="p", decode_worker="d"),
+                            deadline=time.time() + 60)
+        events: asyncio.Queue = asyncio.Queue()
+        events.put_nowait(("d", DecodeOutput(
+            room=7, token_ids=(), text_delta="", finished=False, finish_reason="error",
+            error="[aborted] (room 7) prefill: aborted by prefill", error_kind="aborted")))
+        flight = Flight(prefill="p", decode="d", room=7, aborted=True)
+        return [c.finish_reason async for c in follow(req, flight, events, num_steps=4,
+                                                       table=None)]
+
+    reasons = asyncio.run(asyncio.wait_for(main(), 5))
+    assert len(reasons) == 1 and reasons[0] is not None and reasons[0].value == "abort"
