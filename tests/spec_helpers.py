@@ -144,6 +144,18 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, **kw)
 
 
+def assert_seeded_runs_equal(make_engine: Callable[[], SpecEngine], ps, params,
+                             runs: int = 2) -> None:
+    """Seeded sampling is reproducible: engines from `make_engine` (each with a fresh policy
+    of the same schedule) give the same outputs for the same requests, every page back."""
+    outs = []
+    for _ in range(runs):
+        eng = make_engine()
+        outs.append([c.output_ids for c in eng.generate(ps, params)])
+        assert_pages_free(eng)
+    assert all(o == outs[0] for o in outs[1:])
+
+
 @functools.cache
 def letter_tokenizer(*, split_on_spaces: bool = False):
     """One two-character word per id ("a0", "b0", ... "z0", "a1", ...), joined by spaces when

@@ -12,6 +12,7 @@ import pytest
 from spec_fresh_prefill import assert_seeds_equal_a_fresh_prefill
 from spec_helpers import (
     assert_pages_free,
+    assert_seeded_runs_equal,
     engine_cfg,
     greedy,
     one_thread,  # noqa: F401 (autouse fixture)
@@ -186,12 +187,9 @@ def test_seeded_sampling_is_reproducible_under_a_k_schedule():
     model = tiny_target("llama")
     ps = prompts(3, seed=5)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=11)
-    runs = []
-    for _ in range(2):
-        eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"),
-                         policy=ForcedK(KS, split_every=2))
-        runs.append([c.output_ids for c in eng.generate(ps, params)])
-    assert runs[0] == runs[1]
+    assert_seeded_runs_equal(lambda: SpecEngine(engine_cfg(), SPEC, model,
+                                                tiny_head(model, "eagle"),
+                                                policy=ForcedK(KS, split_every=2)), ps, params)
 
 
 def test_a_plain_step_leaves_seed_and_caches_as_a_fresh_prefill():

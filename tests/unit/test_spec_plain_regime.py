@@ -14,6 +14,7 @@ import itertools
 import pytest
 from spec_helpers import (
     assert_pages_free,
+    assert_seeded_runs_equal,
     engine_cfg,
     greedy,
     one_thread,  # noqa: F401 (autouse fixture)
@@ -154,13 +155,9 @@ def test_seeded_sampling_is_reproducible_under_a_regime_schedule():
     model = tiny_target("llama")
     ps = prompts(3, seed=8)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=5)
-    runs = []
-    for _ in range(2):
-        eng = SpecEngine(engine_cfg(overlap_schedule=True), SPEC, model,
-                         tiny_head(model, "eagle"), policy=ForcedRegime(REGIME))
-        runs.append([c.output_ids for c in eng.generate(ps, params)])
-        assert_pages_free(eng)
-    assert runs[0] == runs[1]
+    assert_seeded_runs_equal(lambda: SpecEngine(engine_cfg(overlap_schedule=True), SPEC, model,
+                                                tiny_head(model, "eagle"),
+                                                policy=ForcedRegime(REGIME)), ps, params)
 
 
 def test_no_plain_regime_while_a_prefill_only_request_is_in_the_engine():
