@@ -2,8 +2,9 @@
 process). It is the reference the disaggregated workers must equal.
 
 A step runs (1) one chunked-prefill forward for requests without a draft seed -- target, then
-the draft over the same chunk, and a seed for each request whose prompt completed -- and
-(2) one speculative round for every request with a seed (`_spec_round`, phase values only):
+the draft over the same chunk, and a seed for each request whose prompt completed (requests
+made plain decode there without draft work: `SpecScheduler.plain_regime`, whose steps are the
+plain engine's own) -- and (2) one speculative round (`_spec_round`) for each seeded one:
 
     draft -> verify (one target forward) -> accept -> compact -> draft-extend
 
@@ -169,7 +170,6 @@ class SpecEngine(LLMEngine):
     def step(self) -> list[RequestOutput]:
         spec_sched = self.spec_scheduler
         spec_sched.drop_unrunnable()
-        # The plain regime (SpecScheduler.plain_regime): plain steps while rounds cannot pay
         if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):
             return self.plain_step()
         outputs = self.leave_overlap()
