@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,25 +64,36 @@ def one_at_a_time(eng: LLMEngine, prompts: list[list[int]], params: SamplingPara
 
 
 def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-                concurrency: int) -> tuple[list[tuple[int, ...]], float]:
+                concurrency: int) -> tuple[list[tuple[int, ...]], float, dict]:
     """Every prompt, at most `concurrency` in flight (a new one starts as one ends, as
-    `tandem bench`'s closed-loop clients do) -> (outputs in prompt order, wall seconds)."""
+    `tandem bench`'s closed-loop clients do) -> (outputs in prompt order, wall seconds, the
+    median seconds from a request's add to its first token and from its first to its last)."""
     outs: list[tuple[int, ...]] = [()] * len(prompts)
     waiting = list(enumerate(prompts))
     running: dict[str, int] = {}
     toks: dict[str, list[int]] = {}
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    ttft, decode = [], []
     t0 = time.perf_counter()
     while waiting or running:
         while waiting and len(running) < concurrency:
             i, p = waiting.pop(0)
             rid = eng.add_request(p, params)
-            running[rid], toks[rid] = i, []
+            running[rid], toks[rid], added[rid] = i, [], time.perf_counter()
         for o in eng.step():
             if o.req_id in running:
+                now = time.perf_counter()
+                if o.new_token_ids and o.req_id not in first:
+                    first[o.req_id] = now
+                    ttft.append(now - added[o.req_id])
                 toks[o.req_id] += o.new_token_ids
                 if o.finished:
                     outs[running.pop(o.req_id)] = tuple(toks.pop(o.req_id))
-    return outs, time.perf_counter() - t0
+                    decode.append(now - first.get(o.req_id, now))
+    times = {"ttft_p50_s": statistics.median(ttft) if ttft else None,
+             "first_to_last_p50_s": statistics.median(decode) if decode else None}
+    return outs, time.perf_counter() - t0, times
 
 
 def stats_delta(eng: SpecEngine, before: tuple[int, int, list[int]]) -> dict:
@@ -167,7 +179,7 @@ def main() -> None:
         prompts = [tok.encode_chat([ChatMessage(role="user", content=q)]) for q in questions]
         params = SamplingParams(max_new_tokens=args.max_new_tokens)
         for name in names:  # warm-up: Triton tuning, FlashInfer modules
-            closed_loop(engines[name], prompts[:4], params, 4)
+            closed_loop(engines[name], prompts[:4], params, 4)  # (outputs, wall, times) unused
         for name in names:
             eng = engines[name]
             is_spec = isinstance(eng, SpecEngine)
@@ -181,8 +193,9 @@ def main() -> None:
                 res[f"{name}_outputs_batch1"] = outs1
             for c in levels:
                 before = snapshot(eng) if is_spec else None
-                outs, wall = closed_loop(eng, prompts, params, c)
-                lvl = {"tokens_per_s": sum(len(o) for o in outs) / wall, "wall_s": wall}
+                outs, wall, times = closed_loop(eng, prompts, params, c)
+                lvl = {"tokens_per_s": sum(len(o) for o in outs) / wall, "wall_s": wall,
+                       **times}
                 if is_spec:
                     lvl["acceptance"] = stats_delta(eng, before)
                 row[f"c{c}"] = lvl
@@ -226,6 +239,9 @@ def main() -> None:
                 cell += f" {summary[name][f'c{c}']['tokens_per_s_ratio']:.2f}x"
             cells.append(f"{cell:>12}")
         print(f"{name:<9} {b1} " + " ".join(cells))
+    print("TTFT p50 ms (add -> first token) per level: " + "; ".join(
+        f"{name} " + " ".join(f"{1e3 * (res[name][f'c{c}']['ttft_p50_s'] or 0):.1f}"
+                              for c in levels) for name in names))
     for name, sm in summary.items():
         taus = " ".join(f"c={c}: {res[name][f'c{c}']['acceptance']['tau']:.2f}" for c in levels)
         same = " ".join(f"c={c}: {sm[f'c{c}']['identical_answers']}" for c in levels)
