@@ -100,7 +100,6 @@ class ParallelGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.handle)
         return int(t.item())
 
-
     def max_over_ranks(self, values: Sequence[float], device: torch.device) -> tuple[float, ...]:
         """Element-wise largest of `values` over ranks (e.g. a measured cost table that every
         rank must use alike)."""
@@ -148,8 +147,9 @@ class ParallelContext:
 
     @property
     def every_rank(self) -> ParallelGroup:
-        """The group of every rank of the worker (DP is DP-major over all of them; else TP)."""
-        return self.dp if self.dp.size > 1 else self.tp
+        """The group of every rank of the worker: the one the dense MLP splits over (DP is
+        DP-major over all of them; else TP)."""
+        return self.mlp_tp
 
     @property
     def num_dp_ranks(self) -> int:

@@ -183,9 +183,9 @@ class KPolicy(Protocol):
 
     def forget(self, req_id: str) -> None: ...
 
-    # Optional (`SpecScheduler.plain_regime`): whether plain engine steps beat every round
-    # for a batch of this size; a policy without it never runs the plain regime.
-    # def plain_wins(self, batch_size: int) -> bool: ...
+    # A policy may also offer `plain_wins(batch_size) -> bool` (AdaptivePolicy does): whether
+    # plain engine steps beat every round at that batch size. `SpecScheduler.plain_regime`
+    # asks it; a policy without it never runs the plain regime.
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,7 +75,7 @@ class SpecScheduler:
         batch = min(len(self.scheduler.requests), self.scheduler.max_num_seqs)
         if not allowed or wins is None or not batch or not wins(batch):
             return False
-        for rid in self.scheduler.requests:
+        for rid in self.scheduler.requests.keys() - self._plain:  # new since the last step
             self._plain.add(rid)
             self.drop_seed(rid)
         return True
@@ -161,7 +161,8 @@ class SpecScheduler:
         running = {r.req_id for r in self.scheduler.running}
         for rid in [rid for rid in self._seeds if rid not in running]:
             self.drop_seed(rid)
-        self._plain &= self.scheduler.requests.keys()
+        if self._plain:
+            self._plain &= self.scheduler.requests.keys()
 
     def _forget(self, req_id: str) -> None:
         if self.policy is not None:
