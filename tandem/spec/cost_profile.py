@@ -28,6 +28,7 @@ import torch
 
 from tandem import __version__
 from tandem.engine.cache_root import default_cache_root
+from tandem.engine.parallel import ParallelGroup
 from tandem.messages import SamplingParams
 from tandem.spec.adaptive import POLICY_VERSION, AdaptivePolicy, FixedK, StepCostTable
 from tandem.spec.config import SpecConfig
@@ -112,7 +113,7 @@ def _cached(path: Path | None, num_steps: int) -> StepCostTable | None:
         return None
 
 
-def _agreed(table: StepCostTable, ranks: Any, device: torch.device) -> StepCostTable:
+def _agreed(table: StepCostTable, ranks: ParallelGroup, device: torch.device) -> StepCostTable:
     """Each cost the largest over `ranks` (the slowest rank sets the pace of a step)."""
     if ranks.size == 1:
         return table
