@@ -26,10 +26,14 @@ elif [ -f .devbundle-fi/activate.sh ]; then
 elif [ -f /tmp/devsite/.ok ]; then
   export PYTHONPATH=/tmp/devsite${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [ -f .devbundle-rest/site.tar.xz ] && [ ! -f /tmp/devsite-rest/.ok ]; then
-  rm -rf /tmp/devsite-rest && mkdir -p /tmp/devsite-rest \
-    && tar -xJf .devbundle-rest/site.tar.xz -C /tmp/devsite-rest && touch /tmp/devsite-rest/.ok
-fi
+#   - or .devbundle-nixl: .devbundle-rest less Mooncake (~34 MiB), which fits one call next to the
+#     tree and .devgrpc (a serving run over NIXL in one call); unpacked into /tmp/devsite-rest too.
+for _b in .devbundle-rest .devbundle-nixl; do
+  if [ -f $_b/site.tar.xz ] && [ ! -f /tmp/devsite-rest/.ok ]; then
+    rm -rf /tmp/devsite-rest && mkdir -p /tmp/devsite-rest \
+      && tar -xJf $_b/site.tar.xz -C /tmp/devsite-rest && touch /tmp/devsite-rest/.ok
+  fi
+done
 if [ -f /tmp/devsite-rest/.ok ]; then
   export PYTHONPATH=/tmp/devsite-rest${PYTHONPATH:+:$PYTHONPATH}
   _cu=$(python3 -c "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13', 'lib'))" 2>/dev/null)

@@ -1,19 +1,21 @@
-"""MoE decode on 2 GPUs: TP=2 vs DP-attention 2 + EP 2 (issue 26), Qwen3-30B-A3B shape, dummy
-bf16, both in CUDA graphs (DP graphs: every rank replays the size the ranks agree on).
+"""MoE decode on N GPUs (2: issue 26; 4: issue 23): TP=N vs DP-attention N + EP N,
+Qwen3-30B-A3B shape, dummy bf16, both in CUDA graphs (DP graphs: every rank replays the size the
+ranks agree on).
 
-On the device machine (2 GPUs), from the repository root:
+On the device machine, from the repository root:
 
     source benchmarks/gpu_env.sh; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_moe_decode.py --out $OUT
+    # 4 GPUs:  ... gpu_moe_decode.py --ranks 4 --batch 64 256 512 --out $OUT
 
-    python3 benchmarks/gpu_moe_decode.py --smoke --out /tmp/moe   # CPU, gloo, a tiny Qwen3-MoE
+    python3 benchmarks/gpu_moe_decode.py --smoke [--ranks 4] --out /tmp/moe   # CPU, gloo
 
-Layouts (one process per GPU, NCCL):
-  - `tp2`: attention heads, dense columns and the 128 experts split over the two ranks (experts
-    by EP over the same group), every token on both ranks, all-reduces;
-  - `dp2_ep2_alltoall`: each rank its own requests (half the batch) with whole attention, the
+Layouts (one process per GPU, NCCL; N = --ranks):
+  - `tp`: attention heads, dense columns and the 128 experts split over the N ranks (experts
+    by EP over the same group), every token on every rank, all-reduces;
+  - `dp_ep_alltoall`: each rank its own requests (1/N of the batch) with whole attention, the
     experts split over the ranks, tokens to their experts' rank and back at a fixed capacity
     (`moe_dispatch: alltoall_padded`, graph-safe);
-  - `dp2_ep2_allreduce`: the same with the DP ranks' tokens gathered and the expert outputs
+  - `dp_ep_allreduce`: the same with the DP ranks' tokens gathered and the expert outputs
     all-reduced (the oracle dispatch).
 For each: decode tokens/s at each total batch (whole `step()` median of back-to-back steps, all
 ranks' tokens) next to its floor -- the bytes one GPU's step must read: its attention and dense
@@ -39,15 +41,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-TINY = {  # --smoke: a Qwen3-MoE small enough for two CPU ranks
+TINY = {  # --smoke: a Qwen3-MoE small enough for 2-4 CPU ranks
     "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 512, "hidden_size": 64,
     "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "num_experts": 8,
     "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
     "eos_token_id": 2,
 }
-LAYOUTS = ("tp2", "dp2_ep2_alltoall", "dp2_ep2_allreduce")
+LAYOUTS = ("tp", "dp_ep_alltoall", "dp_ep_allreduce")
 
 
 def log(*args: object) -> None:
@@ -57,7 +59,7 @@ def log(*args: object) -> None:
 def _parallel(layout: str, group, rank: int):
     from tandem.engine import ParallelContext, ParallelGroup
 
-    if layout == "tp2":
+    if layout == "tp":
         return ParallelContext(tp=group, ep=group), "allreduce"
     single = ParallelGroup(rank=0, size=1)
     return (ParallelContext(tp=single, dp=group, ep=group),
@@ -176,9 +178,9 @@ def run_rank(rank: int, args, port: int, out_path: str) -> None:
 
     from tandem.engine import EngineConfig, LLMEngine
 
-    dev, group = join_ranks(rank, 2, port, args.smoke)
+    dev, group = join_ranks(rank, args.ranks, port, args.smoke)
     cuda = dev.type == "cuda"
-    res: dict = {"rank": rank, "copy_bytes_per_s": copy_bandwidth(dev)}
+    res: dict = {"rank": rank, "ranks": args.ranks, "copy_bytes_per_s": copy_bandwidth(dev)}
     with torch.inference_mode():
         for layout in args.layouts:
             par, dispatch = _parallel(layout, group, rank)
@@ -216,21 +218,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kv-bytes", type=int, default=16 << 30)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--ranks", type=int, default=2, help="GPUs (one process each)")
     ap.add_argument("--smoke", action="store_true", help="CPU + gloo, a tiny Qwen3-MoE")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         tmp = Path(tempfile.mkdtemp())
         (tmp / "config.json").write_text(json.dumps(TINY))
-        args.model, args.ctx, args.batch, args.steps, args.kv_bytes = str(tmp), 16, [2, 4], 3, 8 << 20
+        args.model, args.ctx, args.steps, args.kv_bytes = str(tmp), 16, 3, 8 << 20
+        args.batch = [args.ranks, 2 * args.ranks]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out_path = str(args.out / "gpu_moe_decode.json")
-    mp.start_processes(run_rank, args=(args, port, out_path), nprocs=2, start_method="spawn",
-                       join=True)
+    mp.start_processes(run_rank, args=(args, port, out_path), nprocs=args.ranks,
+                       start_method="spawn", join=True)
     res = json.loads(Path(out_path).read_text())
-    print(f"\n{'layout':<20} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'floor ms':>9} "
+    print(f"\n{args.ranks} ranks ({args.model})")
+    print(f"{'layout':<20} {'batch':>5} {'tok/s':>9} {'step ms':>8} {'floor ms':>9} "
           f"{'step/floor':>10} {'experts/layer':>13}")
     for layout in args.layouts:
         for r in res.get(layout) or []:
