@@ -5,7 +5,7 @@ A bench config file is a deployment YAML (`tandem serve --config`'s schema: mode
 spec, transfer_backend, prefill, decode, ...) plus these optional top-level keys:
 
     name: 8b-disagg-nixl      # the run's name in the results (default: the file's stem)
-    mode: disaggregated       # or colocated: one engine in one Ray actor (resources: `decode`)
+    mode: disaggregated       # or colocated: one engine (resources: `decode`, decode.tp ranks)
     speculative: true         # colocated only; disaggregated workers always speculate
     bench:                    # measurement defaults, named like the CLI flags
       dataset: random
@@ -59,6 +59,9 @@ class DeploymentSpec:
         if self.mode == "disaggregated" and not self.speculative:
             raise ConfigError("speculative: disaggregated workers always speculate (the decode "
                               "worker runs EAGLE); use mode: colocated for a plain reference")
+        if self.mode == "colocated" and self.deploy.decode.dp > 1:
+            raise ConfigError("decode.dp: a colocated server runs TP ranks only (decode.tp); DP "
+                              "attention needs mode: disaggregated")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,8 @@ cluster of a Ray job), and measuring the hardware floors of its model before it 
 its GPUs are still free).
 
 - colocated: one `ColocatedServer` actor (tandem/colocated_node/server.py; resources of the
-  config's `decode` group) that serves the gRPC API itself.
+  config's `decode` group) that serves the gRPC API itself -- `decode.tp` of them, one per TP
+  rank, rank 0 serving and driving the others in lockstep.
 - disaggregated: the prefill and decode actors of `tandem.deploy.launcher`, and the router in
   an actor of its own (`RouterActor`): the bench's clients share no process with it, as with
   `tandem serve --config`, whose process runs only the router.
@@ -87,7 +88,8 @@ def measure_floors(spec: DeploymentSpec, model: ModelConfig | None) -> ModelFloo
             "CPU deployment: loopback transfer, not measured" if spec.mode == "disaggregated"
             else "colocated: no transfer"))
     log.info("floors: memory %s; link %s", memory, link)
-    return ModelFloors(model=model, dtype_bytes=dtype_bytes, memory=memory, link=link)
+    return ModelFloors(model=model, dtype_bytes=dtype_bytes, memory=memory, link=link,
+                       decode_tp=spec.deploy.decode.tp)
 
 
 def init(ray_address: str | None) -> None:
@@ -116,22 +118,45 @@ def _start_colocated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedT
     cfg = ColocatedServerConfig(model_name=dep.model_name, engine=dep.engine,
                                 spec=dep.spec if spec.speculative else None,
                                 torch_threads=group.torch_threads)
-    # The server's resources (the config's `decode` group) in a placement group of its own:
-    # checked against the cluster first, then placed within placement.timeout_s or released.
-    need = Need(who="colocated server", role="decode", bundle=group_bundle(group))
+    # The server's resources (the config's `decode` group: one bundle per TP rank) in a
+    # placement group of its own: checked against the cluster first, then placed within
+    # placement.timeout_s or released.
+    need = Need(who="colocated server", role="decode", bundle=group_bundle(group),
+                ranks=group.tp)
     check_cluster([need], dep.placement.check)
-    pg = ray.util.placement_group([dict(need.bundle)], strategy="STRICT_PACK",
-                                  name="tandem-colocated")
+    pg = ray.util.placement_group([dict(need.bundle) for _ in range(group.tp)],
+                                  strategy="STRICT_PACK", name="tandem-colocated")
     try:
         wait_placed([(need.who, pg)], dep.placement.timeout_s)
     except Exception:
         ray.util.remove_placement_group(pg)
         raise
-    return _serving_actor(lambda: ray.remote(ColocatedServer).options(
-        name=None, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
-        resources=group.resources or None, max_restarts=0, runtime_env=actor_runtime_env(),
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg)).remote(cfg),
-        startup_timeout_s, also_stop=lambda: ray.util.remove_placement_group(pg))
+    ranks: list = []
+
+    def create():
+        for rank in range(group.tp):
+            ranks.append(ray.remote(ColocatedServer).options(
+                name=None, num_cpus=group.num_cpus, num_gpus=group.num_gpus,
+                resources=group.resources or None, max_restarts=0,
+                runtime_env=actor_runtime_env(),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank),
+            ).remote(cfg, rank, group.tp, group.ep))
+        if group.tp > 1:  # the ranks meet at rank 0's address, then each builds its share
+            host, port = ray.get(ranks[0].rendezvous.remote(), timeout=startup_timeout_s)
+            ray.get([r.join.remote(host, port) for r in ranks], timeout=startup_timeout_s)
+        return ranks[0]
+
+    def stop_all() -> None:
+        for r in ranks[1:]:  # rank 0's shutdown (before this) released them from lockstep
+            try:
+                ray.get(r.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 -- already dead: nothing to stop
+                pass
+            ray.kill(r, no_restart=True)
+        ray.util.remove_placement_group(pg)
+
+    return _serving_actor(create, startup_timeout_s, also_stop=stop_all)
 
 
 def _start_disaggregated(spec: DeploymentSpec, startup_timeout_s: float) -> StartedTarget:

@@ -6,6 +6,8 @@ printed next to what was measured.
       TPOT_floor(batch b, context L) = (weight_bytes(b) + b * L * kv_bytes_per_token) / HBM BW.
   Each sequence gets one token per step, so this is a floor on TPOT. A speculative step commits
   tau tokens per sequence, so its floor is about TPOT_floor / tau (verify reads the same bytes).
+  A decode step of `tp` ranks reads 1/tp of those bytes on each GPU at once: TPOT_floor / tp
+  (nothing added for the all-reduces).
 - Link floor (per request): the prompt's KV cache over the measured link bandwidth.
 
 Bandwidths are measured, not taken from a data sheet: on CUDA a device-to-device copy
@@ -141,12 +143,15 @@ class ModelFloors:
     dtype_bytes: int
     memory: Bandwidth
     link: Bandwidth
+    # The decode step's ranks (TP): each GPU reads its 1/tp of the weights and of the KV, at
+    # the same time, so the floor is the per-GPU bytes over one GPU's bandwidth.
+    decode_tp: int = 1
 
     def to_json(self) -> dict[str, object]:
         m = self.model
         return {
             "memory_bandwidth": self.memory.to_json(), "link_bandwidth": self.link.to_json(),
-            "dtype_bytes": self.dtype_bytes,
+            "dtype_bytes": self.dtype_bytes, "decode_tp": self.decode_tp,
             "weight_bytes_batch1": None if m is None else weight_bytes_per_step(
                 m, self.dtype_bytes, 1),
             "kv_bytes_per_token": None if m is None else kv_bytes_per_token(m, self.dtype_bytes),
@@ -157,7 +162,7 @@ class ModelFloors:
             return None
         b = max(1, round(batch))
         return tpot_floor_s(self.model, self.dtype_bytes, b, context_tokens,
-                            self.memory.bytes_per_s)
+                            self.memory.bytes_per_s) / self.decode_tp
 
     def transfer_floor(self, prompt_tokens: float) -> float | None:
         if self.model is None or self.link.bytes_per_s is None:

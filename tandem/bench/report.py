@@ -41,9 +41,11 @@ def run_table(run: dict[str, Any], out: TextIO) -> None:
     mem, link = fl["memory_bandwidth"], fl["link_bandwidth"]
     out.write(f"   memory bandwidth: {_bw(mem)}; link: {_bw(link)}\n")
     if fl["weight_bytes_batch1"] is not None:
+        tp = fl.get("decode_tp", 1)  # absent in files written before TP floors
         out.write(f"   decode reads {fl['weight_bytes_batch1'] / 1e9:.3f} GB of weights per step "
                   f"(batch 1) + {fl['kv_bytes_per_token'] / 1e3:.1f} kB of KV per context token "
-                  f"per sequence\n")
+                  f"per sequence" + (f", 1/{tp} of it on each of {tp} GPUs" if tp > 1 else "")
+                  + "\n")
     out.write(HEADER + "\n")
     for lv in run["levels"]:
         f = lv["floors"]

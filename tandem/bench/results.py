@@ -30,7 +30,8 @@ Schema (`"schema": "tandem.bench/1"`; times in seconds, throughputs per second):
                               "draft_topk": int | null, "source": str},
         "floors": {"memory_bandwidth": {"gb_per_s": float | null, "method": str},
                    "link_bandwidth": {"gb_per_s": float | null, "method": str},
-                   "dtype_bytes": int, "weight_bytes_batch1": float | null,
+                   "dtype_bytes": int, "decode_tp": int (absent before TP floors),
+                   "weight_bytes_batch1": float | null,
                    "kv_bytes_per_token": int | null},
         "error": str | null,                       # the run failed (levels hold what finished)
         "levels": [{

@@ -3,22 +3,26 @@ its own router and gRPC server. `tandem serve` without a deployment config runs 
 in the foreground (`build_colocated_router`); `tandem bench --config` starts `ColocatedServer` as
 a Ray actor to compare against the disaggregated layout of the same model on the same cluster.
 
-`ColocatedServer` is plain Python (the caller wraps it with `ray.remote`); it converts and
-delegates to `build_colocated_router` and `BackgroundServer`.
+`ColocatedServer` is plain Python (the caller wraps it with `ray.remote`, one actor per rank
+with `tp` > 1: bench/deployments.py); it serves through `ColocatedDispatcher`, `Router` and
+`BackgroundServer`.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 from tandem.colocated_node.dispatcher import ColocatedDispatcher
+from tandem.colocated_node.lockstep import LockstepEngine, follow
 from tandem.engine.config import EngineConfig
 from tandem.router import Router, RouterConfig
 from tandem.spec.config import SpecConfig
 from tandem.worker import node_ip, tune_process
 from tandem.worker.process import serving_host
+from tandem.worker.ranks import RankInfo, join_group, leave_group, rendezvous_address
 
 log = logging.getLogger(__name__)
 
@@ -42,36 +46,85 @@ class ColocatedServerConfig:
 
 
 class ColocatedServer:
-    """Owns one engine, its router and the gRPC server in front of them."""
+    """Owns one engine, its router and the gRPC server in front of them. With `tp` > 1 it is
+    one rank of `tp` (one Ray actor each, one GPU each): every rank joins the process group
+    (`rendezvous` on rank 0, then `join` on every rank) and builds its share of the engine;
+    rank 0 serves, driving the ranks in lockstep (lockstep.py)."""
 
-    def __init__(self, cfg: ColocatedServerConfig) -> None:
-        # grpc loads when a server starts, not with this module
-        from tandem.router.app import BackgroundServer
-        from tandem.router.server import ServerConfig
-
+    def __init__(self, cfg: ColocatedServerConfig, rank: int = 0, tp: int = 1,
+                 ep: int = 1) -> None:
         tune_process()  # the same process settings as the disaggregated workers
         if cfg.torch_threads:
             import torch
 
             torch.set_num_threads(cfg.torch_threads)
+        self.cfg, self.ranks = cfg, RankInfo(rank=rank, tp=tp, ep=ep)
+        self._server = self._host = self._dispatcher = None
+        self._lockstep: LockstepEngine | None = None
+        self._follower: threading.Thread | None = None
+        if tp == 1:
+            self._serve(self._engine(None))
+
+    def _engine(self, parallel):
         t0 = time.perf_counter()
-        if cfg.spec is not None:
+        if self.cfg.spec is not None:
             from tandem.spec import SpecEngine
 
-            engine = SpecEngine.from_config(cfg.engine, cfg.spec)
+            engine = SpecEngine.from_config(self.cfg.engine, self.cfg.spec, parallel)
         else:
             from tandem.engine import LLMEngine
 
-            engine = LLMEngine.from_config(cfg.engine)
-        router = build_colocated_router(engine, model=cfg.model_name)
-        host = cfg.host or serving_host()
+            engine = LLMEngine.from_config(self.cfg.engine, parallel)
+        log.info("colocated engine rank %d/%d built in %.1f s", self.ranks.rank, self.ranks.tp,
+                 time.perf_counter() - t0)
+        return engine
+
+    def _serve(self, engine) -> None:
+        # grpc loads when a server starts, not with this module
+        from tandem.router.app import BackgroundServer
+        from tandem.router.server import ServerConfig
+
+        self._dispatcher = ColocatedDispatcher.from_engine(engine, model=self.cfg.model_name)
+        router = Router(self._dispatcher, {self.cfg.model_name: engine.tokenizer},
+                        RouterConfig())
+        host = self.cfg.host or serving_host()
         self._server = BackgroundServer(router, ServerConfig(host=host, port=0)).start()
         self._host = node_ip() if host in ("0.0.0.0", "::") else host
-        log.info("colocated server for '%s' up in %.1f s on %s", cfg.model_name,
-                 time.perf_counter() - t0, self.address())
+        log.info("colocated server for '%s' (tp=%d) on %s", self.cfg.model_name,
+                 self.ranks.tp, self.address())
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 of tp > 1: where the ranks' process group meets."""
+        return rendezvous_address()
+
+    def join(self, host: str, port: int) -> None:
+        """tp > 1, every rank: join the process group and build this rank's engine; rank 0
+        then serves, the others follow it on a thread of their own."""
+        parallel, sync = join_group(self.ranks, host, port, self.cfg.engine.device)
+        engine = self._engine(parallel)
+        if self.ranks.rank == 0:
+            self._lockstep = LockstepEngine(engine, sync)
+            self._serve(self._lockstep)
+            return
+        self._follower = threading.Thread(target=follow, args=(engine, sync),
+                                          name="colocated-follow", daemon=True)
+        self._follower.start()
 
     def address(self) -> str:
+        """host:port of the gRPC server (rank 0)."""
+        if self._server is None:
+            raise RuntimeError("address: this rank serves nothing (rank 0 of a joined group "
+                               "does)")
         return f"{self._host}:{self._server.port}"
 
     def shutdown(self) -> None:
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()
+            for name in [w.name for w in self._dispatcher.workers()]:
+                self._dispatcher.loop(name).stop()  # no step after this
+        if self._lockstep is not None:
+            self._lockstep.close()  # the other ranks' follow returns
+        if self._follower is not None:
+            self._follower.join(timeout=30.0)
+        if self.ranks.tp > 1:
+            leave_group()

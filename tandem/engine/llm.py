@@ -101,7 +101,7 @@ class LLMEngine:
                              if engine_cfg.enable_prefix_caching else None)
         self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
                                    engine_cfg.max_num_batched_tokens, self.prefix_cache)
-        self.sampler = Sampler(engine_cfg.sampling_fault)
+        self.sampler = Sampler(engine_cfg.sampling_fault, self.device, engine_cfg.seed)
         # Overlap scheduling (engine/overlap.py): on CUDA by default, for plain steps without
         # DP attention (`overlap_ok`; a decode worker clears it: pages that receive KV
         # transfers must not be reused while a step is in flight); `_inflight` is the

@@ -132,9 +132,10 @@ class SampledRead:
 class Sampler:
     """Samples one token per row. Greedy rows take the argmax (no randomness consumed); a row
     with its own generator (a seeded request) draws from `target_probs` with it, alone, so it
-    yields the same tokens whatever else shares its batch; rows without one draw from torch's
-    RNG together, one batched draw per distinct (temperature, top_k, top_p, min_p) -- a row at
-    a time cost ~10 kernel launches per sampled row, which dominated large sampled batches.
+    yields the same tokens whatever else shares its batch; rows without one draw from the
+    engine's generator (`rng`) together, one batched draw per distinct (temperature, top_k,
+    top_p, min_p) -- a row at a time cost ~10 kernel launches per sampled row, which dominated
+    large sampled batches.
 
     A row that raises fails alone (`SampleOutput.errors`): a batched draw that raises is redone
     row by row, so the culprit is found and the rest of its group still gets tokens. `fault` is
@@ -143,8 +144,18 @@ class Sampler:
     exception (the CUDA context is lost): there, `target_probs` never returning one is what
     keeps a worker alive; the catch covers what raises on the host."""
 
-    def __init__(self, fault: SamplingFault | None = None) -> None:
+    def __init__(self, fault: SamplingFault | None = None, device: torch.device | str = "cpu",
+                 seed: int = 0) -> None:
         self.fault = fault
+        # Unseeded rows draw from this generator, the engine's own, never from torch's global
+        # one: the ranks of a TP worker then draw the same tokens whatever else their processes
+        # consumed (a rank that drew differently would feed its heads another token).
+        self.rng = torch.Generator(device=device).manual_seed(seed)
+
+    def or_shared(self, generators: Sequence[torch.Generator | None]
+                  ) -> tuple[torch.Generator, ...]:
+        """Each row's generator: its own (a seeded request's), else the shared `rng`."""
+        return tuple(self.rng if g is None else g for g in generators)
 
     def sample(
         self,
@@ -173,12 +184,12 @@ class Sampler:
             try:
                 idx = h2d.tensor(rows, torch.int64, logits.device)  # no stream sync
                 probs = target_probs(logits[idx], params[rows[0]])  # [len(rows), V]
-                tokens[idx] = torch.multinomial(probs, 1).squeeze(-1)
+                tokens[idx] = torch.multinomial(probs, 1, generator=self.rng).squeeze(-1)
             except Exception:  # noqa: BLE001 -- find the culprit: draw the group row by row
                 for i in rows:
                     try:
                         probs = target_probs(logits[i], params[i])
-                        tokens[i] = torch.multinomial(probs, 1)[0]
+                        tokens[i] = torch.multinomial(probs, 1, generator=self.rng)[0]
                     except Exception as exc:  # noqa: BLE001
                         errors[i] = self._failed(i, req_ids, exc)
         return SampleOutput(tokens=tokens, errors=tuple(errors),

@@ -366,8 +366,8 @@ class SpecEngine(LLMEngine):
             compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV
             return result, next_draft_input(verify, result, ext.hidden, ext.topk_ids,
                                             ext.topk_logp, ext.last_tokens)
-        result = accept(verify, out.logits, inp.params, inp.generators, inp.req_ids,
-                        fault)  # SYNC inside: the round's one host read
+        result = accept(verify, out.logits, inp.params, self.sampler.or_shared(inp.generators),
+                        inp.req_ids, fault)  # SYNC inside: the round's one host read
         # Compact: a tree's accepted nodes sit anywhere among its verify slots; their target
         # K/V moves right after the root, so the cache holds x_0 .. x_{L+a} in order.
         compact_accepted_path(self.kv_pool, "target", verify, result)
