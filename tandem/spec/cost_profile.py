@@ -157,6 +157,8 @@ def profile(eng: SpecEngine, repeats: int,
     seconds, plain = [], []
     try:
         for b in sizes:
+            # Seeded under a fixed k: a policy whose plain regime holds would never seed them
+            sched.policy = FixedK(eng.spec.num_steps)
             req_ids = _seeded_requests(eng, b)
             try:
                 row = []

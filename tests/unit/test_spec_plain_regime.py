@@ -193,3 +193,18 @@ def test_a_decode_worker_never_overlaps_its_plain_steps(tmp_path):
         assert not decode.engine.overlap_ok and not decode.engine.overlap
     finally:
         decode.close()
+
+
+@pytest.mark.timeout(120)
+def test_profiling_an_engine_whose_plain_regime_holds_still_seeds_its_requests():
+    """The cost profile seeds its requests under a fixed k: under a policy whose plain regime
+    holds they would never get a seed, and the profile would step forever."""
+    from tandem.spec import cost_profile
+
+    model = tiny_target()
+    policy = ForcedRegime((True,))
+    eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"), policy=policy)
+    table = cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2))
+    assert table.batch_sizes == (1, 2) and len(table.plain) == 2
+    assert eng.spec_scheduler.policy is policy  # its own policy again afterwards
+    assert_pages_free(eng)

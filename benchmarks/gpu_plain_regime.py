@@ -1,0 +1,128 @@
+"""Why the adaptive engine's plain regime decodes slower than the plain engine on a GPU (issue
+22): the same model, `LLMEngine.step` next to `SpecEngine.step` held in the plain regime, whole
+steps back to back at batch 1 / 4 / 16, with and without a profiler; then the adaptive cost
+table profiled three times in a row (how much its entries move from run to run).
+
+On the device machine (one GPU), from the repository root:
+
+    source benchmarks/gpu_env.sh; PYTHONUNBUFFERED=1 python3 benchmarks/gpu_plain_regime.py \
+        --out $OUT [--model /tmp/gc/smollm2]      # default: SmolLM2's shape, dummy bf16
+
+    python3 benchmarks/gpu_plain_regime.py --device cpu --out /tmp/pr   # CPU: the logic only
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from tandem.spec import SpecConfig, SpecEngine  # noqa: E402
+from tandem.spec.shipped import SHIPPED_HEADS  # noqa: E402
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(eng, batch: int, steps: int, profile: bool) -> dict:
+    """Median ms of `steps` whole steps back to back over `batch` fresh requests (3 runs)."""
+    params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
+    ids = [eng.add_request(list(range(10, 40)), params) for _ in range(batch)]
+    for _ in range(10):
+        eng.step()
+    runs, text = [], ""
+    for i in range(3):
+        prof = cProfile.Profile() if profile and i == 2 else None
+        sync(eng.device)
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        for _ in range(steps):
+            eng.step()
+        sync(eng.device)
+        if prof:
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+            text = s.getvalue()
+        else:
+            runs.append((time.perf_counter() - t0) * 1e3 / steps)
+    for i in ids:
+        eng.abort(i)
+    while eng.has_unfinished():
+        eng.step()
+    return {"ms": statistics.median(runs), "runs": runs, "overlap": eng.overlap,
+            "profile": text}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = args.device == "cuda"
+    dummy = not Path(args.model).is_dir()
+    cfg = EngineConfig(model=args.model, load_format="dummy" if dummy else "auto",
+                       device=args.device, dtype="bfloat16" if gpu else "float32",
+                       attention_backend="flashinfer" if gpu else "torch", cuda_graphs=gpu,
+                       max_num_seqs=64, max_model_len=2048,
+                       kv_cache_bytes=(4 << 30) if gpu else (256 << 20))
+    import tandem.spec.adaptive as adaptive
+    from tandem.spec import cost_profile
+
+    res: dict = {"env": {"device": torch.cuda.get_device_name() if gpu else "cpu",
+                         "model": args.model, "date": time.strftime("%Y-%m-%d")}}
+    with torch.inference_mode():
+        spec = SpecEngine.from_config(cfg, SpecConfig(draft_model=str(SHIPPED_HEADS["default"]),
+                                                      num_steps=4, adaptive=True))
+        plain = LLMEngine(cfg, spec.model, spec.tokenizer)
+        tables = [json.loads(spec.spec_scheduler.policy.table.to_json())]
+        for _ in range(2):
+            tables.append(json.loads(cost_profile.profile(spec, repeats=5 if gpu else 2)
+                                     .to_json()))
+        res["tables"] = tables
+        held = adaptive.AdaptivePolicy.plain_wins
+        adaptive.AdaptivePolicy.plain_wins = lambda self, b: True  # hold the plain regime
+        try:
+            for b in [int(x) for x in args.batches.split(",")]:
+                row = {}
+                for name, eng in (("plain", plain), ("spec_plain_regime", spec)):
+                    row[name] = timed(eng, b, args.steps, profile=False)
+                    row[name + "_profiled"] = timed(eng, b, args.steps // 2, profile=True)
+                res[f"b{b}"] = row
+                print(f"batch {b}: plain {row['plain']['ms']:.3f} ms/step (overlap "
+                      f"{row['plain']['overlap']}), spec in the plain regime "
+                      f"{row['spec_plain_regime']['ms']:.3f} ms/step (overlap "
+                      f"{row['spec_plain_regime']['overlap']})", flush=True)
+        finally:
+            adaptive.AdaptivePolicy.plain_wins = held
+    (args.out / "gpu_plain_regime.json").write_text(json.dumps(res, indent=1))
+    for t in tables:
+        print("table (ms): " + "; ".join(
+            f"b{b}: " + " ".join(f"{x * 1e3:.2f}" for x in row) + f" | {p * 1e3:.2f}"
+            for b, row, p in zip(t["batch_sizes"], t["seconds"], t["plain"])))
+    for b in args.batches.split(","):
+        for name in ("plain", "spec_plain_regime"):
+            print(f"--- batch {b}, {name}, profiled:\n{res['b' + b][name + '_profiled']['profile']}")
+
+
+if __name__ == "__main__":
+    main()
