@@ -39,8 +39,9 @@ from typing import Protocol
 # Bump when the table's meaning or the profiling changes (cache key). 2: every k runs in CUDA
 # graphs (spec/graph_set.py), so tables of version 1 (k < num_steps eager) are stale. 3: the
 # table also prices the plain engine's step (`StepCostTable.plain`), and a round is priced as
-# the whole engine step (commit and stop checks included).
-POLICY_VERSION = 3
+# the whole engine step (commit and stop checks included). 4: the least of 3 timed runs on CUDA
+# after two warm-ups (one run after one warm-up put noise of 50% into batch-1 entries).
+POLICY_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -89,7 +89,8 @@ def cost_table(eng: SpecEngine) -> StepCostTable:
     path = cache_file(eng)
     table = _cached(path, eng.spec.num_steps)
     if ranks.all_reduce_max(int(table is None), eng.device):
-        table = profile(eng, repeats=5 if eng.device.type == "cuda" else 2)
+        cuda = eng.device.type == "cuda"
+        table = profile(eng, repeats=5 if cuda else 2, samples=3 if cuda else 1)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,16 +143,17 @@ def cache_file(eng: SpecEngine) -> Path | None:
 
 
 def profile(eng: SpecEngine, repeats: int,
-            batch_sizes: tuple[int, ...] | None = None) -> StepCostTable:
+            batch_sizes: tuple[int, ...] | None = None, samples: int = 1) -> StepCostTable:
     """Time whole engine steps at each batch size over fresh requests (aborted after): for
-    every k in 0 .. num_steps, `repeats` steps back to back (after one warm-up) with the
-    policy forced to k; then plain engine steps (`plain_step`) over the same requests. A step's
+    every k in 0 .. num_steps, `repeats` steps back to back (after two warm-ups; the least
+    mean of `samples` such runs) with the policy forced to k; then plain engine steps
+    (`plain_step`) over the same requests. A step's
     time covers all it does -- the round (drafting, verify, draft-extend), its host read, the
     commit's stop checks and detokenizing -- since a plain step overlaps that host work with
     the GPU and a round does not, pricing rounds alone made them look cheaper than they run."""
     if batch_sizes is None:
         batch_sizes = GPU_BATCH_SIZES if eng.device.type == "cuda" else CPU_BATCH_SIZES
-    sizes = tuple(b for b in batch_sizes if b <= _max_batch(eng, repeats)) or (1,)
+    sizes = tuple(b for b in batch_sizes if b <= _max_batch(eng, repeats, samples)) or (1,)
     sched = eng.spec_scheduler
     policy = sched.policy
     seconds, plain = [], []
@@ -164,11 +166,11 @@ def profile(eng: SpecEngine, repeats: int,
                 row = []
                 for k in range(eng.spec.num_steps + 1):
                     sched.policy = FixedK(k)
-                    row.append(_time_steps(eng, eng.step, repeats))
+                    row.append(_time_steps(eng, eng.step, repeats, samples))
                 sched.policy = policy
                 for rid in req_ids:  # plain from here: the plain engine's own steps
                     sched.drop_seed(rid)
-                plain.append(_time_steps(eng, eng.plain_step, max(4, 4 * repeats)))
+                plain.append(_time_steps(eng, eng.plain_step, max(4, 4 * repeats), samples))
                 eng.leave_overlap()
             finally:
                 for rid in req_ids:
@@ -183,17 +185,17 @@ def profile(eng: SpecEngine, repeats: int,
     return StepCostTable(batch_sizes=sizes, seconds=tuple(seconds), plain=tuple(plain))
 
 
-def _growth(eng: SpecEngine, repeats: int) -> int:
-    """Tokens a profiling request may gain: every k's steps commit at most k + 1 each, then
-    the plain steps one each."""
-    k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * (repeats + 1)
-    return k_steps + max(4, 4 * repeats) + 1
+def _growth(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
+    """Tokens a profiling request may gain: every k's steps (2 warm-ups + the timed ones)
+    commit at most k + 1 each, then the plain steps one each."""
+    k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * (2 + samples * repeats)
+    return k_steps + 2 + samples * max(4, 4 * repeats) + 1
 
 
-def _max_batch(eng: SpecEngine, repeats: int) -> int:
+def _max_batch(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
     """Requests of the profiling prompt that fit the pool as they grow, with a round's slots
     each."""
-    tokens = len(_PROMPT) + _growth(eng, repeats) + eng.spec.slots_per_round + 2
+    tokens = len(_PROMPT) + _growth(eng, repeats, samples) + eng.spec.slots_per_round + 2
     return min(eng.cfg.max_num_seqs, eng.allocator.num_free // -(-tokens // eng.cfg.page_size))
 
 
@@ -206,13 +208,20 @@ def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:
     return req_ids
 
 
-def _time_steps(eng: SpecEngine, step: Callable[[], list], n: int) -> float:
-    """Mean seconds of `n` calls of `step` back to back, after one warm-up call."""
+def _time_steps(eng: SpecEngine, step: Callable[[], list], n: int, samples: int = 1) -> float:
+    """Seconds per call of `step`: the least mean of `samples` runs of `n` calls back to back,
+    after two warm-up calls. The least, not the median: what disturbs a run (a first use's
+    compilation or capture, a collection, another process) only ever adds time. (On an H100
+    a single run of 5 priced a batch-1 round of one draft at 2.95 ms and one of four at 1.99.)"""
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-    step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
+    for _ in range(2):
         step()
     sync()
-    return (time.perf_counter() - t0) / n
+    best = float("inf")
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best

@@ -267,3 +267,26 @@ def test_adaptive_from_yaml_and_cli():
     assert serve._spec_flags_over(args, parse_deploy({})).spec.adaptive
     args = parser.parse_args(["serve"])
     assert serve._spec_flags_over(args, cfg).spec.adaptive  # no flag: the config's stands
+
+
+def test_a_profiled_cost_is_the_least_of_its_runs():
+    """A disturbed run (a first use's capture or compilation, a collection) only adds time:
+    the profile keeps the least mean of its runs, after two warm-up calls."""
+    import time as _time
+    from types import SimpleNamespace
+
+    import torch
+
+    from tandem.spec.cost_profile import _time_steps
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        _time.sleep(0.05 if len(calls) in (1, 2, 4) else 0.001)  # warm-ups, then one spike
+        return []
+
+    eng = SimpleNamespace(device=torch.device("cpu"))
+    got = _time_steps(eng, step, n=2, samples=3)
+    assert len(calls) == 2 + 3 * 2
+    assert got < 0.01  # the run with the spike is not the one kept
