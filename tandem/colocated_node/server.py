@@ -84,9 +84,8 @@ class ColocatedServer:
         from tandem.router.app import BackgroundServer
         from tandem.router.server import ServerConfig
 
-        self._dispatcher = ColocatedDispatcher.from_engine(engine, model=self.cfg.model_name)
-        router = Router(self._dispatcher, {self.cfg.model_name: engine.tokenizer},
-                        RouterConfig())
+        router = build_colocated_router(engine, model=self.cfg.model_name)
+        self._dispatcher = router.dispatcher
         host = self.cfg.host or serving_host()
         self._server = BackgroundServer(router, ServerConfig(host=host, port=0)).start()
         self._host = node_ip() if host in ("0.0.0.0", "::") else host

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 import yaml
-from disagg_helpers import tiny_model_and_head
+from grpc_system import dirs, local_ray  # noqa: F401 (module fixtures: the tiny model, Ray)
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -19,22 +19,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [[5, 9, 14, 3], [7, 7, 21, 40, 2, 8], [100, 3]]
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    return tiny_model_and_head(tmp_path_factory.mktemp("m"))
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    from tandem.deploy.launcher import init_ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    init_ray(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def _config(path, dirs, speculative: bool, **decode) -> str:
