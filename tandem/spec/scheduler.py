@@ -70,10 +70,15 @@ class SpecScheduler:
         dropped): outputs stay those of plain decoding (a request's tokens never depend on
         how they were proposed), and the regime never leaves a seed stale. New requests are
         plain too while it holds; once speculation looks worth it again, new requests draft
-        and the plain ones finish plain."""
+        and the plain ones finish plain -- in plain engine steps while every request the
+        engine holds is plain (none could draft), without asking the policy."""
         wins = getattr(self.policy, "plain_wins", None)
-        batch = min(len(self.scheduler.requests), self.scheduler.max_num_seqs)
-        if not allowed or wins is None or not batch or not wins(batch):
+        held = self.scheduler.requests.keys()
+        if not allowed or wins is None or not held:
+            return False
+        if held <= self._plain:
+            return True
+        if not wins(min(len(held), self.scheduler.max_num_seqs)):
             return False
         for rid in self.scheduler.requests.keys() - self._plain:  # new since the last step
             self._plain.add(rid)

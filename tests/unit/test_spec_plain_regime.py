@@ -108,9 +108,10 @@ class ForcedRegime:
 
 
 SPEC = SpecConfig(num_steps=3)
-# spec steps (prefill, rounds), then plain ones, then spec again: requests of the first spec
-# stretch go plain and stay plain; the ones added later draft
-REGIME = (False,) * 4 + (True,) * 5 + (False,) * 6
+# The policy's answers, one per ask: spec steps (prefill, rounds), then plain -- the requests of
+# the first spec stretch go plain and stay plain, and while every request is plain the engine
+# runs plain steps without asking --, then spec again for the ones added later: they draft.
+REGIME = (False,) * 4 + (True,) + (False,) * 6
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -207,4 +208,33 @@ def test_profiling_an_engine_whose_plain_regime_holds_still_seeds_its_requests()
     table = cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2))
     assert table.batch_sizes == (1, 2) and len(table.plain) == 2
     assert eng.spec_scheduler.policy is policy  # its own policy again afterwards
+    assert_pages_free(eng)
+
+
+def test_plain_requests_keep_overlapped_plain_steps_after_the_policy_turns():
+    """Once every request the engine holds is plain, its steps are plain engine steps
+    (overlapped) without asking the policy -- also after the policy stopped favouring plain
+    steps: a request that cannot draft gains nothing from the speculative path, which would run
+    its rows without overlap. A request added later asks the policy again and drafts."""
+    model = tiny_target("llama")
+    policy = ForcedRegime((True,) + (False,) * 50)
+    eng = SpecEngine(engine_cfg(overlap_schedule=True), SPEC, model,
+                     tiny_head(model, "eagle"), policy=policy)
+    run_plan = []
+    eng._run_plan = lambda plan, orig=eng._run_plan: run_plan.append(plan) or orig(plan)
+    first, later = prompts(2, seed=81), prompts(1, seed=82)
+    ids = [eng.add_request(p, greedy(20)) for p in first]
+    out: dict[str, list[int]] = {}
+    for step in range(12):
+        for o in eng.step():
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+        assert eng._inflight is not None  # overlapped plain steps throughout
+    assert policy.asked == [True] and not run_plan
+    ids += [eng.add_request(p, greedy(20)) for p in later]
+    while eng.has_unfinished():
+        for o in eng.step():
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert policy.asked[1] is False and eng.spec_stats.num_rounds > 0  # the newcomer drafted
+    want = reference(model, first + later, greedy(20))
+    assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
     assert_pages_free(eng)
