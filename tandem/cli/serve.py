@@ -53,6 +53,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="Model name in the API (default: --model, or its directory name; with "
                         "--config, the config's model_name)")
+    p.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1,
+                   help="Colocated (no --config): split the model over this many ranks, one "
+                        "process each on this host (on CUDA: GPUs 0..N-1); this process serves "
+                        "and drives the others step by step. With --config: the config's "
+                        "prefill.tp / decode.tp. Default: %(default)s")
     p.add_argument("--speculative", action="store_true",
                    help="Decode with EAGLE speculative decoding (off by default; with --config "
                         "the decode workers always do)")
@@ -120,34 +125,50 @@ def run(args: argparse.Namespace) -> int:
                               tokenize_threads=args.tokenize_threads,
                               prefill_policy=args.prefill_policy, decode_policy=args.decode_policy)
     if args.config:
+        if args.tp != 1:
+            print("tandem serve: error: --tensor-parallel-size: with --config the workers' TP "
+                  "is the config's (prefill.tp, decode.tp)", file=sys.stderr)
+            return 2
         return _serve_disaggregated(args, server_cfg, router_cfg)
+    if args.tp < 1:
+        print(f"tandem serve: error: --tensor-parallel-size: must be >= 1, got {args.tp}",
+              file=sys.stderr)
+        return 2
     http_cfg = _http_config(args, server_cfg)
     tracing = _tracing(args, None)
     engine_cfg = engine_config_from_args(args)
     t0 = time.perf_counter()
-    if args.speculative:
-        from tandem.spec import SpecConfig, SpecEngine
+    from tandem.colocated_node import tp_processes
+    from tandem.spec.config import SpecConfig
 
-        engine = SpecEngine.from_config(engine_cfg, SpecConfig(
-            draft_model=args.draft_model,
-            num_steps=_or(args.num_draft_steps, DEFAULT_DRAFT_STEPS),
-            topk=_or(args.draft_topk, DEFAULT_DRAFT_TOPK), adaptive=args.adaptive_spec))
+    spec = SpecConfig(
+        draft_model=args.draft_model, num_steps=_or(args.num_draft_steps, DEFAULT_DRAFT_STEPS),
+        topk=_or(args.draft_topk, DEFAULT_DRAFT_TOPK),
+        adaptive=args.adaptive_spec) if args.speculative else None
+    tp = None
+    if args.tp > 1:
+        tp = tp_processes.launch(engine_cfg, spec, args.tp)
+        engine = tp.engine
     else:
-        from tandem.engine import LLMEngine
-
-        engine = LLMEngine.from_config(engine_cfg)
+        engine = tp_processes.build_engine(engine_cfg, spec)
     model = args.served_model_name or _served_model_name(args.model)
     router = build_colocated_router(engine, model=model, cfg=router_cfg)
     fronts = _fronts(router, http_cfg)
 
     def ready(server) -> None:
-        mode = "speculative" if args.speculative else "target only"
+        mode = ("speculative" if args.speculative else "target only") + (
+            f", TP={args.tp}" if tp else "")
         print(f"tandem serve: model '{model}' ({mode}) loaded in {time.perf_counter() - t0:.1f} s; "
               f"listening on {args.host}:{server.port} ({'TLS' if server_cfg.tls else 'plaintext'}"
               f"{', token auth' if server_cfg.auth_token else ''}){_http_line(fronts)}{tracing}. "
               "Ctrl-C stops.", flush=True)
 
-    return _serve(router, server_cfg, ready, fronts)
+    try:
+        return _serve(router, server_cfg, ready, fronts)
+    finally:
+        if tp is not None:
+            router.dispatcher.loop("colocated-0").stop()  # no step after this
+            tp.close()
 
 
 def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,

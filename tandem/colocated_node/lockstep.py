@@ -94,6 +94,8 @@ class LockstepEngine:
 
     def step(self):
         with self._lock:
+            if self._closed:  # the others left: a step would wait for them forever
+                raise RuntimeError("lockstep engine: closed (the other ranks have stopped)")
             self._send(step=True)
             return self.engine.step()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tandem.colocated_node.dispatcher import ColocatedDispatcher
 from tandem.colocated_node.lockstep import LockstepEngine, follow
+from tandem.colocated_node.tp_processes import build_engine
 from tandem.engine.config import EngineConfig
 from tandem.router import Router, RouterConfig
 from tandem.spec.config import SpecConfig
@@ -67,14 +68,7 @@ class ColocatedServer:
 
     def _engine(self, parallel):
         t0 = time.perf_counter()
-        if self.cfg.spec is not None:
-            from tandem.spec import SpecEngine
-
-            engine = SpecEngine.from_config(self.cfg.engine, self.cfg.spec, parallel)
-        else:
-            from tandem.engine import LLMEngine
-
-            engine = LLMEngine.from_config(self.cfg.engine, parallel)
+        engine = build_engine(self.cfg.engine, self.cfg.spec, parallel)
         log.info("colocated engine rank %d/%d built in %.1f s", self.ranks.rank, self.ranks.tp,
                  time.perf_counter() - t0)
         return engine

@@ -151,3 +151,12 @@ def test_lockstep_engine_runs_on_rank_0_only():
 
     with pytest.raises(ValueError, match="sync"):
         LockstepEngine(object(), Rank1())
+
+
+def test_each_local_rank_takes_its_own_gpu():
+    from tandem.colocated_node.tp_processes import rank_config
+
+    cpu = EngineConfig(model="x", device="cpu")
+    assert rank_config(cpu, 1) is cpu
+    for device in ("cuda", "cuda:0"):
+        assert rank_config(EngineConfig(model="x", device=device), 2).device == "cuda:2"
