@@ -104,9 +104,13 @@ class LockstepEngine:
         self._stop_beat.set()
         self._beat.join(timeout=5.0)
         with self._lock:
-            if not self._closed:
+            if self._closed:
+                return
+            self._closed = True
+            try:
                 self._send(step=False, stop=True)
-                self._closed = True
+            except Exception as exc:  # noqa: BLE001 -- a rank died: nobody left to stop
+                log.warning("lockstep engine: the other ranks are gone (%s)", exc)
 
     def _send(self, step: bool, stop: bool = False) -> None:
         # under _lock

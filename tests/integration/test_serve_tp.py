@@ -65,6 +65,37 @@ def test_serve_tp2_equals_one_engine(dirs, speculative):
     assert got == want
 
 
+def test_a_dead_rank_fails_requests_at_once_and_the_command_still_stops(dirs):
+    """kill -9 of rank 1: the next request ends UNAVAILABLE at once (gloo sees the peer's
+    connection close; no wait for the group's timeout), later ones find the worker down, and
+    SIGTERM still ends the command with 0 (nobody left to release)."""
+    model_dir, _ = dirs
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir), "--dtype",
+         "float32", "--served-model-name", "tiny", "--port", "0", "--tp", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    try:
+        m, lines = wait_for_line(proc, r"listening on 127\.0\.0\.1:(\d+)", timeout_s=120)
+        port = int(m.group(1))
+        assert len(_tokens(port, PROMPTS[0])) == 8
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+        assert kids
+        for pid in kids:  # rank 1 (and multiprocessing's resource tracker)
+            os.kill(int(pid), signal.SIGKILL)
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as err:
+                _tokens(port, PROMPTS[1])
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_tp_flag_with_a_config_is_refused(tmp_path, capsys):
     from tandem.cli import main
 
