@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -38,10 +39,10 @@ def _tokens(port: int, prompt: list[int]) -> list[int]:
                 for t in msg.token_ids]
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
-def test_serve_tp2_equals_one_engine(dirs, speculative):
-    model_dir, head_dir = dirs
-    extra = ["--speculative", "--draft-model", str(head_dir)] if speculative else []
+@contextmanager
+def serving_tp2(model_dir, *extra: str):
+    """`tandem serve --tp 2` on the tiny model: yields (its gRPC port, the process) once it
+    listens; stopped with SIGTERM on the way out, which must end it with 0."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir), "--dtype",
          "float32", "--page-size", "4", "--num-pages", "256", "--served-model-name", "tiny",
@@ -51,13 +52,21 @@ def test_serve_tp2_equals_one_engine(dirs, speculative):
     try:
         m, lines = wait_for_line(proc, r"TP=2\) loaded .* listening on 127\.0\.0\.1:(\d+)",
                                  timeout_s=120)
-        got = [_tokens(int(m.group(1)), p) for p in PROMPTS]
+        yield int(m.group(1)), proc
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
+def test_serve_tp2_equals_one_engine(dirs, speculative):
+    model_dir, head_dir = dirs
+    extra = ["--speculative", "--draft-model", str(head_dir)] if speculative else []
+    with serving_tp2(model_dir, *extra) as (port, _):
+        got = [_tokens(port, p) for p in PROMPTS]
     one = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="float32", page_size=4,
                                              num_pages=256))
     want = [list(c.output_ids) for c in one.generate(
@@ -69,15 +78,7 @@ def test_a_dead_rank_fails_requests_at_once_and_the_command_still_stops(dirs):
     """kill -9 of rank 1: the next request ends UNAVAILABLE at once (gloo sees the peer's
     connection close; no wait for the group's timeout), later ones find the worker down, and
     SIGTERM still ends the command with 0 (nobody left to release)."""
-    model_dir, _ = dirs
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--model", str(model_dir), "--dtype",
-         "float32", "--served-model-name", "tiny", "--port", "0", "--tp", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    try:
-        m, lines = wait_for_line(proc, r"listening on 127\.0\.0\.1:(\d+)", timeout_s=120)
-        port = int(m.group(1))
+    with serving_tp2(dirs[0]) as (port, proc):
         assert len(_tokens(port, PROMPTS[0])) == 8
         kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                               text=True).stdout.split()
@@ -88,12 +89,6 @@ def test_a_dead_rank_fails_requests_at_once_and_the_command_still_stops(dirs):
             with pytest.raises(grpc.RpcError) as err:
                 _tokens(port, PROMPTS[1])
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 def test_tp_flag_with_a_config_is_refused(tmp_path, capsys):
