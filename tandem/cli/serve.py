@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return _serve(router, server_cfg, ready, fronts)
     finally:
         if tp is not None:
-            router.dispatcher.loop("colocated-0").stop()  # no step after this
+            router.dispatcher.stop_loops()  # no step after this
             tp.close()
 
 

@@ -182,6 +182,12 @@ class ColocatedDispatcher:
     async def close(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(w.loop.stop) for w in self._workers.values()))
 
+    def stop_loops(self) -> None:
+        """Stop every engine loop now, from any thread (no step runs after this returns):
+        what a TP engine's rank 0 needs before it releases the other ranks."""
+        for w in self._workers.values():
+            w.loop.stop()
+
 
 def _counts(acceptance: AcceptanceSnapshot | None) -> WorkerCounts:
     """An engine's counters for the metrics: its acceptance as counts (no transfers here)."""

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from tandem.colocated_node.dispatcher import ColocatedDispatcher
 from tandem.colocated_node.lockstep import LockstepEngine, follow
-from tandem.colocated_node.tp_processes import build_engine
+from tandem.colocated_node.tp_processes import build_engine, join_rank
 from tandem.engine.config import EngineConfig
 from tandem.router import Router, RouterConfig
 from tandem.spec.config import SpecConfig
 from tandem.worker import node_ip, tune_process
 from tandem.worker.process import serving_host
-from tandem.worker.ranks import RankInfo, join_group, leave_group, rendezvous_address
+from tandem.worker.ranks import RankInfo, leave_group, rendezvous_address
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,10 @@ class ColocatedServer:
         self._lockstep: LockstepEngine | None = None
         self._follower: threading.Thread | None = None
         if tp == 1:
-            self._serve(self._engine(None))
-
-    def _engine(self, parallel):
-        t0 = time.perf_counter()
-        engine = build_engine(self.cfg.engine, self.cfg.spec, parallel)
-        log.info("colocated engine rank %d/%d built in %.1f s", self.ranks.rank, self.ranks.tp,
-                 time.perf_counter() - t0)
-        return engine
+            t0 = time.perf_counter()
+            engine = build_engine(cfg.engine, cfg.spec)
+            log.info("colocated engine built in %.1f s", time.perf_counter() - t0)
+            self._serve(engine)
 
     def _serve(self, engine) -> None:
         # grpc loads when a server starts, not with this module
@@ -93,8 +89,10 @@ class ColocatedServer:
     def join(self, host: str, port: int) -> None:
         """tp > 1, every rank: join the process group and build this rank's engine; rank 0
         then serves, the others follow it on a thread of their own."""
-        parallel, sync = join_group(self.ranks, host, port, self.cfg.engine.device)
-        engine = self._engine(parallel)
+        t0 = time.perf_counter()
+        engine, sync = join_rank(self.ranks, host, port, self.cfg.engine, self.cfg.spec)
+        log.info("colocated engine rank %d/%d built in %.1f s", self.ranks.rank, self.ranks.tp,
+                 time.perf_counter() - t0)
         if self.ranks.rank == 0:
             self._lockstep = LockstepEngine(engine, sync)
             self._serve(self._lockstep)
@@ -113,8 +111,7 @@ class ColocatedServer:
     def shutdown(self) -> None:
         if self._server is not None:
             self._server.stop()
-            for name in [w.name for w in self._dispatcher.workers()]:
-                self._dispatcher.loop(name).stop()  # no step after this
+            self._dispatcher.stop_loops()  # no step after this
         if self._lockstep is not None:
             self._lockstep.close()  # the other ranks' follow returns
         if self._follower is not None:

@@ -40,15 +40,18 @@ def rank_config(engine_cfg: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(engine_cfg, device=f"cuda:{rank}")
 
 
-def _follower(rank: int, tp: int, port: int, engine_cfg: EngineConfig,
-              spec: SpecConfig | None, torch_threads: int) -> None:
-    import torch
+def join_rank(info: RankInfo, host: str, port: int, engine_cfg: EngineConfig,
+              spec: SpecConfig | None):
+    """One rank of a colocated TP engine: join its process group (blocks until every rank
+    joined), then build its share of the engine. Returns (engine, the ranks' channel)."""
+    par, sync = join_group(info, host, port, engine_cfg.device)
+    return build_engine(engine_cfg, spec, par), sync
 
-    if torch_threads:
-        torch.set_num_threads(torch_threads)
-    par, sync = join_group(RankInfo(rank=rank, tp=tp), HOST, port, engine_cfg.device)
+
+def _follower(rank: int, tp: int, port: int, engine_cfg: EngineConfig,
+              spec: SpecConfig | None) -> None:
     try:
-        follow(build_engine(engine_cfg, spec, par), sync)
+        follow(*join_rank(RankInfo(rank=rank, tp=tp), HOST, port, engine_cfg, spec))
     finally:
         leave_group()
 
@@ -71,8 +74,7 @@ class TPEngine:
         leave_group()
 
 
-def launch(engine_cfg: EngineConfig, spec: SpecConfig | None, tp: int,
-           torch_threads: int = 0) -> TPEngine:
+def launch(engine_cfg: EngineConfig, spec: SpecConfig | None, tp: int) -> TPEngine:
     """Spawn ranks 1..tp-1, join them as rank 0 and build this rank's engine."""
     import socket
 
@@ -83,13 +85,13 @@ def launch(engine_cfg: EngineConfig, spec: SpecConfig | None, tp: int,
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_follower, name=f"tandem-tp-rank{r}", daemon=True,
-                         args=(r, tp, port, rank_config(engine_cfg, r), spec, torch_threads))
+                         args=(r, tp, port, rank_config(engine_cfg, r), spec))
              for r in range(1, tp)]
     for p in procs:
         p.start()
     try:
-        par, sync = join_group(RankInfo(rank=0, tp=tp), HOST, port, engine_cfg.device)
-        engine = build_engine(rank_config(engine_cfg, 0), spec, par)
+        engine, sync = join_rank(RankInfo(rank=0, tp=tp), HOST, port,
+                                 rank_config(engine_cfg, 0), spec)
     except BaseException:
         for p in procs:
             p.kill()

@@ -48,6 +48,15 @@ def _build(rank: int, port: int, dirs, speculative: bool, timeout_s: float = 60.
     return eng, sync
 
 
+def _leave(sync) -> None:
+    """Both ranks meet, then tear the group down: a rank whose peer exits first with the group
+    still up can be aborted by gloo at its own exit (SIGABRT)."""
+    from tandem.worker.ranks import leave_group
+
+    sync.all_gather(None)
+    leave_group()
+
+
 def _drive(front, steps_before_abort: int = 2) -> dict[str, list[int]]:
     """Rank 0: requests 0-1 first, 2-3 after a step, request 3 aborted; tokens per request."""
     got: dict[str, list[int]] = {}
@@ -82,6 +91,7 @@ def _serve_rank(rank: int, port: int, dirs, speculative: bool, out) -> None:
         else:
             follow(eng, sync)
             got = None
+    _leave(sync)
     out.put((rank, got, eng.allocator.num_free == eng.allocator.num_usable))
 
 
@@ -110,10 +120,11 @@ def _idle_rank(rank: int, port: int, dirs, out) -> None:
             while front.has_unfinished():
                 toks += [t for o in front.step() for t in o.new_token_ids]
             front.close()
-            out.put((rank, toks))
         else:
             follow(eng, sync)
-            out.put((rank, None))
+            toks = None
+    _leave(sync)
+    out.put((rank, toks))
 
 
 def test_idle_leader_keeps_followers_past_the_group_timeout(tmp_path):
@@ -126,12 +137,13 @@ def test_idle_leader_keeps_followers_past_the_group_timeout(tmp_path):
 
 
 def _sampling_rank(rank: int, port: int, dirs, out) -> None:
-    eng, _ = _build(rank, port, dirs, False)
+    eng, sync = _build(rank, port, dirs, False)
     if rank == 0:  # this process draws from torch's global RNG; its peer does not
         torch.rand(1000)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
     with torch.inference_mode():
         got = [c.output_ids for c in eng.generate(PROMPTS, params)]
+    _leave(sync)
     out.put((rank, got))
 
 
