@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.messages import SamplingParams
 from tandem.worker.ranks import RankSync
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class AddRequest:
     prompt_ids: tuple[int, ...]
-    params: Any  # SamplingParams (frozen)
+    params: SamplingParams
     req_id: str
 
 

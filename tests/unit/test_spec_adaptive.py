@@ -289,4 +289,5 @@ def test_a_profiled_cost_is_the_least_of_its_runs():
     eng = SimpleNamespace(device=torch.device("cpu"))
     got = _time_steps(eng, step, n=2, samples=3)
     assert len(calls) == 2 + 3 * 2
-    assert got < 0.01  # the run with the spike is not the one kept
+    # the least run (~1 ms a call): not the run with the spike (~25 ms), nor a mean over runs
+    assert got < 0.005
