@@ -162,6 +162,12 @@ def bench_steps(eng, args, bw: float, quiet: bool = False) -> list[dict]:
             padded = padded_batch_size(bs, eng.graphs.batch_sizes)
             eng.step()  # the latest plan is of this size (replay_only needs it)
             row["graph_ms"] = median_ms(lambda: eng.graphs.replay_only(padded), dev, 30)
+            if args.profile and bs in (1, 8):  # every rank replays (the collectives meet)
+                from gpu_engine import profile_replays
+
+                where = Path(tempfile.mkdtemp()) if quiet else args.out
+                row["profile"] = profile_replays(lambda: eng.graphs.replay_only(padded),
+                                                 where, f"{args.label} batch {bs}")
         rows.append(row)
         if not quiet:
             log(row)
@@ -446,6 +452,11 @@ def main() -> None:
     ap.add_argument("--kv-bytes-tp1", type=int, default=14 << 30)
     ap.add_argument("--kv-bytes-tp2", type=int, default=8 << 30)
     ap.add_argument("--smoke", action="store_true", help="CPU + gloo, a tiny Llama")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernel times of the batch-1 and batch-8 graph replays (CUPTI), "
+                         "appended to $OUT/profiles.txt")
+    ap.add_argument("--label", default="tp",
+                    help="names this run in profiles.txt (e.g. fused / unfused)")
     ap.add_argument("--tp", type=int, default=2, help="ranks (GPUs) of the TP engine")
     ap.add_argument("--skip-tp1", action="store_true",
                     help="no TP=1 reference (a model one GPU cannot hold, e.g. llama-3.1-70b)")

@@ -96,18 +96,18 @@ class SelfAttention(nn.Module):
         return self.o_proj(self._attend(positions, self.qkv(x), ctx))
 
     def can_fuse(self) -> bool:
-        return self.qkv.bias is None and self.o_proj.bias is None and self.o_proj.tp.size == 1
+        return self.qkv.bias is None and self.o_proj.bias is None
 
     def forward_fused(
         self, positions: torch.Tensor, stream: torch.Tensor, norm: RMSNorm, ctx: ForwardContext
     ) -> torch.Tensor:
         """Decode / verify of T <= gemv_max_rows rows (kernels.decode_fusion_ok): stream
         [T, H] (the residual stream) -> stream + attn(norm(stream)) [T, H], with each row's
-        norm folded into the qkv GEMV and each row's add into o_proj's."""
+        norm folded into the qkv GEMV and each row's add into o_proj's (under TP, rank 0's
+        o_proj GEMV adds it before the all-reduce: RowParallelLinear.forward_fused)."""
         qkv = kernels.fused_linear(stream, self.qkv.weight, norm_weight=norm.weight,
                                    eps=norm.eps)
-        return kernels.fused_linear(self._attend(positions, qkv, ctx), self.o_proj.weight,
-                                    residual=stream)
+        return self.o_proj.forward_fused(self._attend(positions, qkv, ctx), stream)
 
     def forward_add(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,

@@ -106,6 +106,19 @@ class RowParallelLinear(nn.Module):
         y = self.tp.all_reduce(kernels.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
+    def forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False
+    ) -> torch.Tensor:
+        """residual + all_reduce(prologue(x_r) @ W_r.T), [T, out], for T <= gemv_max_rows
+        (kernels.fused_linear; no bias). The add rides in rank 0's GEMV epilogue: rank 0 sends
+        partial + residual, the others their partial, so the sum is the same function with no
+        add kernel after the collective (residual is the replicated stream, equal on every
+        rank). x: [T, in_local], or [T, 2 in_local] gate|up with silu_mul."""
+        assert self.bias is None, "forward_fused: a bias would be added once per rank"
+        mine = residual if self.tp.rank == 0 else None
+        return self.tp.all_reduce(kernels.fused_linear(x, self.weight, silu_mul=silu_mul,
+                                                       residual=mine))
+
 
 class ReplicatedLinear(nn.Module):
     """A small linear layer every rank holds whole (e.g. the MoE router)."""

@@ -50,15 +50,16 @@ class DenseMLP(nn.Module):
         return self.down(silu_and_mul(self.gate_up(x)))
 
     def can_fuse(self) -> bool:
-        return self.down.tp.size == 1 and self.down.bias is None
+        return self.down.bias is None
 
     def forward_fused(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """Decode / verify of T <= gemv_max_rows rows: stream [T, H] -> stream +
         mlp(norm(stream)) [T, H] in two GEMV launches (each row's norm folded into gate_up's,
-        silu-and-mul and the residual add into down's)."""
+        silu-and-mul and the residual add into down's; under TP, the add into rank 0's, before
+        the all-reduce)."""
         gate_up = kernels.fused_linear(stream, self.gate_up.weight, norm_weight=norm.weight,
                                        eps=norm.eps)
-        return kernels.fused_linear(gate_up, self.down.weight, silu_mul=True, residual=stream)
+        return self.down.forward_fused(gate_up, stream, silu_mul=True)
 
 
 MOE_DISPATCH_MODES = ("allreduce", "alltoall", "alltoall_padded")
