@@ -212,6 +212,12 @@ def spec_rounds(plain, args) -> list[dict]:
             times.append((time.perf_counter() - t0) * 1e3)
         rows.append(dict(batch=bs, round_ms=statistics.median(times), draft_vocab=vocab,
                          graphs=eng.spec_graphs is not None))
+        if args.profile and bs == 1 and dev.type == "cuda":  # every rank steps (collectives)
+            from gpu_engine import profile_replays
+
+            where = Path(tempfile.mkdtemp()) if plain.model.par.tp.rank else args.out
+            rows[-1]["profile"] = profile_replays(eng.step, where,
+                                                  f"{args.label} EAGLE round batch 1")
         for i in ids:
             eng.abort(i)
     del eng
@@ -274,6 +280,42 @@ def bench_all_reduce(fast, group, dev, batches: list[int], hidden: int) -> list[
         if group.rank == 0:
             log(row)
     return rows
+
+
+def flag_stress(fast, dev, hidden: int, calls: int = 48, replays: int = 30) -> dict:
+    """The flag one-shot against NCCL under churn: `calls` all-reduces of mixed sizes (1 to
+    64 rows, unaligned to its programs) captured in one CUDA graph and replayed `replays`
+    times with fresh inputs each time, then the same eagerly; every output must equal NCCL's
+    bitwise (two ranks: one rounding of a + b). A race on the slots or flags shows up as a
+    mismatch (or a hang, bounded by the caller's timeout)."""
+    from tandem.engine.allreduce import FLAG_ONE_SHOT, NCCL
+
+    rows = [1, 3, 8, 64, 2, 5, 17, 1, 33, 4][:calls] * (calls // 10 + 1)
+    rows = rows[:calls]
+    xs = [torch.empty(r, hidden, dtype=fast.dtype, device=dev) for r in rows]
+    g = torch.Generator(device=dev).manual_seed(7 + fast.group.rank)
+
+    def refill() -> None:
+        for x in xs:
+            x.copy_(torch.randn(x.shape, device=dev, generator=g))
+
+    refill()
+    [fast.run(x, FLAG_ONE_SHOT) for x in xs]  # compile, warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fast.run(x, FLAG_ONE_SHOT) for x in xs]
+    bad, checked = 0, 0
+    for _ in range(replays):
+        refill()
+        graph.replay()
+        want = [fast.run(x, NCCL) for x in xs]
+        bad += sum(not torch.equal(o, w) for o, w in zip(outs, want))
+        checked += len(xs)
+        eager = [fast.run(x, FLAG_ONE_SHOT) for x in xs]
+        bad += sum(not torch.equal(o, w) for o, w in zip(eager, want))
+        checked += len(xs)
+    sync(dev)
+    return dict(checked=checked, mismatched=bad)
 
 
 def graph_vs_eager(eng, sizes=(1, 3, 8)) -> list[dict]:
@@ -356,6 +398,7 @@ def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
             res["table"] = dict(sizes=t.sizes, methods=t.methods, us=t.us, chosen=t.chosen)
             if rank == 0:
                 log("start-up table:\n" + t.describe())
+            section("flag_stress", lambda: flag_stress(fast, dev, custom.model_cfg.hidden_size))
             section("all_reduce", lambda: bench_all_reduce(
                 fast, custom.model.par.tp, dev, args.batch, custom.model_cfg.hidden_size))
         if custom.graphs is not None:

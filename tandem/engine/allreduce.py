@@ -9,6 +9,9 @@ lets a kernel read its peers' buffers directly over NVLink:
   per peer; fused with the copy in `one_shot_all_reduce_copy_out`).
 - two-shot: each rank reduces its 1/W slice from every peer, then every rank gathers the
   reduced slices (reduce-scatter + all-gather; less NVLink traffic for larger messages).
+- flag one-shot (kernels/triton_allreduce.py, up to 1 MiB): our own one-shot in one Triton
+  launch that meets its peers once per call (a flag per program and peer, two data slots
+  used in turn) instead of torch's two barriers.
 
 Each op starts and ends with a barrier over the group's signal pads, so one buffer serves
 every call in stream order (the next call's copy cannot overwrite data a peer still reads).
@@ -46,9 +49,11 @@ from tandem.engine.parallel import ParallelContext, ParallelGroup
 log = logging.getLogger(__name__)
 
 NCCL, ONE_SHOT, TWO_SHOT = "nccl", "one_shot", "two_shot"
-METHODS = (NCCL, ONE_SHOT, TWO_SHOT)  # NCCL first: it wins ties
+FLAG_ONE_SHOT = "flag_one_shot"  # kernels/triton_allreduce.py: one flag exchange per call
+METHODS = (NCCL, ONE_SHOT, TWO_SHOT, FLAG_ONE_SHOT)  # NCCL first: it wins ties
 MODES = ("auto", *METHODS)  # EngineConfig.all_reduce: "auto" measures; a method forces it
 MAX_BYTES = 8 << 20  # symmetric buffer per rank; larger messages always take NCCL
+FLAG_MAX_BYTES = 1 << 20  # the flag one-shot's slots (two per rank); larger: other methods
 ALIGN = 16  # bytes: the symm_mem kernels' vector width; smaller alignments are not offered
 CUSTOM_DTYPES = (torch.bfloat16, torch.float32)  # what the symm_mem reduce kernels support
 
@@ -163,7 +168,18 @@ class FastAllReduce:
         ops = torch.ops.symm_mem
         self._has_copy_op = hasattr(ops, "one_shot_all_reduce_copy_out")
         self._has_two_shot_out = hasattr(ops, "two_shot_all_reduce_out")
+        self._flag = self._build_flag_one_shot(min(self.max_bytes, FLAG_MAX_BYTES))
         self.table: MethodTable | None = None
+
+    def _build_flag_one_shot(self, max_bytes: int) -> Any:
+        """The flag one-shot's buffers (collective), or None where Triton is missing (on every
+        rank alike: one image per machine)."""
+        try:
+            from tandem.engine.kernels.triton_allreduce import OneShot
+        except ImportError as exc:
+            log.warning("flag one-shot all-reduce unavailable: %s", exc)
+            return None
+        return OneShot(self.group_name, self.device, self.dtype, max_bytes)
 
     def set_table(self, table: MethodTable) -> None:
         if self.table is not None:
@@ -195,6 +211,12 @@ class FastAllReduce:
             out.copy_(x)
             dist.all_reduce(out, group=self.group.handle)
             return out
+        if method == FLAG_ONE_SHOT:
+            nbytes = x.numel() * x.element_size()
+            if self._flag is None or nbytes > self._flag.max_bytes:
+                raise RuntimeError(f"flag one-shot: {nbytes} bytes over its "
+                                   f"{self._flag.max_bytes if self._flag else 0}-byte slots")
+            return self._flag(x)
         buf = self._buffer[: x.numel()].view(x.shape)  # this call's slice of the buffer
         if method == ONE_SHOT:
             if self._has_copy_op and x.storage_offset() == 0:  # the copy fused in the kernel

@@ -40,9 +40,11 @@ class ParallelGroup:
         per = total // self.size
         return self.rank * per, (self.rank + 1) * per
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks. Works on a copy: the caller's tensor is never modified. Inside a
-        CUDA graph capture too (both paths only launch kernels on the current stream)."""
+    def all_reduce(self, x: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        """Sum over ranks. Works on a copy: the caller's tensor is never modified, unless
+        `owned` (x is a temporary nobody reads again: NCCL then sums it in place and skips a
+        copy kernel). Inside a CUDA graph capture too (both paths only launch kernels on the
+        current stream)."""
         if self.size == 1:
             return x
         if self.fast is not None:
@@ -51,7 +53,7 @@ class ParallelGroup:
                 return out
         import torch.distributed as dist
 
-        out = x.clone()
+        out = x if owned else x.clone()
         dist.all_reduce(out, group=self.handle)
         return out
 

@@ -14,6 +14,7 @@ import torch
 from tandem.engine import ConfigError, EngineConfig, ParallelContext, ParallelGroup
 from tandem.engine.allreduce import (
     ALIGN,
+    FLAG_ONE_SHOT,
     METHODS,
     NCCL,
     ONE_SHOT,
@@ -27,34 +28,53 @@ from tandem.engine.allreduce import (
 
 INF = math.inf
 SIZES = (8192, 65536, 524288)
+THREE = (NCCL, ONE_SHOT, TWO_SHOT)  # the columns of the tables below
 
 
 def test_auto_takes_the_fastest_method_of_each_size():
     us = [[20.0, 6.0, 9.0], [22.0, 12.0, 10.0], [30.0, 41.0, 33.0]]
-    table = choose_methods(SIZES, METHODS, us)
+    table = choose_methods(SIZES, THREE, us)
     assert table.chosen == (ONE_SHOT, TWO_SHOT, NCCL)
     assert table.max_custom_bytes == 65536
 
 
 def test_ties_go_to_nccl_and_failed_methods_are_never_chosen():
-    table = choose_methods(SIZES, METHODS, [[5.0, 5.0, 5.0], [9.0, INF, 3.0], [INF, INF, INF]])
+    table = choose_methods(SIZES, THREE, [[5.0, 5.0, 5.0], [9.0, INF, 3.0], [INF, INF, INF]])
     assert table.chosen == (NCCL, TWO_SHOT, NCCL)  # all failed: NCCL, the fallback
-    assert choose_methods(SIZES, METHODS, [[5.0, INF, INF]] * 3).max_custom_bytes == 0
+    assert choose_methods(SIZES, THREE, [[5.0, INF, INF]] * 3).max_custom_bytes == 0
 
 
 def test_a_forced_method_runs_wherever_it_ran_and_nccl_elsewhere():
     us = [[1.0, 50.0, 2.0], [1.0, INF, 2.0], [1.0, 3.0, 2.0]]
-    assert choose_methods(SIZES, METHODS, us, ONE_SHOT).chosen == (ONE_SHOT, NCCL, ONE_SHOT)
-    assert choose_methods(SIZES, METHODS, us, NCCL).chosen == (NCCL,) * 3
+    assert choose_methods(SIZES, THREE, us, ONE_SHOT).chosen == (ONE_SHOT, NCCL, ONE_SHOT)
+    assert choose_methods(SIZES, THREE, us, NCCL).chosen == (NCCL,) * 3
     assert choose_methods(SIZES, (NCCL, ONE_SHOT), [r[:2] for r in us], TWO_SHOT).chosen == \
         (NCCL,) * 3  # not measured: not taken
 
 
+def test_the_flag_one_shot_is_a_method_like_the_others():
+    assert METHODS == (NCCL, ONE_SHOT, TWO_SHOT, FLAG_ONE_SHOT)  # NCCL first: it wins ties
+    us = [[9.0, 8.0, 12.0, 4.0], [9.0, 8.0, 12.0, INF], [9.0, 10.0, 7.0, 8.0]]
+    assert choose_methods(SIZES, METHODS, us).chosen == (FLAG_ONE_SHOT, ONE_SHOT, TWO_SHOT)
+    assert choose_methods(SIZES, METHODS, us, FLAG_ONE_SHOT).chosen == \
+        (FLAG_ONE_SHOT, NCCL, FLAG_ONE_SHOT)
+
+
+def test_flag_one_shot_ranges_cover_every_element_once():
+    triton_allreduce = pytest.importorskip("tandem.engine.kernels.triton_allreduce")
+    g = triton_allreduce.PROGRAMS
+    for n in (1, 8, 4096, 4104, 32768, 65536, 262144, 524288):
+        block, iters = triton_allreduce.launch_shape(n)
+        assert block & (block - 1) == 0 and block <= triton_allreduce.MAX_BLOCK
+        assert g * iters * block >= n  # the G programs' ranges reach past the message
+        assert iters * block < 2 * max(block, -(-n // g))  # no program spans twice its share
+
+
 def test_a_message_takes_the_next_measured_size_and_nccl_beyond_the_last():
-    table = choose_methods(SIZES, METHODS, [[9.0, 1.0, 5.0], [9.0, 5.0, 1.0], [1.0, 5.0, 9.0]])
+    table = choose_methods(SIZES, THREE, [[9.0, 1.0, 5.0], [9.0, 5.0, 1.0], [1.0, 5.0, 9.0]])
     assert [table.method_for(n) for n in (16, 8192, 8208, 65536, 65552, 524288, 524304)] == \
         [ONE_SHOT, ONE_SHOT, TWO_SHOT, TWO_SHOT, NCCL, NCCL, NCCL]
-    one = choose_methods((8192,), METHODS, [[9.0, 1.0, 5.0]])
+    one = choose_methods((8192,), THREE, [[9.0, 1.0, 5.0]])
     assert one.method_for(8192 + ALIGN) == NCCL  # bigger than anything measured
 
 
@@ -66,7 +86,7 @@ def test_bad_tables_and_modes_are_refused():
     with pytest.raises(ValueError, match="methods"):
         MethodTable(sizes=(1,), methods=("mpi",), us=((1.0,),), chosen=(NCCL,))
     with pytest.raises(ValueError, match="mode"):
-        choose_methods(SIZES, METHODS, [[1.0] * 3] * 3, "fastest")
+        choose_methods(SIZES, THREE, [[1.0] * 3] * 3, "fastest")
     with pytest.raises(ValueError, match="NCCL"):
         choose_methods((1,), (ONE_SHOT,), [[1.0]])
 

@@ -103,7 +103,7 @@ class RowParallelLinear(nn.Module):
         self.bias.data.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in_local] -> [T, out]
-        y = self.tp.all_reduce(kernels.linear(x, self.weight))
+        y = self.tp.all_reduce(kernels.linear(x, self.weight), owned=True)  # a fresh product
         return y if self.bias is None else y + self.bias
 
     def forward_fused(
@@ -117,7 +117,7 @@ class RowParallelLinear(nn.Module):
         assert self.bias is None, "forward_fused: a bias would be added once per rank"
         mine = residual if self.tp.rank == 0 else None
         return self.tp.all_reduce(kernels.fused_linear(x, self.weight, silu_mul=silu_mul,
-                                                       residual=mine))
+                                                       residual=mine), owned=True)
 
 
 class ReplicatedLinear(nn.Module):
