@@ -236,9 +236,18 @@ def copy_bandwidth(dev: torch.device) -> float:
 
 # ---- phase 1: TP=1 --------------------------------------------------------------------------
 
+def apply_ab(args) -> None:
+    """A/B switches of this run, in every process (the ranks are spawned)."""
+    if args.decode_cuda_cores:  # FlashInfer's decode kernel instead of its prefill kernel
+        from tandem.engine.attention import flashinfer_backend
+
+        flashinfer_backend.DecodeWrappers.__init__.__defaults__ = (False,)
+
+
 def phase_tp1(args, ref_path: str) -> dict:
     from tandem.engine import ParallelContext
 
+    apply_ab(args)
     dev = torch.device("cuda:0" if not args.smoke else "cpu")
     bw = copy_bandwidth(dev)
     eng, build_s = engine(args, dev, ParallelContext(), "nccl", args.kv_bytes_tp1)
@@ -364,6 +373,7 @@ def join_ranks(rank: int, world: int, port: int, smoke: bool):
 def phase_tp2(rank: int, args, port: int, ref_path: str, out_path: str) -> None:
     from tandem.engine import ParallelContext
 
+    apply_ab(args)
     dev, group = join_ranks(rank, args.tp, port, args.smoke)
     par = ParallelContext(tp=group, ep=group)
     res: dict = {"rank": rank}
@@ -498,6 +508,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="kernel times of the batch-1 and batch-8 graph replays (CUPTI), "
                          "appended to $OUT/profiles.txt")
+    ap.add_argument("--decode-cuda-cores", action="store_true",
+                    help="A/B: FlashInfer's CUDA-core decode kernel (use_tensor_cores=False)")
     ap.add_argument("--label", default="tp",
                     help="names this run in profiles.txt (e.g. fused / unfused)")
     ap.add_argument("--tp", type=int, default=2, help="ranks (GPUs) of the TP engine")
