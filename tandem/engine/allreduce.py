@@ -10,8 +10,9 @@ lets a kernel read its peers' buffers directly over NVLink:
 - two-shot: each rank reduces its 1/W slice from every peer, then every rank gathers the
   reduced slices (reduce-scatter + all-gather; less NVLink traffic for larger messages).
 - flag one-shot (kernels/triton_allreduce.py, up to 1 MiB): our own one-shot in one Triton
-  launch that meets its peers once per call (a flag per program and peer, two data slots
-  used in turn) instead of torch's two barriers.
+  launch that pushes its input into every peer's inbox and meets its peers once per call (a
+  flag per program and peer, two inbox slots used in turn) instead of torch's two barriers
+  and remote reads.
 
 Each op starts and ends with a barrier over the group's signal pads, so one buffer serves
 every call in stream order (the next call's copy cannot overwrite data a peer still reads).
@@ -179,7 +180,7 @@ class FastAllReduce:
         except ImportError as exc:
             log.warning("flag one-shot all-reduce unavailable: %s", exc)
             return None
-        return OneShot(self.group_name, self.device, self.dtype, max_bytes)
+        return OneShot(self.group_name, self.group.size, self.device, self.dtype, max_bytes)
 
     def set_table(self, table: MethodTable) -> None:
         if self.table is not None:

@@ -1,29 +1,31 @@
 """A one-shot all-reduce for small TP messages in one Triton launch, with one flag exchange.
 
 torch's symmetric-memory one-shot kernel meets its peers at a barrier before and after the
-sum (~9-10 us for 8 KiB on 2 H100s, slower than NCCL's 8.6 us in a CUDA graph). This one
-meets them once per call:
+sum, and reads their inputs across NVLink (~9-10 us for 8 KiB on 2 H100s, slower than NCCL's
+8.6 us in a CUDA graph). This one pushes instead and meets its peers once per call:
 
-- every rank owns, in symmetric memory, a data buffer of two slots [2, slot_elems] and a
-  flag area [G, W] int64 (program g's flag from rank p at [g, p]), and, in ordinary device
-  memory, one call counter per program [G] int64. All G programs run in every call.
-- program g of call e (its counter + 1) copies its range of the input into this rank's slot
-  e % 2, then stores e into flag [g, rank] of every peer (release, system scope, after a CTA
-  barrier: cumulativity publishes every thread's copy), waits until its own flags [g, p]
-  reach e (acquire), reads every rank's range from slot e % 2 of that rank's buffer and sums
-  in rank order in float32 (so every rank rounds the same sum the same way), and stores e
-  as its counter.
+- every rank owns, in symmetric memory, an inbox of two slots, one region per sender
+  [2, W, slot_elems], and a flag area [G, W] int64 (program g's flag from rank p at [g, p]),
+  and, in ordinary device memory, one call counter per program [G] int64. All G programs run
+  in every call.
+- program g of call e (its counter + 1) writes its range of the input into region `rank` of
+  slot e % 2 of every peer's inbox (NVLink writes, no round trip), then stores e into flag
+  [g, rank] of every peer (release, system scope, after a CTA barrier: cumulativity publishes
+  every thread's writes), waits until its own flags [g, p] reach e (acquire; a local poll),
+  reads the peers' regions from its own inbox and sums every rank's values in rank order in
+  float32 (so every rank rounds the same sum the same way), and stores e as its counter.
 
-Why two slots and one exchange suffice: a rank writes slot e % 2 in call e only after its
-call e - 1 ended, which waited for every peer's flag e - 1; a peer raises that flag in its
-call e - 1, which starts after its call e - 2 (the last reader of slot e % 2) completed (one
-stream, kernels in order). A peer can run at most one call ahead (its next call waits for
+Why two slots and one exchange suffice: a rank writes slot e % 2 of a peer's inbox in call e
+only after its call e - 1 ended, which waited for that peer's flag e - 1; the peer raises it
+in its call e - 1, which starts after its call e - 2 (the last reader of slot e % 2) completed
+(one stream, kernels in order). A peer can run at most one call ahead (its next call waits for
 this rank's flag), so flags only grow and `>= e` never misses. Every program runs in every
 call, so all counters agree; they are int64 (no wrap in any realistic uptime).
 
 The grid, the block and the per-program range depend on the message size only, which every
-rank sends alike. GPU only (imported lazily by engine/allreduce.py); its check is
-tests/gpu/test_tp_graphs.py (every method's sum == NCCL's, bitwise, and graph == eager).
+rank sends alike. GPU only (imported lazily by engine/allreduce.py); its checks are
+tests/gpu/test_tp_graphs.py (every method's sum == NCCL's, bitwise, and graph == eager) and
+benchmarks/gpu_tp.py's flag_stress (mixed sizes replayed in a graph, bitwise vs NCCL).
 """
 
 from __future__ import annotations
@@ -43,15 +45,18 @@ def _one_shot_kernel(
 ):
     pid = tl.program_id(0)
     e = tl.load(count_ptr + pid) + 1  # this call's number (int64)
-    slot = e % 2
     dtype = x_ptr.dtype.element_ty
     start = pid * (ITERS * BLOCK)
-    mine = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype)) + slot * slot_elems
-    for i in range(ITERS):
-        offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        tl.store(mine + offs, tl.load(x_ptr + offs, mask=m), mask=m)
-    tl.debug_barrier()  # every thread's copy before the release below
+    # region `sender` of slot e % 2 of an inbox [2, W, slot_elems]
+    my_region = ((e % 2) * WORLD + RANK) * slot_elems
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            inbox = tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)) + my_region
+            for i in range(ITERS):
+                offs = start + i * BLOCK + tl.arange(0, BLOCK)
+                m = offs < n
+                tl.store(inbox + offs, tl.load(x_ptr + offs, mask=m), mask=m)
+    tl.debug_barrier()  # every thread's writes before the release below
     for p in tl.static_range(WORLD):
         if p != RANK:
             peer_flags = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int64))
@@ -63,7 +68,8 @@ def _one_shot_kernel(
             while seen < e:
                 seen = tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire",
                                      scope="sys")
-    tl.debug_barrier()  # the acquire above before any thread reads a peer's slot
+    tl.debug_barrier()  # the acquire above before any thread reads the inbox
+    mine = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype)) + (e % 2) * WORLD * slot_elems
     for i in range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -72,8 +78,8 @@ def _one_shot_kernel(
             if p == RANK:
                 v = tl.load(x_ptr + offs, mask=m, other=0.0)
             else:
-                src = tl.load(bufs_ptr + p).to(tl.pointer_type(dtype)) + slot * slot_elems
-                v = tl.load(src + offs, mask=m, other=0.0, cache_modifier=".cg")
+                v = tl.load(mine + p * slot_elems + offs, mask=m, other=0.0,
+                            cache_modifier=".cg")
             acc += v.to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=m)
     tl.store(count_ptr + pid, e)
@@ -94,16 +100,18 @@ class OneShot:
     `__call__` is capturable in CUDA graphs and must be issued in the same order on every
     rank, on one stream, like any collective."""
 
-    def __init__(self, group_name: str, device: torch.device, dtype: torch.dtype,
+    def __init__(self, group_name: str, world: int, device: torch.device, dtype: torch.dtype,
                  max_bytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.dtype, self.slot_elems = dtype, max_bytes // itemsize
         self.max_bytes = self.slot_elems * itemsize
-        data = symm_mem.empty(2 * self.slot_elems, dtype=dtype, device=device)  # [2 slots]
+        data = symm_mem.empty(2 * world * self.slot_elems, dtype=dtype,  # [2, W, slot]
+                              device=device)
         data_h = symm_mem.rendezvous(data, group_name)
         self.rank, self.world = data_h.rank, data_h.world_size
+        assert self.world == world, (self.world, world)
         flags = symm_mem.empty(PROGRAMS * self.world, dtype=torch.int64, device=device)
         flags.zero_()  # [G, W] flags from each rank
         torch.cuda.synchronize(device)
