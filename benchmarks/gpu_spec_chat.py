@@ -142,8 +142,8 @@ def main() -> None:
     ap.add_argument("--engines", default="plain,spec,adaptive",
                     help="plain; spec (chain k=4 every step); adaptive (k per step, "
                          "spec/adaptive.py)")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of each engine per level, interleaved; the best is reported")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each engine per level, interleaved; the median is reported")
     ap.add_argument("--skip-batch1", action="store_true",
                     help="no per-token decode timing one prompt at a time (eager is slow)")
     args = ap.parse_args()
@@ -184,7 +184,7 @@ def main() -> None:
             closed_loop(engines[name], prompts[:4], params, 4)  # (outputs, wall, times) unused
         # Interleaved: every measurement runs each engine in turn (the order rotated on each
         # repeat), so a drift of the machine (clocks, a busy host) touches every engine alike;
-        # each engine reports its best repeat (its runs are kept beside it).
+        # each engine reports its median repeat (its runs are kept beside it).
         phases = ([] if args.skip_batch1 else ["b1"]) + [f"c{c}" for c in levels]
         rows: dict[str, dict] = {name: {} for name in names}
         for phase in phases:
@@ -204,12 +204,15 @@ def main() -> None:
                                "wall_s": wall, **times}
                     if is_spec:
                         lvl["acceptance"] = stats_delta(eng, before)
-                    best = rows[name].get(phase)
-                    runs = (best or {}).get("runs", []) + [lvl["tokens_per_s"]]
-                    if best is None or lvl["tokens_per_s"] > best["tokens_per_s"]:
-                        rows[name][phase] = best = lvl
-                        res[f"{name}_outputs_{'batch1' if phase == 'b1' else phase}"] = outs
-                    best["runs"] = runs
+                    lvl["outputs"] = outs
+                    rows[name].setdefault(phase, []).append(lvl)
+            for name in names:  # the median run (the lower one of an even count) stands
+                runs = rows[name][phase]
+                mid = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+                res[f"{name}_outputs_{'batch1' if phase == 'b1' else phase}"] = \
+                    mid.pop("outputs")
+                mid["runs"] = [r["tokens_per_s"] for r in runs]
+                rows[name][phase] = mid
             print(phase, json.dumps({n: round(rows[n][phase]["tokens_per_s"], 1)
                                      for n in names}), flush=True)
         for name in names:
