@@ -141,7 +141,9 @@ def main() -> None:
                     help="closed-loop levels: at most C prompts in flight (default 1,4,16,50)")
     ap.add_argument("--engines", default="plain,spec,adaptive",
                     help="plain; spec (chain k=4 every step); adaptive (k per step, "
-                         "spec/adaptive.py)")
+                         "spec/adaptive.py); tree (--tree's shape every step)")
+    ap.add_argument("--tree", default="4,16",
+                    help="the tree engine's TOPK,NODES (depth 4): 4,16 or 2,8")
     ap.add_argument("--repeats", type=int, default=3,
                     help="runs of each engine per level, interleaved; the median is reported")
     ap.add_argument("--skip-batch1", action="store_true",
@@ -166,6 +168,11 @@ def main() -> None:
         tok = spec_eng.tokenizer
         engines: dict[str, LLMEngine] = {"spec": spec_eng,
                                          "plain": LLMEngine(cfg, spec_eng.model, tok)}
+        if "tree" in names:  # tree drafting over the same target (its own draft KV)
+            topk, nodes = (int(v) for v in args.tree.split(","))
+            engines["tree"] = SpecEngine(cfg, dataclasses.replace(
+                spec, topk=topk, num_draft_tokens=nodes), spec_eng.model,
+                spec_eng.head, tokenizer=tok)
         if "adaptive" in names:  # its own engine: profiles its cost table at start-up
             engines["adaptive"] = SpecEngine.from_config(
                 cfg, dataclasses.replace(spec, adaptive=True))
