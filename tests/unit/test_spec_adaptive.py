@@ -291,3 +291,37 @@ def test_a_profiled_cost_is_the_least_of_its_runs():
     assert len(calls) == 2 + 3 * 2
     # the least run (~1 ms a call): not the run with the spike (~25 ms), nor a mean over runs
     assert got < 0.005
+
+
+def test_the_profiled_table_is_its_monotone_envelope():
+    """More work never costs less: an entry above one of more drafts or more requests is noise
+    and is taken down to it; an entry below its neighbours stays (noise only adds time)."""
+    measured = StepCostTable(
+        batch_sizes=(1, 4, 16),
+        seconds=((1.3, 2.95, 1.8, 1.99), (1.6, 1.8, 1.9, 2.0), (1.9, 3.26, 2.2, 2.79)),
+        plain=(0.76, 0.74, 1.2))
+    env = measured.envelope()
+    assert env.seconds == ((1.3, 1.8, 1.8, 1.99), (1.6, 1.8, 1.9, 2.0), (1.9, 2.2, 2.2, 2.79))
+    assert env.plain == (0.74, 0.74, 1.2)
+    for i in range(3):  # monotone in k and in the batch size
+        assert list(env.seconds[i]) == sorted(env.seconds[i])
+        assert all(env.seconds[i][k] <= env.seconds[i + 1][k] for k in range(4) if i < 2)
+    assert env.envelope() == env  # idempotent
+    assert TABLE.envelope() == TABLE  # an already monotone table is left as it is
+
+
+def test_profile_returns_the_envelope(monkeypatch):
+    """cost_profile.profile hands the policy (and the cache) the envelope of what it timed."""
+    seen = {}
+    real = StepCostTable.envelope
+
+    def spy(self):
+        seen["measured"] = self
+        return real(self)
+
+    monkeypatch.setattr(StepCostTable, "envelope", spy)
+    model = tiny_target("llama")
+    eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=2), model, tiny_head(model, "eagle"))
+    table = cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2))
+    assert table == real(seen["measured"]) and table.batch_sizes == (1, 2)
+    assert_pages_free(eng)
