@@ -89,7 +89,7 @@ def measure_floors(spec: DeploymentSpec, model: ModelConfig | None) -> ModelFloo
             else "colocated: no transfer"))
     log.info("floors: memory %s; link %s", memory, link)
     return ModelFloors(model=model, dtype_bytes=dtype_bytes, memory=memory, link=link,
-                       decode_tp=spec.deploy.decode.tp)
+                       decode_tp=spec.deploy.decode.tp, decode_dp=spec.deploy.decode.dp)
 
 
 def init(ray_address: str | None) -> None:

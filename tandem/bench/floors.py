@@ -7,7 +7,10 @@ printed next to what was measured.
   Each sequence gets one token per step, so this is a floor on TPOT. A speculative step commits
   tau tokens per sequence, so its floor is about TPOT_floor / tau (verify reads the same bytes).
   A decode step of `tp` ranks reads 1/tp of those bytes on each GPU at once: TPOT_floor / tp
-  (nothing added for the all-reduces).
+  (nothing added for the all-reduces). Under DP attention (`dp` DP ranks of `tp` ranks each)
+  a GPU reads 1/tp of the attention and other non-MLP weights (each DP rank holds them), 1/(dp
+  tp) of the feed-forward weights (sharded over every rank, run on the whole batch's tokens)
+  and 1/tp of the KV of its DP rank's ceil(b/dp) sequences; the floor is the busiest GPU's.
 - Link floor (per request): the prompt's KV cache over the measured link bandwidth.
 
 Bandwidths are measured, not taken from a data sheet: on CUDA a device-to-device copy
@@ -52,6 +55,28 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) ->
         touched = expected_experts_touched(cfg.num_experts, cfg.num_experts_per_tok, batch)
         params -= len(cfg.moe_layer_ids) * per_expert * (cfg.num_experts - touched)
     return params * dtype_bytes
+
+
+def mlp_weight_bytes_per_step(cfg: ModelConfig, dtype_bytes: int, batch: int = 1) -> float:
+    """The feed-forward part of `weight_bytes_per_step`: every dense MLP, and of a MoE layer the
+    experts the batch reaches (its router counts with the rest: every rank runs it whole)."""
+    h = cfg.hidden_size
+    dense = 3 * h * cfg.intermediate_size
+    moe = 3 * h * cfg.moe_intermediate_size * expected_experts_touched(
+        cfg.num_experts, cfg.num_experts_per_tok, batch) if cfg.is_moe else 0.0
+    return sum(moe if i in cfg.moe_layer_ids else dense
+               for i in range(cfg.num_layers)) * dtype_bytes
+
+
+def per_gpu_decode_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int,
+                         context_tokens: float, tp: int = 1, dp: int = 1) -> float:
+    """Bytes the busiest GPU reads in a decode step of `batch` sequences on `dp` DP ranks of
+    `tp` ranks each (module docstring); tp = dp = 1 is `decode_bytes_per_step`."""
+    weights = weight_bytes_per_step(cfg, dtype_bytes, batch)
+    mlp = mlp_weight_bytes_per_step(cfg, dtype_bytes, batch)
+    own = -(-batch // dp)  # the most sequences one DP rank holds
+    return ((weights - mlp) / tp + mlp / (dp * tp)
+            + own * context_tokens * kv_bytes_per_token(cfg, dtype_bytes) / tp)
 
 
 def decode_bytes_per_step(cfg: ModelConfig, dtype_bytes: int, batch: int,
@@ -146,12 +171,15 @@ class ModelFloors:
     # The decode step's ranks (TP): each GPU reads its 1/tp of the weights and of the KV, at
     # the same time, so the floor is the per-GPU bytes over one GPU's bandwidth.
     decode_tp: int = 1
+    # DP attention ranks of the decode worker, each of decode_tp ranks (per_gpu_decode_bytes).
+    decode_dp: int = 1
 
     def to_json(self) -> dict[str, object]:
         m = self.model
         return {
             "memory_bandwidth": self.memory.to_json(), "link_bandwidth": self.link.to_json(),
             "dtype_bytes": self.dtype_bytes, "decode_tp": self.decode_tp,
+            "decode_dp": self.decode_dp,
             "weight_bytes_batch1": None if m is None else weight_bytes_per_step(
                 m, self.dtype_bytes, 1),
             "kv_bytes_per_token": None if m is None else kv_bytes_per_token(m, self.dtype_bytes),
@@ -161,8 +189,8 @@ class ModelFloors:
         if self.model is None or self.memory.bytes_per_s is None:
             return None
         b = max(1, round(batch))
-        return tpot_floor_s(self.model, self.dtype_bytes, b, context_tokens,
-                            self.memory.bytes_per_s) / self.decode_tp
+        return per_gpu_decode_bytes(self.model, self.dtype_bytes, b, context_tokens,
+                                    self.decode_tp, self.decode_dp) / self.memory.bytes_per_s
 
     def transfer_floor(self, prompt_tokens: float) -> float | None:
         if self.model is None or self.link.bytes_per_s is None:

@@ -42,10 +42,13 @@ def run_table(run: dict[str, Any], out: TextIO) -> None:
     out.write(f"   memory bandwidth: {_bw(mem)}; link: {_bw(link)}\n")
     if fl["weight_bytes_batch1"] is not None:
         tp = fl.get("decode_tp", 1)  # absent in files written before TP floors
+        dp = fl.get("decode_dp", 1)  # absent in files written before DP floors
+        spread = (f", on DP {dp} x TP {tp} GPUs (per GPU: 1/{tp} of the attention and KV of its "
+                  f"DP rank, 1/{dp * tp} of the MLP)" if dp > 1
+                  else f", 1/{tp} of it on each of {tp} GPUs" if tp > 1 else "")
         out.write(f"   decode reads {fl['weight_bytes_batch1'] / 1e9:.3f} GB of weights per step "
                   f"(batch 1) + {fl['kv_bytes_per_token'] / 1e3:.1f} kB of KV per context token "
-                  f"per sequence" + (f", 1/{tp} of it on each of {tp} GPUs" if tp > 1 else "")
-                  + "\n")
+                  f"per sequence{spread}\n")
     out.write(HEADER + "\n")
     for lv in run["levels"]:
         f = lv["floors"]

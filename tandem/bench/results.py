@@ -31,6 +31,7 @@ Schema (`"schema": "tandem.bench/1"`; times in seconds, throughputs per second):
         "floors": {"memory_bandwidth": {"gb_per_s": float | null, "method": str},
                    "link_bandwidth": {"gb_per_s": float | null, "method": str},
                    "dtype_bytes": int, "decode_tp": int (absent before TP floors),
+                   "decode_dp": int (absent before DP floors),
                    "weight_bytes_batch1": float | null,
                    "kv_bytes_per_token": int | null},
         "error": str | null,                       # the run failed (levels hold what finished)

@@ -8,7 +8,8 @@ import pytest
 from tandem.bench.floors import (Bandwidth, ModelFloors, decode_bytes_per_step,
                                  expected_experts_touched, kv_bytes_per_token,
                                  measure_link_bandwidth, measure_memory_bandwidth,
-                                 tpot_floor_s, transfer_floor_s, weight_bytes_per_step)
+                                 mlp_weight_bytes_per_step, tpot_floor_s, transfer_floor_s,
+                                 weight_bytes_per_step)
 from tandem.engine.config import ModelConfig
 from tandem.engine.presets import PRESETS
 
@@ -84,3 +85,34 @@ def test_link_bandwidth_na_without_two_gpus():
         pytest.skip("two GPUs here")
     bw = measure_link_bandwidth()
     assert bw.bytes_per_s is None and "2 GPUs" in str(bw)
+
+
+def test_tp_and_dp_floors_are_the_busiest_gpus_bytes():
+    """TP divides every byte; DP attention divides the MLP by every rank and the KV by the DP
+    rank holding the most sequences, while each DP rank keeps its attention weights."""
+    cfg = small()
+    mem = Bandwidth(bytes_per_s=1e6, method="x")
+    na = Bandwidth(bytes_per_s=None, method="n/a")
+    w, mlp = weight_bytes_per_step(cfg, 2, 5), mlp_weight_bytes_per_step(cfg, 2, 5)
+    assert mlp == cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size * 2
+    kv = kv_bytes_per_token(cfg, 2)
+    one = ModelFloors(model=cfg, dtype_bytes=2, memory=mem, link=na)
+    assert one.tpot_floor(5, 100) == pytest.approx(decode_bytes_per_step(cfg, 2, 5, 100) / 1e6)
+    tp2 = ModelFloors(model=cfg, dtype_bytes=2, memory=mem, link=na, decode_tp=2)
+    assert tp2.tpot_floor(5, 100) == pytest.approx(one.tpot_floor(5, 100) / 2)
+    dp2 = ModelFloors(model=cfg, dtype_bytes=2, memory=mem, link=na, decode_dp=2)
+    want = (w - mlp) + mlp / 2 + 3 * 100 * kv  # ceil(5 / 2) = 3 sequences on the busier rank
+    assert dp2.tpot_floor(5, 100) == pytest.approx(want / 1e6)
+    dp2tp2 = ModelFloors(model=cfg, dtype_bytes=2, memory=mem, link=na, decode_tp=2,
+                         decode_dp=2)
+    assert dp2tp2.tpot_floor(5, 100) == pytest.approx(((w - mlp) / 2 + mlp / 4
+                                                       + 3 * 100 * kv / 2) / 1e6)
+    assert dp2tp2.to_json()["decode_dp"] == 2
+
+
+def test_moe_mlp_bytes_are_the_experts_the_batch_reaches():
+    moe = ModelConfig.from_hf(PRESETS["qwen3-30b-a3b"])
+    per_expert = 3 * moe.hidden_size * moe.moe_intermediate_size * 2
+    for b in (1, 64):
+        assert mlp_weight_bytes_per_step(moe, 2, b) == pytest.approx(
+            48 * per_expert * expected_experts_touched(128, 8, b))
