@@ -48,10 +48,14 @@ def gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, ITERS: tl.constexpr,
     EVEN: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[n] = sum_k w[n, k] * x'[k] (+ residual[n]). Program p streams the row blocks
     p, p + grid, ... (ITERS of them): one block each, or a persistent grid that balances
-    blocks over the SMs. Loop bounds are constants (the interpreter needs them)."""
+    blocks over the SMs. Loop bounds are constants (the interpreter needs them). PDL: launched
+    as a programmatic dependent (kernels/pdl.py): wait for the kernel before first."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for it in range(ITERS):
         _gemv_rows(
             x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,
@@ -97,7 +101,7 @@ def rows_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, num_x_rows, n_rows, n_cols, stride_w, eps,
     M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
     EVEN: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[m, n] = sum_k w[n, k] * x'[m, k] (+ residual[m, n]) for the num_x_rows <= M_PAD
     rows of x. Program p streams weight rows [p * BLOCK_N, (p + 1) * BLOCK_N) once over K and
@@ -111,6 +115,8 @@ def rows_kernel(
     Rounding: like `gemv_kernel` per row, except that the MMA takes its x operand in the
     weight dtype, so the RMSNorm prologue rounds norm_weight * x to bf16 (the twin rounds the
     normed row to bf16 too); plain and SiLU-mul inputs are bf16 values already."""
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows
     ms = tl.arange(0, M_PAD)  # [M_PAD] x rows
     mmask = ms < num_x_rows

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.kernels import pdl
+
 PROGRAMS = 16  # G: programs of every call (flags and counters are per program)
 MAX_BLOCK = 2048  # elements a program moves per iteration
 
@@ -42,7 +44,10 @@ MAX_BLOCK = 2048  # elements a program moves per iteration
 def _one_shot_kernel(
     x_ptr, out_ptr, bufs_ptr, flags_ptr, count_ptr, n, slot_elems,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py): the input is ready after
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     e = tl.load(count_ptr + pid) + 1  # this call's number (int64)
     dtype = x_ptr.dtype.element_ty
@@ -129,5 +134,6 @@ class OneShot:
         block, iters = launch_shape(x.numel())
         _one_shot_kernel[(PROGRAMS,)](
             x, out, self.bufs, self.flags, self.counts, x.numel(), self.slot_elems,
-            RANK=self.rank, WORLD=self.world, BLOCK=block, ITERS=iters, num_warps=4)
+            RANK=self.rank, WORLD=self.world, BLOCK=block, ITERS=iters, PDL=pdl.ENABLED,
+            num_warps=4, **pdl.launch_options())
         return out

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tandem.engine.kernels import triton_ops
+from tandem.engine.kernels import pdl, triton_ops
 from tandem.engine.kernels.gemv_kernels import INTERPRET, gemv_kernel, rows_kernel
 from tandem.engine.kernels.gemv_tuning import (
     CONFIGS,
@@ -112,7 +112,7 @@ def gemv(
             BLOCK_N=block_n, BLOCK_K=block_k, NUM_K=triton.cdiv(n_cols, block_k), ITERS=iters,
             EVEN=(n_rows % block_n == 0 and n_cols % block_k == 0 and grid * iters == blocks),
             NORM=norm_weight is not None, SILU_MUL=silu_mul, RESIDUAL=residual is not None,
-            num_warps=warps,
+            PDL=pdl.ENABLED, num_warps=warps, **pdl.launch_options(),
         )
         return out
 
@@ -152,7 +152,8 @@ def _gemm_rows(
             EVEN=(n_rows % cfg.block_n == 0 and n_cols % cfg.block_k == 0),
             NORM=norm_weight is not None, SILU_MUL=silu,
             RESIDUAL=residual is not None, F32_DOT=INTERPRET or w.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl.ENABLED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl.launch_options(),
         )
         return out
 

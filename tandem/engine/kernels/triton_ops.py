@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.engine.kernels import pdl
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -96,11 +98,14 @@ def _rope_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, n_q_heads, n_k_heads, stride_cos,
     page_size, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (t, 0) rotates token t's query heads, (t, 1) its key heads. With STORE the
     rotated keys and the values go straight into the KV pages (k_out_ptr = the layer's
-    [num_pages, 2, page_size, Hk, D] cache, slot_ptr = each token's slot)."""
+    [num_pages, 2, page_size, Hk, D] cache, slot_ptr = each token's slot). PDL: launched as a
+    programmatic dependent (kernels/pdl.py)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, HALF)
@@ -162,7 +167,7 @@ def _rope(positions, q, k, v, cos, sin, k_dst, slot_ids) -> torch.Tensor:
         k_dst.shape[2] if store else 1,
         HALF=d // 2, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
         BLOCK_V=triton.next_power_of_2(k.shape[1] * d), STORE=store,
-        num_warps=4,
+        PDL=pdl.ENABLED, num_warps=4, **pdl.launch_options(),
     )
     return q_out
 
