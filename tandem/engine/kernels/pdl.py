@@ -6,7 +6,9 @@ that kernel has completed and its writes are visible, so results are unchanged, 
 launch latency between back-to-back kernels (about 1 us each; an 8B TP=2 decode step runs ~260
 of them) overlaps the previous kernel's tail. No kernel here triggers its dependents early, so
 a dependent is launched only once every program of the kernel before it has exited: no
-program ever waits on one that is not yet running.
+program ever waits on one that is not yet running. FlashInfer (0.7) already launches its
+attention kernels this way on Hopper (`enable_pdl` defaults to the device's support), so with
+this on, the whole decode layer but cuBLAS and NCCL launches as dependents.
 
 `TANDEM_PDL=1` turns it on (read once, at import) for the one-row and multi-row GEMVs, the
 rope + KV store and the flag all-reduce. Off by default until it is measured on a GPU
