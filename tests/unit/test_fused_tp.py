@@ -1,7 +1,7 @@
 """The fused decode path under TP (norms, activation and residual adds folded into the GEMVs;
 rank 0's row-parallel GEMV adds the residual before the all-reduce) computes the same function
-as the layer-by-layer TP path and as one rank. Two gloo processes on the CPU run the torch
-twins, so in float32 every result must agree to rounding, on both ranks; the GPU runs
+as the layer-by-layer TP path and as one rank. Two or four gloo processes on the CPU run the
+torch twins, so in float32 every result must agree to rounding, on every rank; the GPU runs
 (benchmarks/gpu_tp.py, tests/gpu/test_tp_graphs.py) check the Triton kernels."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _logits(par: ParallelContext, fuse: bool) -> torch.Tensor:
     for name, p in sorted(model.named_parameters()):
         if "norm" in name:
             p.data.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-    group = KVGroupSpec(name="target", num_layers=cfg.num_layers,
+    group = KVGroupSpec(name="target", num_layers=cfg.num_layers,  # this rank's KV heads
                         num_kv_heads=max(1, cfg.num_kv_heads // par.tp.size),
                         head_dim=cfg.head_dim)
     pool = KVPool([group], 8, 4, torch.float32, "cpu")
@@ -90,7 +90,8 @@ def _rank(rank: int, world: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_fused_tp2_equals_layered_tp2_and_one_rank():
+@pytest.mark.parametrize("world", [2, 4])  # 4: KV heads replicated over 2 ranks each
+def test_fused_tp_equals_layered_tp_and_one_rank(world):
     single_layered = _logits(ParallelContext(), fuse=False)
     single_fused = _logits(ParallelContext(), fuse=True)
     torch.testing.assert_close(single_fused, single_layered, atol=1e-5, rtol=1e-5)
@@ -100,7 +101,7 @@ def test_fused_tp2_equals_layered_tp2_and_one_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, q)) for r in range(world)]
     [p.start() for p in procs]
     got = {r: (layered, fused) for r, layered, fused in (q.get(timeout=180) for _ in procs)}
     [p.join(60) for p in procs]
@@ -108,5 +109,5 @@ def test_fused_tp2_equals_layered_tp2_and_one_rank():
         assert fused is not None, f"rank {rank}: {layered}"
         torch.testing.assert_close(layered, single_layered, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fused, single_layered, atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"rank {rank}, fused TP=2: {m}")
+                                   msg=lambda m: f"rank {rank}, fused TP={world}: {m}")
     assert all(p.exitcode == 0 for p in procs)
