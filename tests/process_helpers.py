@@ -1,9 +1,11 @@
 """What the tests that start `tandem serve` in a process of its own share: reading its output
-until the line that names its port."""
+until the line that names its port, stopping it with SIGTERM (it must exit 0), and killing one
+a failed test left running."""
 
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import time
 
@@ -24,3 +26,17 @@ def wait_for_line(proc: subprocess.Popen, pattern: str,
         m = re.search(pattern, line)
         if m:
             return m, lines
+
+
+def stop_cleanly(proc: subprocess.Popen, lines: list[str], timeout_s: float = 30.0) -> None:
+    """SIGTERM `proc`; it must exit with status 0 within `timeout_s` (the failure shows `lines`,
+    the output read so far, and the rest of it)."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout_s) == 0, "".join(lines) + proc.stdout.read()
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """For a `finally`: kill `proc` if it still runs (a test failed before stopping it)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)

@@ -14,7 +14,6 @@ disconnects mid-stream aborts its request and every KV page comes back; `tandem 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import openai
 import pytest
 from hf_tiny import save_tiny
 from http_helpers import openai_client, write_word_tokenizer
-from process_helpers import wait_for_line
+from process_helpers import reap, stop_cleanly, wait_for_line
 
 from tandem.colocated_node import build_colocated_router
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
@@ -209,9 +208,6 @@ def test_tandem_serve_http_port(tiny_dir, tmp_path):
         assert out.usage.completion_tokens == 3
         assert [m.id for m in client.models.list().data] == ["tiny"]
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, "".join(lines) + proc.stdout.read()
+        stop_cleanly(proc, lines)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        reap(proc)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import grpc
 import pytest
 from disagg_helpers import tiny_model_and_head
-from process_helpers import wait_for_line
+from process_helpers import reap, stop_cleanly, wait_for_line
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -53,12 +53,9 @@ def serving_tp2(model_dir, *extra: str):
         m, lines = wait_for_line(proc, r"TP=2\) loaded .* listening on 127\.0\.0\.1:(\d+)",
                                  timeout_s=120)
         yield int(m.group(1)), proc
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
+        stop_cleanly(proc, lines, 60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        reap(proc)
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])

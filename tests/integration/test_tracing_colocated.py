@@ -10,7 +10,6 @@ becomes the root span's parent; a refused request's spans end failed; `tandem se
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import pytest
 from hf_tiny import save_tiny
 from http_helpers import write_word_tokenizer
 from otlp_receiver import OtlpReceiver
-from process_helpers import wait_for_line
+from process_helpers import reap, stop_cleanly, wait_for_line
 
 from tandem import otel
 from tandem.colocated_node import build_colocated_router
@@ -173,12 +172,9 @@ def test_tandem_serve_exports_to_the_otlp_endpoint(tiny_dir):
         out = _post(port, {"model": "tiny", "prompt": "w3 w1 w4", "max_tokens": 3,
                            "ignore_eos": True}, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
         assert out.status_code == 200, out.text
-        proc.send_signal(signal.SIGTERM)  # the spans leave by the exit at the latest
-        assert proc.wait(30) == 0, "".join(lines) + proc.stdout.read()
+        stop_cleanly(proc, lines)  # the spans leave by the exit at the latest
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        reap(proc)
     spans = receiver.wait_for(lambda s: len([x for x in s if x.trace_id == trace_id]) >= 3, 10)
     receiver.close()
     got = {s.name: s for s in spans if s.trace_id == trace_id}
