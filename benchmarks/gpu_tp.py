@@ -299,8 +299,7 @@ def flag_stress(fast, dev, hidden: int, calls: int = 48, replays: int = 30) -> d
     mismatch (or a hang, bounded by the caller's timeout)."""
     from tandem.engine.allreduce import FLAG_ONE_SHOT, NCCL
 
-    rows = [1, 3, 8, 64, 2, 5, 17, 1, 33, 4][:calls] * (calls // 10 + 1)
-    rows = rows[:calls]
+    rows = ([1, 3, 8, 64, 2, 5, 17, 1, 33, 4] * calls)[:calls]
     xs = [torch.empty(r, hidden, dtype=fast.dtype, device=dev) for r in rows]
     g = torch.Generator(device=dev).manual_seed(7 + fast.group.rank)
 
