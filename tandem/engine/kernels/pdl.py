@@ -26,6 +26,11 @@ ENABLED = (os.environ.get("TANDEM_PDL", "0") == "1"
            and os.environ.get("TRITON_INTERPRET") != "1")
 
 
+_ON: dict[str, bool] = {"launch_pdl": True}
+_OFF: dict[str, bool] = {}
+
+
 def launch_options() -> dict[str, bool]:
-    """Extra launch keywords for a kernel that takes a `PDL` constexpr: {} when off."""
-    return {"launch_pdl": True} if ENABLED else {}
+    """Extra launch keywords for a kernel that takes a `PDL` constexpr: {} when off (shared
+    dicts, read-only: every Triton launch of the decode step unpacks one)."""
+    return _ON if ENABLED else _OFF
