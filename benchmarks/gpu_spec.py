@@ -388,6 +388,13 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
     # Back-to-back rounds, one drain at the end: the steady-state cost of a round when the
     # host prepares the next round while the GPU finishes this one's extend.
     row["spec_step_loop_ms"] = loop_ms(eng.step, iters)
+    # The same with drafting ahead off (spec/ahead.py): each round drafts in its own step.
+    was = eng.draft_ahead.enabled
+    eng.set_draft_ahead(False)
+    row["spec_step_loop_noahead_ms"] = loop_ms(eng.step, iters)
+    eng.set_draft_ahead(was)
+    row["draft_ahead"] = {"enabled": was, "used": eng.draft_ahead.used,
+                          "dropped": eng.draft_ahead.dropped}
     # Plain decode of the same batch.
     rows = padded_batch_size(bs, eng.graphs.batch_sizes) if eng.graphs else None
     if rows is not None:
@@ -720,6 +727,7 @@ def print_table() -> None:
                       f"{v.get('accepted_hist', '')} {v.get('error', '')}")
     cols = ("plain_graph_ms", "plain_step_ms", "draft_step_ms", "propose_ms", "verify_ms",
             "accept_ms", "extend_ms", "round_sum_ms", "spec_step_ms", "spec_step_loop_ms",
+            "spec_step_loop_noahead_ms",
             "propose_replay_ms", "propose_graph_ms", "verify_graph_ms", "extend_graph_ms",
             "extend_graph_call_ms", "spec_step_eager_ms")
     short = ("plain_g", "plain", "d_step", "propose", "verify", "accept", "extend", "sum",

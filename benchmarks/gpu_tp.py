@@ -210,8 +210,21 @@ def spec_rounds(plain, args) -> list[dict]:
             t0 = time.perf_counter()
             eng.step()  # one round (its host read ends it)
             times.append((time.perf_counter() - t0) * 1e3)
+        # Back to back (one drain at each end), drafting ahead on and off (spec/ahead.py): the
+        # steady-state round, host work overlapping the GPU's.
+        loop = {}
+        for ahead in (True, False, True):
+            eng.set_draft_ahead(ahead)
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                eng.step()
+            sync(dev)
+            loop["ahead" if ahead else "no_ahead"] = (time.perf_counter() - t0) * 1e3 / args.steps
         rows.append(dict(batch=bs, round_ms=statistics.median(times), draft_vocab=vocab,
-                         graphs=eng.spec_graphs is not None))
+                         graphs=eng.spec_graphs is not None, loop_ms=loop["ahead"],
+                         loop_no_ahead_ms=loop["no_ahead"], ahead_used=eng.draft_ahead.used,
+                         ahead_dropped=eng.draft_ahead.dropped))
         if args.profile and bs == 1 and dev.type == "cuda":  # every rank steps (collectives)
             from gpu_engine import profile_replays
 
@@ -491,6 +504,11 @@ def table(results: dict) -> None:
             speed = f"{3 * base / r['round_ms']:.2f}x" if base else "n/a"
             print(f"EAGLE round TP={n}, batch {r['batch']}: {r['round_ms']:.3f} ms (chain k=4, "
                   f"draft vocab {r['draft_vocab']}); computed speedup at tau 3: {speed}")
+            if "loop_ms" in r and base:
+                print(f"  back to back: {r['loop_ms']:.3f} ms drafting ahead "
+                      f"({3 * base / r['loop_ms']:.2f}x; used {r['ahead_used']}, dropped "
+                      f"{r['ahead_dropped']}), {r['loop_no_ahead_ms']:.3f} ms without "
+                      f"({3 * base / r['loop_no_ahead_ms']:.2f}x)")
 
 
 def main() -> None:

@@ -196,6 +196,18 @@ class Scheduler:
         ok = self._grow(req, num_slots - req.num_computed, preempted, protected)
         return ok, preempted
 
+    def reserve_spare(self, req: Request, num_slots: int) -> bool:
+        """Make `req`'s page table cover `num_slots` KV slots from free pages alone, if that
+        costs nobody: no preemption, no eviction, not while a request waits, and an eighth
+        of the pool stays free. Whether it covers them (pages held a little early: a
+        speculative round's drafting ahead writes the next round's slots)."""
+        need = max(0, self.pages_needed(num_slots) - len(req.page_ids))
+        if need and (self.waiting
+                     or self.allocator.num_free - need < self.allocator.num_usable // 8):
+            return False
+        req.page_ids.extend(self.allocator.alloc(need))
+        return True
+
     def _grow(self, req: Request, n: int, preempted: list[str], scheduled: set[str]) -> bool:
         """Give `req` pages for `n` more tokens, preempting later requests if needed. False if
         `req` itself had to be preempted."""

@@ -54,6 +54,7 @@ from tandem.engine.h2d import build_layout
 from tandem.engine.runner import ForwardOutput, ModelRunner
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
+from tandem.spec.graph_memory import GraphMemory, check_fixed_buffers, graph_planner
 from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.tree_graphs import DraftedTree
@@ -65,37 +66,6 @@ from tandem.spec.slices import (
     pad_fixed_slices,
     verify_layout,
 )
-
-
-def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | None = None
-                           ) -> tuple[int, ...]:
-    """The buckets to capture: the decode graphs' sizes, optionally capped (verify graphs
-    hold logits for B * N rows each)."""
-    sizes = sorted(set(decode_sizes))
-    if max_batch_size is not None:
-        sizes = [b for b in sizes if b <= max_batch_size] or sizes[:1]
-    return tuple(sizes)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class GraphMemory:
-    """What the speculative graphs of one engine share, made by its first runner (k =
-    num_steps, the widest verify) and lent to the runners of other k. Graphs never run
-    concurrently (one stream, one round at a time), so their intermediates may reuse each
-    other's memory: one pool. Every verify graph copies its logits into `logits`, one buffer
-    instead of a static output per (k, bucket) -- on the 8B shape with 11 buckets to 128,
-    0.33 GB instead of 1.1 GB for k = 4 alone and 3.2 GB for every k in 0..4. Its rows are
-    valid until the next verify replay of any runner (a round reads them before that)."""
-
-    pool: Any  # torch.cuda graph pool handle; None off CUDA (eager-mode runners, CPU tests)
-    logits: torch.Tensor  # [B_max * N_max, V] float32 verify logits, request-major
-
-    @staticmethod
-    def allocate(runner: ModelRunner, max_rows: int, device: torch.device) -> GraphMemory:
-        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        vocab = runner.model.cfg.vocab_size
-        return GraphMemory(pool=pool, logits=torch.zeros(max_rows, vocab, dtype=torch.float32,
-                                                         device=device))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -114,28 +84,6 @@ class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None in eager mode (CPU tests): the body runs instead
     plan: Any  # the plan the graph was captured with (its fixed buffers)
     out: Any  # static outputs: ForwardOutput (verify), a tuple (extend), None (draft steps)
-
-
-def _planner(backend: Any, max_bs: int, tokens_per_seq: int, pages: int, max_kv_len: int,
-             masked: bool) -> Any:
-    """Fixed-buffer planner of a graph forward with `tokens_per_seq` new tokens per request: a
-    1-token causal forward (k = 0 verify and extend) is a decode batch, planned through the
-    decode wrappers -- the plain decode kernel, one int workspace for every bucket."""
-    if tokens_per_seq == 1 and not masked:
-        return backend.graph_decode_planner(max_bs, pages)
-    return backend.graph_prefill_planner(max_bs, tokens_per_seq, pages, max_kv_len,
-                                         custom_mask=masked)
-
-
-def _check_fixed_buffers(plan: Any, captured: Any) -> None:
-    """A new plan must have rewritten the captured wrapper's buffers, not made new ones, and
-    be its planner's latest (a later plan of another bucket rewrote the shared buffers)."""
-    if hasattr(plan, "wrapper"):
-        if plan.wrapper is not captured.wrapper or \
-                plan.slot_ids.data_ptr() != captured.slot_ids.data_ptr():
-            raise RuntimeError("spec graph replay: the plan is not the captured wrapper's")
-        if plan.epoch.value != plan.planned_at:
-            raise RuntimeError("spec graph replay: a newer plan replaced this one")
 
 
 class SpecGraphRunner:
@@ -179,11 +127,11 @@ class SpecGraphRunner:
             raise ValueError(f"memory: {memory.logits.shape[0]} logits rows, the verify graphs "
                              f"need {max_bs} x {self.num_nodes}")
         self.memory = memory
-        self._verify_planner = _planner(backend, max_bs, self.num_nodes, pages, max_kv_len,
+        self._verify_planner = graph_planner(backend, max_bs, self.num_nodes, pages, max_kv_len,
                                         self.masked)
         # Draft-extend: R rows per request, causal, over the draft's KV group.
         self.extend_rows = extend_rows(k, self.num_nodes)
-        self._extend_planner = _planner(backend, max_bs, self.extend_rows, pages, max_kv_len,
+        self._extend_planner = graph_planner(backend, max_bs, self.extend_rows, pages, max_kv_len,
                                         False)
         head = draft.head
         self._tokens = torch.zeros(max_bs, k + 1, dtype=torch.int64,
@@ -214,6 +162,7 @@ class SpecGraphRunner:
         self._ext_positions = torch.zeros(max_bs * r, dtype=torch.int64,
                                           device=device)  # [B_max * R]
         self._draft_graphs: dict[int, _Captured] = {}
+        self.drafts_launched = 0  # writes of `_tokens` so far (spec/ahead.py: still ours?)
         self._verify_graphs: dict[int, _Captured] = {}
         self._extend_graphs: dict[int, _Captured] = {}
 
@@ -247,7 +196,7 @@ class SpecGraphRunner:
     def _replay(self, captured: _Captured, body, bs: int, plan: Any) -> Any:
         if captured.graph is None:  # eager mode
             return body(bs, plan)
-        _check_fixed_buffers(plan, captured.plan)
+        check_fixed_buffers(plan, captured.plan)
         captured.graph.replay()
         return captured.out
 
@@ -327,17 +276,49 @@ class SpecGraphRunner:
                              f"{self.batch_sizes}, {k} chain drafts: {not self.masked})")
         self._tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
         self._tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
+        self.drafts_launched += 1
         if self.chain_drafting:  # draft steps 1..k-1 (k = 1: d_1 alone, nothing to replay)
             load_draft_table(self._draft_table, self._draft_base, inp.page_ids,
                              inp.num_cached, rows)
             self._hidden[:bs].copy_(inp.hidden, non_blocking=True)
             self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
-        n = k + 1
+        return self.drafted(inp)
+
+    def drafted(self, inp: DraftInput) -> VerifyInput:
+        """The chain the latest drafting of these rows left in `_tokens`, as a VerifyInput of
+        `inp`: `propose`'s, or the one `draft_ahead` queued for `inp` (spec/ahead.py checks that
+        `inp` is the round it drafted)."""
+        bs, n = inp.batch_size, self.num_drafts + 1
         return VerifyInput(
             page_ids=inp.page_ids, num_cached=inp.num_cached,
             tokens=self._tokens[:bs].clone(),  # a new tensor: the buffer is reused next round
             parents=(tuple(range(-1, n - 1)),) * bs, depths=(tuple(range(n)),) * bs,
         )
+
+    def draft_ahead(self, verify: VerifyInput, num_accepted: torch.Tensor,
+                    ext: ExtendOutput) -> bool:
+        """Queue the NEXT round's chain drafting right behind this round's draft-extend, before
+        the round's host read: the drafting graph over the same rows, from the inputs `propose`
+        would copy in next round -- root the bonus, d_1 the extend's top-1, its hidden, and
+        num_cached advanced by a + 1 on the device (num_accepted [bs] int32), which the host
+        does not know yet. The table is this round's page lists: each must cover every slot the
+        next round may write (num_cached + k + 1 + slots_per_round), else nothing is queued
+        (False) -- the graph would write through entries it was not given."""
+        bs, rows = verify.batch_size, self.bucket(verify.batch_size)
+        need = self.num_drafts + 1 + self.spec.slots_per_round
+        if not self.chain_drafting or rows is None or any(
+                len(p) > self._draft_table.shape[1] or len(p) * self.page_size < nc + need
+                for p, nc in zip(verify.page_ids, verify.num_cached)):
+            return False
+        load_draft_table(self._draft_table, self._draft_base, verify.page_ids,
+                         verify.num_cached, rows)
+        self._draft_base[:bs] += num_accepted.long() + 1  # [bs] the next round's num_cached
+        self._tokens[:bs, 0].copy_(ext.last_tokens)
+        self._tokens[:bs, 1].copy_(ext.topk_ids[:, 0])
+        self._hidden[:bs].copy_(ext.hidden)
+        self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
+        self.drafts_launched += 1
+        return True
 
     def verify(self, verify: VerifyInput | DraftedTree) -> ForwardOutput:
         """The verify forward through its graph -> logits [bs * N, V] float32 and features,

@@ -24,7 +24,7 @@ import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.cuda_graphs import graph_batch_sizes
-from tandem.engine.llm import LLMEngine, validate_prompt
+from tandem.engine.llm import LLMEngine
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.request import Request, RequestOutput
@@ -33,9 +33,11 @@ from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk, StepPlan
 from tandem.messages import TokenLogprob
 from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
+from tandem.spec.ahead import DraftAhead, enabled_by_env
 from tandem.spec.adaptive import KPolicy
 from tandem.spec.config import SpecConfig
-from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
+from tandem.spec.cuda_graphs import SpecGraphRunner
+from tandem.spec.graph_memory import spec_graph_batch_sizes
 from tandem.spec.graph_set import capture_k_graphs, graphs_for, policy_ks, verify_drafts
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
 from tandem.spec.extend import (
@@ -45,7 +47,8 @@ from tandem.spec.extend import (
     make_extend_input,
     next_draft_input,
 )
-from tandem.spec.handoff import PrefillHandoff, restore_generator
+from tandem.spec.handoff import PrefillHandoff
+from tandem.spec.handoff_side import HandoffSide
 from tandem.spec.head import EagleHead
 from tandem.spec.phases import DraftInput, DraftSeed, RoundInput, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
@@ -67,7 +70,7 @@ def target_features(out: ForwardOutput, head: EagleHead) -> torch.Tensor:
     return head.target_features(out.hidden, out.aux_hidden)
 
 
-class SpecEngine(LLMEngine):
+class SpecEngine(HandoffSide, LLMEngine):
     # The draft KV at position p is computed from (f_p, x_{p+1}) and shares the target's page
     # ids: a cached page must also match the token after it (engine/prefix_cache.py).
     PREFIX_LOOKAHEAD = 1
@@ -121,6 +124,10 @@ class SpecEngine(LLMEngine):
                 self.tree_graphs.capture()
             if policy is not None or spec.adaptive:
                 self.k_graphs = capture_k_graphs(self.spec_graphs, policy_ks(spec))
+        # Greedy rounds in graphs queue the next round's drafting before their host read
+        # (spec/ahead.py), its slots reserved a round early where pages are free.
+        self.draft_ahead = DraftAhead()
+        self.set_draft_ahead(enabled_by_env())
         if policy is None and spec.adaptive:  # after the graphs: profiling times them
             from tandem.spec.cost_profile import adaptive_policy
 
@@ -147,6 +154,12 @@ class SpecEngine(LLMEngine):
             tokenizer = Tokenizer.from_dir(path)
         return SpecEngine(engine_cfg, spec, model, head, tokenizer)
 
+    def set_draft_ahead(self, on: bool) -> None:
+        """Drafting ahead (spec/ahead.py) on or off; on only where graphs replay rounds."""
+        self.draft_ahead.enabled = on and self.spec_graphs is not None
+        self.spec_scheduler.spare_slots = (self.spec.num_steps + 1 if self.draft_ahead.enabled
+                                           else 0)
+
     @property
     def seeds(self) -> Mapping[str, DraftSeed]:
         """req_id -> draft seed of each request decoding by rounds (the SpecScheduler's)."""
@@ -163,6 +176,9 @@ class SpecEngine(LLMEngine):
         self.spec_scheduler.drop_seed(req.req_id)
         self.handoff_only.discard(req.req_id)
         return super()._fail_request(req, error)
+
+    # Disaggregation (add_prefill_request, take_handoffs, free_pages, admit_prefilled):
+    # spec/handoff_side.py.
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -185,9 +201,9 @@ class SpecEngine(LLMEngine):
             # One round, or two when the k policy splits the batch (spec/adaptive.py): then
             # the step reads the host twice, once per round -- the price of the split, which
             # the policy takes only where two forwards cost less than one over everybody.
-            split_ok = self.model.par.dp.size == 1
-            for rows, inp in spec_sched.round_inputs(reqs, allow_split=split_ok):
-                result, nxt = self._spec_round(inp)
+            rounds = spec_sched.round_inputs(reqs, allow_split=self.model.par.dp.size == 1)
+            for rows, inp in rounds:  # a step's only round may draft the next one ahead
+                result, nxt = self._spec_round(inp, ahead=len(rounds) == 1)
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
         return outputs
 
@@ -265,74 +281,8 @@ class SpecEngine(LLMEngine):
             self.spec_scheduler.set_seed(req.req_id, seed)
         return result
 
-    # ---- disaggregation: prefill-only requests out, prefilled requests in ---------------------
-
-    def add_prefill_request(self, prompt_ids, params, req_id: str) -> str:
-        """Prefill only: when the prompt is done (first token sampled, draft prefilled) the
-        request leaves this engine as a `PrefillHandoff` (see `take_handoffs`) and its pages
-        stay allocated until `free_pages` -- the transfer may still be reading them."""
-        self.add_request(prompt_ids, params, req_id)
-        self.handoff_only.add(req_id)
-        return req_id
-
-    def _hand_off(self, req, seed: DraftSeed, first: RequestOutput) -> None:
-        finished = first.finished
-        self.handoff_only.discard(req.req_id)
-        gen_state = b""
-        if req.generator is not None:
-            gen_state = bytes(req.generator.get_state().numpy().tobytes())
-        pages: tuple[int, ...] = ()
-        if not finished:  # a finished request already gave its pages back
-            pages = tuple(self.scheduler.detach(req))
-            self._detok.pop(req.req_id, None)
-        self.handoffs[req.req_id] = PrefillHandoff(
-            req_id=req.req_id, prompt_ids=tuple(req.prompt_ids), first_token=seed.last_token,
-            seed=seed, page_ids=pages, generator_state=gen_state, finished=finished,
-            first_text=first.text_delta, first_token_returned=bool(first.new_token_ids),
-            finish_reason=first.finish_reason.value if first.finish_reason else None,
-            first_logprob=first.logprobs[0] if first.logprobs else None)
-
-    def take_handoffs(self) -> list[PrefillHandoff]:
-        out = list(self.handoffs.values())
-        self.handoffs.clear()
-        return out
-
-    def free_pages(self, page_ids) -> None:
-        """Return a handed-off request's pages once its transfer can no longer read them."""
-        self.allocator.free(page_ids)
-
-    def admit_prefilled(
-        self, req_id: str, prompt_ids, params, first_token: int, seed: DraftSeed,
-        page_ids, generator_state: bytes = b"", first_logprob: TokenLogprob | None = None,
-    ) -> RequestOutput:
-        """Take in a request whose prompt KV (target and draft) already sits in `page_ids` of
-        this engine's pool: it joins the speculative loop at position len(prompt_ids). The
-        first token goes through the same stop checks and streaming as any other, with its
-        logprob from the prefill side (`first_logprob`, when the request asks)."""
-        prompt_ids = list(prompt_ids)
-        validate_prompt(prompt_ids, self.model_cfg.vocab_size, self.max_model_len)
-        if seed.num_cached != len(prompt_ids) or seed.last_token != first_token:
-            raise ValueError(
-                f"seed: describes {seed.num_cached} cached tokens / last token "
-                f"{seed.last_token}, the request has {len(prompt_ids)} / {first_token}"
-            )
-        gen = restore_generator(params, generator_state, self.device)
-        max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
-        req = Request(req_id=req_id, prompt_ids=prompt_ids, params=params,
-                      max_total_len=max_total, generator=gen, page_ids=list(page_ids),
-                      num_computed=len(prompt_ids))
-        self.scheduler.add_running(req)
-        if self.tokenizer is not None:
-            from tandem.tokenizer import IncrementalDetokenizer
-
-            self._detok[req_id] = IncrementalDetokenizer(self.tokenizer)
-        # A failure ends this request (pages freed).
-        out = self._append_row(req, first_token, "", first_logprob)
-        if not out.finished:
-            self.spec_scheduler.set_seed(req_id, seed)
-        return out
-
-    def _spec_round(self, inp: RoundInput) -> tuple[VerifyResult, DraftInput]:
+    def _spec_round(self, inp: RoundInput, ahead: bool = False
+                    ) -> tuple[VerifyResult, DraftInput]:
         """One speculative round, phase value to phase value: draft -> verify -> accept ->
         draft-extend. Returns what the target accepted per request and the next round's draft
         input; committing the tokens is the caller's (`_commit`), and so was the scheduling
@@ -362,10 +312,14 @@ class SpecEngine(LLMEngine):
             pending = launch_greedy_accept(verify, out.logits, inp.params)
             ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
                                 features)
+            if ahead:  # the next round's drafting, queued before this round's host read
+                self.draft_ahead.launch(graphs, inp.req_ids, verify, pending.num_accepted, ext)
             result = with_row_faults(pending.result(), inp.req_ids, fault)  # SYNC inside
             compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV
-            return result, next_draft_input(verify, result, ext.hidden, ext.topk_ids,
-                                            ext.topk_logp, ext.last_tokens)
+            nxt = next_draft_input(verify, result, ext.hidden, ext.topk_ids, ext.topk_logp,
+                                   ext.last_tokens)
+            self.draft_ahead.arm(nxt)
+            return result, nxt
         result = accept(verify, out.logits, inp.params, self.sampler.or_shared(inp.generators),
                         inp.req_ids, fault)  # SYNC inside: the round's one host read
         # Compact: a tree's accepted nodes sit anywhere among its verify slots; their target
@@ -381,11 +335,11 @@ class SpecEngine(LLMEngine):
                  ) -> VerifyInput | DraftedTree:
         """Drafting k = num_drafts tokens. A seam for tests that force acceptance patterns with
         scripted drafts. Through the graphs of this k when captured (k = num_steps always; the
-        other k with a k policy), else eagerly (k = 0 proposes nothing either way)."""
-        del req_ids
+        other k with a k policy), else eagerly (k = 0 proposes nothing either way); a
+        drafting queued ahead for exactly this round is used instead (spec/ahead.py)."""
         graphs = self._graphs_for(num_drafts)
         if graphs is not None and graphs.can_propose(inp):
-            return graphs.propose(inp)
+            return self.draft_ahead.take(graphs, req_ids, inp) or graphs.propose(inp)
         tree = self.tree_graphs
         if tree is not None and num_drafts == self.spec.num_steps and tree.can_propose(inp):
             return tree.launch(inp)  # shape still on the device: verify first, read after

@@ -44,6 +44,9 @@ class SpecScheduler:
         # made them so: their draft KV stops being written, so they never draft again)
         self._plain: set[str] = set()
         self.policy = policy  # None: every round drafts spec.num_steps
+        # Slots past a round's own that `reserve` takes where pages are free: the next
+        # round's, for drafting ahead (spec/ahead.py; the engine sets it, 0 = none).
+        self.spare_slots = 0
 
     @property
     def seeds(self) -> Mapping[str, DraftSeed]:
@@ -111,11 +114,14 @@ class SpecScheduler:
         for req in candidates:
             if req not in self.scheduler.running:
                 continue  # preempted to make room for an earlier request of this round
-            ok, _ = self.scheduler.reserve(req, req.num_computed + self.spec.slots_per_round,
-                                           protected)
+            slots = req.num_computed + self.spec.slots_per_round
+            ok, _ = self.scheduler.reserve(req, slots, protected)
             if ok:
                 served.append(req)
                 protected.add(req.req_id)
+                if self.spare_slots:  # never past the table a round reads (max_kv_len)
+                    self.scheduler.reserve_spare(req, min(
+                        slots + self.spare_slots, self.max_model_len + self.spec.slots_per_round))
         self._drop_stale()
         return served
 

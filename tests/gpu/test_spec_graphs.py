@@ -168,6 +168,7 @@ def test_spec_with_graphs_is_lossless_up_to_bf16_near_ties(target, which, policy
         eng = SpecEngine(_cfg(True), spec, *target)
         assert eng.spec_graphs is not None
         got = [c.output_ids for c in eng.generate(prompts, params)]
+    assert (eng.draft_ahead.used > 0) == (which == "chain")  # chains draft ahead (spec/ahead.py)
     # bf16: a verify over N tokens and a 1-token decode round differently; they may part
     # only where the two best candidates are within 2% of the logit scale.
     assert_parts_only_at_near_ties(plain, prompts, got, want)
@@ -461,3 +462,42 @@ def test_float32_k_schedule_equals_plain(target, monkeypatch):
     eng.spec_graphs, eng.k_graphs = full, capture_k_graphs(full, policy_ks(CHAIN), eager=True)
     got = [c.output_ids for c in eng.generate(prompts, params)]
     assert got == want
+
+
+def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, monkeypatch):
+    """float32 on the GPU, the chain runner in eager mode: drafting ahead (queued on the stream
+    before the round's host read, spec/ahead.py) gives plain greedy's tokens exactly, and its
+    rounds verify the same drafts as drafting in the step."""
+    from tandem.spec.cuda_graphs import SpecGraphRunner
+
+    cfg = EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda",
+                       dtype="float32", attention_backend="torch", cuda_graphs=False,
+                       max_num_seqs=8, max_model_len=1024, kv_cache_bytes=512 << 20)
+    model_cfg, path = resolve_model(cfg)
+    model = build_model(model_cfg, path, cfg, ParallelContext(), 1024)
+    head = dummy_head(DraftHeadConfig.like_target(model_cfg), model, DTYPES["float32"], DEV,
+                      1024)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 49152, (5 + 11 * i,), generator=g).tolist() for i in range(3)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = [c.output_ids for c in LLMEngine(cfg, model).generate(prompts, params)]
+    verified = {}
+    for ahead in (True, False):
+        eng = SpecEngine(cfg, CHAIN, model, head)
+        backend = eng.runner.backend
+        monkeypatch.setattr(backend, "graph_decode_planner",
+                            lambda bs, pages: _EagerPlanner(backend), raising=False)
+        monkeypatch.setattr(backend, "graph_prefill_planner",
+                            lambda *a, **kw: _EagerPlanner(backend), raising=False)
+        eng.spec_graphs = SpecGraphRunner(eng.runner, eng.draft, CHAIN, (1, 2, 4),
+                                          1024 + CHAIN.slots_per_round, eng.capture)
+        eng.spec_graphs.capture(eager=True)
+        eng.set_draft_ahead(ahead)
+        seen = verified[ahead] = []
+        orig = eng._verify_forward
+        monkeypatch.setattr(eng, "_verify_forward",
+                            lambda v, orig=orig, seen=seen: seen.append(v.tokens.cpu()) or orig(v))
+        assert [c.output_ids for c in eng.generate(prompts, params)] == want
+        assert (eng.draft_ahead.used > 0) == ahead
+    assert len(verified[True]) == len(verified[False])
+    assert all(torch.equal(a, b) for a, b in zip(verified[True], verified[False]))

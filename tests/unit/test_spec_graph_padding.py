@@ -23,7 +23,8 @@ from tandem.engine.attention.device_decode import device_decode_plan
 from tandem.engine.attention.metadata import causal_mask, tree_mask
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
 from tandem.spec import DraftInput, SpecConfig, SpecEngine, VerifyInput, propose
-from tandem.spec.cuda_graphs import SpecGraphRunner, spec_graph_batch_sizes
+from tandem.spec.cuda_graphs import SpecGraphRunner
+from tandem.spec.graph_memory import spec_graph_batch_sizes
 from tandem.spec.slices import (
     chain_draft_table,
     chain_step_slices,

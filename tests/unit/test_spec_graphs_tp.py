@@ -45,6 +45,7 @@ def _engine(dirs, spec: SpecConfig, par=None, graphs: bool = True) -> SpecEngine
                              capture_layers=eng.capture)
     runner.capture(eager=True)
     eng.spec_graphs = runner
+    eng.set_draft_ahead(True)  # chains draft the next round ahead (spec/ahead.py)
     if spec.topk > 1:
         lanes = eng.allocator.alloc(lanes_needed(spec, eng.cfg.page_size, SIZES))
         eng.tree_graphs = TreeDraftGraphs(eng.draft, spec, SIZES,
@@ -74,6 +75,7 @@ def _generate(eng: SpecEngine) -> dict:
     if tree is not None:
         eng.allocator.free(eng.lanes)
     assert eng.allocator.num_free == eng.allocator.num_usable
+    calls["ahead_used"] = eng.draft_ahead.used
     return {"tokens": tokens, "calls": calls}
 
 
@@ -103,3 +105,4 @@ def test_spec_graph_runners_under_tp2_equal_one_rank(tmp_path):
         assert items[0][1][name]["calls"] == items[1][1][name]["calls"]
     for _, res in items:
         assert res["tree"]["calls"]["tree"] > 0
+        assert res["chain"]["calls"]["ahead_used"] > 0  # and the ranks agree (above)

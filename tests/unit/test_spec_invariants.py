@@ -384,9 +384,9 @@ def test_phase_functions_never_modify_their_inputs(spec, monkeypatch):
     eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle3", live=None))
     orig_round = eng._spec_round
 
-    def spec_round(inp):  # the round's input, and the seeds it was built from, stay as they were
+    def spec_round(inp, **kw):  # the round's input, and the seeds it was built from, unchanged
         snap = _Snapshot(inp, *(eng.seeds[r] for r in inp.req_ids))
-        out = orig_round(inp)
+        out = orig_round(inp, **kw)
         snap.assert_unchanged("a speculative round (its input and seeds)")
         return out
 

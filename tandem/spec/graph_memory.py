@@ -1,0 +1,65 @@
+"""What the speculative CUDA graphs of one engine share (`GraphMemory`), the buckets they are
+captured for, and their attention planners (spec/cuda_graphs.py holds the graphs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tandem.engine.runner import ModelRunner
+
+
+def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | None = None
+                           ) -> tuple[int, ...]:
+    """The buckets to capture: the decode graphs' sizes, optionally capped (verify graphs
+    hold logits for B * N rows each)."""
+    sizes = sorted(set(decode_sizes))
+    if max_batch_size is not None:
+        sizes = [b for b in sizes if b <= max_batch_size] or sizes[:1]
+    return tuple(sizes)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class GraphMemory:
+    """What the speculative graphs of one engine share, made by its first runner (k =
+    num_steps, the widest verify) and lent to the runners of other k. Graphs never run
+    concurrently (one stream, one round at a time), so their intermediates may reuse each
+    other's memory: one pool. Every verify graph copies its logits into `logits`, one buffer
+    instead of a static output per (k, bucket) -- on the 8B shape with 11 buckets to 128,
+    0.33 GB instead of 1.1 GB for k = 4 alone and 3.2 GB for every k in 0..4. Its rows are
+    valid until the next verify replay of any runner (a round reads them before that)."""
+
+    pool: Any  # torch.cuda graph pool handle; None off CUDA (eager-mode runners, CPU tests)
+    logits: torch.Tensor  # [B_max * N_max, V] float32 verify logits, request-major
+
+    @staticmethod
+    def allocate(runner: ModelRunner, max_rows: int, device: torch.device) -> GraphMemory:
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        vocab = runner.model.cfg.vocab_size
+        return GraphMemory(pool=pool, logits=torch.zeros(max_rows, vocab, dtype=torch.float32,
+                                                         device=device))
+
+
+def graph_planner(backend: Any, max_bs: int, tokens_per_seq: int, pages: int,
+                  max_kv_len: int, masked: bool) -> Any:
+    """Fixed-buffer planner of a graph forward with `tokens_per_seq` new tokens per request: a
+    1-token causal forward (k = 0 verify and extend) is a decode batch, planned through the
+    decode wrappers -- the plain decode kernel, one int workspace for every bucket."""
+    if tokens_per_seq == 1 and not masked:
+        return backend.graph_decode_planner(max_bs, pages)
+    return backend.graph_prefill_planner(max_bs, tokens_per_seq, pages, max_kv_len,
+                                         custom_mask=masked)
+
+
+def check_fixed_buffers(plan: Any, captured: Any) -> None:
+    """A new plan must have rewritten the captured wrapper's buffers, not made new ones, and
+    be its planner's latest (a later plan of another bucket rewrote the shared buffers)."""
+    if hasattr(plan, "wrapper"):
+        if plan.wrapper is not captured.wrapper or \
+                plan.slot_ids.data_ptr() != captured.slot_ids.data_ptr():
+            raise RuntimeError("spec graph replay: the plan is not the captured wrapper's")
+        if plan.epoch.value != plan.planned_at:
+            raise RuntimeError("spec graph replay: a newer plan replaced this one")
