@@ -482,7 +482,19 @@ def profile_round(eng: SpecEngine, tag: str, rounds: int = 30) -> dict:
     with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
         dst.write(src.read())
     raw.unlink()
-    return {"trace": raw.name + ".gz"}
+    # Kernel tables (profiles.txt): the whole round, its verify graph alone, the plain decode
+    # graph of the same bucket -- what each kernel costs and how many launch.
+    from gpu_engine import profile_replays
+
+    tables = {"round": profile_replays(eng.step, OUT_DIR, f"{tag} round")}
+    rows = eng.spec_graphs.bucket(len(eng.seeds)) if eng.spec_graphs else None
+    for name, fn in (("verify", lambda: eng.spec_graphs.replay_verify_only(rows)),
+                     ("plain", lambda: eng.graphs.replay_only(rows))):
+        try:
+            tables[name] = profile_replays(fn, OUT_DIR, f"{tag} {name} graph replay")
+        except Exception as exc:  # noqa: BLE001 -- a table missing is not fatal
+            tables[name] = repr(exc)
+    return {"trace": raw.name + ".gz", "kernels": tables}
 
 
 def _eager_pieces(eng: SpecEngine, req_ids: list[str], iters: int) -> dict:
