@@ -63,7 +63,7 @@ def main() -> None:
         rows = g.bucket(1)
         req = eng.scheduler.requests[ids[0]]
         eng.step()  # latest verify / extend plans are of this bucket
-        inp = eng.spec_scheduler.round_input([req])
+        inp = eng.spec_scheduler.round_input([req]).draft
         verify = g.propose(inp)
         layout = verify_layout(verify, eng.cfg.page_size, gpu_spec.DEV, rows=rows)
         calls = {

@@ -181,16 +181,27 @@ def spec_rounds(plain, args) -> list[dict]:
     """The EAGLE round on the TP engine's target (chain k=4, a random EAGLE-1 head over a 32k
     draft vocabulary -- 8k for smaller vocabularies --, its speculative graphs): rounds back to
     back at batch 1 and 8, median ms. Random weights accept nothing: the speedup is computed
-    (tau x plain step / round, in `table`)."""
+    (tau x plain step / round, in `table`). The head shards over the TP ranks (spec/head.py
+    `draft_tp`); `--draft-ab` also times it replicated, on the same ranks."""
+    rows = _spec_rounds(plain, args, shard=True)
+    if args.draft_ab:
+        rows += _spec_rounds(plain, args, shard=False)
+    return rows
+
+
+def _spec_rounds(plain, args, shard: bool) -> list[dict]:
     from tandem.engine import SamplingParams
     from tandem.engine.loader import DTYPES
+    from tandem.engine.parallel import ParallelGroup
     from tandem.spec import DraftHeadConfig, SpecConfig, SpecEngine, dummy_head
 
     cfg, dev = plain.model_cfg, plain.device
     vocab = 32768 if cfg.vocab_size > 100_000 else min(8192, cfg.vocab_size)
     head = dummy_head(DraftHeadConfig.like_target(cfg, "eagle", draft_vocab_size=vocab),
-                      plain.model, DTYPES[plain.cfg.dtype], dev, args.ctx + 512)
+                      plain.model, DTYPES[plain.cfg.dtype], dev, args.ctx + 512,
+                      tp=None if shard else ParallelGroup())
     eng = SpecEngine(plain.cfg, SpecConfig(num_steps=4), plain.model, head)
+    draft = f"sharded over {head.tp.size}" if head.tp.size > 1 else "replicated"
     g, rows = torch.Generator().manual_seed(1), []
     for bs in sorted({1, min(8, plain.cfg.max_num_seqs)}):
         ids = [eng.add_request(torch.randint(3, cfg.vocab_size, (args.ctx,), generator=g).tolist(),
@@ -222,7 +233,7 @@ def spec_rounds(plain, args) -> list[dict]:
             sync(dev)
             loop["ahead" if ahead else "no_ahead"] = (time.perf_counter() - t0) * 1e3 / args.steps
         rows.append(dict(batch=bs, round_ms=statistics.median(times), draft_vocab=vocab,
-                         graphs=eng.spec_graphs is not None, loop_ms=loop["ahead"],
+                         draft=draft, graphs=eng.spec_graphs is not None, loop_ms=loop["ahead"],
                          loop_no_ahead_ms=loop["no_ahead"], ahead_used=eng.draft_ahead.used,
                          ahead_dropped=eng.draft_ahead.dropped))
         if args.profile and bs == 1 and dev.type == "cuda":  # every rank steps (collectives)
@@ -230,7 +241,8 @@ def spec_rounds(plain, args) -> list[dict]:
 
             where = Path(tempfile.mkdtemp()) if plain.model.par.tp.rank else args.out
             rows[-1]["profile"] = profile_replays(eng.step, where,
-                                                  f"{args.label} EAGLE round batch 1")
+                                                  f"{args.label} EAGLE round batch 1 "
+                                                  f"(draft {draft})")
         for i in ids:
             eng.abort(i)
     del eng
@@ -503,7 +515,8 @@ def table(results: dict) -> None:
             base = plain.get(r["batch"])
             speed = f"{3 * base / r['round_ms']:.2f}x" if base else "n/a"
             print(f"EAGLE round TP={n}, batch {r['batch']}: {r['round_ms']:.3f} ms (chain k=4, "
-                  f"draft vocab {r['draft_vocab']}); computed speedup at tau 3: {speed}")
+                  f"draft vocab {r['draft_vocab']}, draft {r.get('draft', '?')}); computed "
+                  f"speedup at tau 3: {speed}")
             if "loop_ms" in r and base:
                 print(f"  back to back: {r['loop_ms']:.3f} ms drafting ahead "
                       f"({3 * base / r['loop_ms']:.2f}x; used {r['ahead_used']}, dropped "
@@ -530,6 +543,8 @@ def main() -> None:
     ap.add_argument("--label", default="tp",
                     help="names this run in profiles.txt (e.g. fused / unfused)")
     ap.add_argument("--tp", type=int, default=2, help="ranks (GPUs) of the TP engine")
+    ap.add_argument("--draft-ab", action="store_true",
+                    help="also time the EAGLE round with the draft head replicated")
     ap.add_argument("--skip-tp1", action="store_true",
                     help="no TP=1 reference (a model one GPU cannot hold, e.g. llama-3.1-70b)")
     ap.add_argument("--custom-only", action="store_true",

@@ -23,6 +23,7 @@ configuration (`DraftHeadConfig`, read from config.json) is in `tandem.spec.head
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -48,13 +49,13 @@ class _LaterLayer(nn.Module):
     layer's output (EAGLE's `layers.{i}`, which, unlike layer 0, has an input norm)."""
 
     def __init__(self, index: int, cfg: DraftHeadConfig, heads: HeadLayout,
-                 rotary: RotaryEmbedding, single: ParallelGroup, dtype: torch.dtype) -> None:
+                 rotary: RotaryEmbedding, tp: ParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.attn = SelfAttention(index, h, heads, False, False, None, rotary, single, dtype)
+        self.attn = SelfAttention(index, h, heads, False, False, None, rotary, tp, dtype)
         self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.mlp = DenseMLP(h, cfg.intermediate_size, single, dtype)
+        self.mlp = DenseMLP(h, cfg.intermediate_size, tp, dtype)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, ctx: ForwardContext
                 ) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -74,36 +75,71 @@ def _fuse(x: torch.Tensor, attn: SelfAttention, mlp: DenseMLP) -> bool:
             and kernels.decode_fusion_ok(x))
 
 
+def draft_tp(cfg: DraftHeadConfig, target: DecoderLM) -> ParallelGroup:
+    """The group a head shards over: the target's attention TP group when the head's KV heads
+    split exactly like the target's (same count and size: a prefill -> decode hand-off
+    re-slices both alike, kvtransfer/reslice.py) and its heads, MLP and draft vocabulary split
+    evenly; else one rank (the head replicated, as `TANDEM_SHARD_DRAFT=0` forces)."""
+    tp, mc = target.par.tp, target.cfg
+    vocab = cfg.draft_vocab_size if cfg.kind == "eagle3" or cfg.draft_vocab_size < \
+        cfg.vocab_size else tp.size
+    if (tp.size == 1 or os.environ.get("TANDEM_SHARD_DRAFT", "1") == "0"
+            or (cfg.num_kv_heads, cfg.head_dim) != (mc.num_kv_heads, mc.head_dim)
+            or cfg.num_heads % tp.size or cfg.intermediate_size % tp.size or vocab % tp.size):
+        return ParallelGroup()
+    try:
+        HeadLayout.for_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
+    except ValueError:
+        return ParallelGroup()
+    return tp
+
+
 class EagleHead(nn.Module):
     """One draft layer (EAGLE-1/2: or more, `later`) plus the glue of its kind. Shares the
-    target's embedding (and, for EAGLE-1/2, its lm_head); runs replicated on every rank (it is
-    a layer or a few)."""
+    target's embedding (and, for EAGLE-1/2, its lm_head). Under TP it shards like a target
+    layer where it can (`draft_tp`): attention heads and the MLP over the ranks (o_proj and
+    down all-reduce), a draft vocabulary's rows too (each rank scores its slice; the top-1 and
+    the normalizer combine over the ranks); fc, the norms and the embedding stay replicated.
+    Each rank then reads 1/tp of the head's weights per draft step."""
 
     def __init__(self, cfg: DraftHeadConfig, target: DecoderLM, dtype: torch.dtype,
-                 max_position: int) -> None:
+                 max_position: int, tp: ParallelGroup | None = None) -> None:
+        """tp: the group to shard over (None: `draft_tp`; ParallelGroup() replicates)."""
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        single = ParallelGroup()
-        self.heads = HeadLayout.for_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, single)
+        self.tp = tp = draft_tp(cfg, target) if tp is None else tp
+        self.heads = HeadLayout.for_rank(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp)
+        # KV heads this rank's draft pages hold, numbered like the target's (the hand-off's
+        # re-slicing reads it): sharded, or one rank with the target's heads; None when the
+        # head is replicated over a TP group (whole pages, from one sender).
+        self.kv_heads: tuple[int, int] | None = None
+        if tp.size > 1 or (target.par.tp.size == 1 and (cfg.num_kv_heads, cfg.head_dim)
+                           == (target.cfg.num_kv_heads, target.cfg.head_dim)):
+            self.kv_heads = (self.heads.kv_part.local_start // cfg.head_dim,
+                             self.heads.local_kv_heads)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.target_embed = target.embed  # shared, not owned (not a submodule: no double load)
         self.own_embed: nn.Parameter | None = None
         eagle3 = cfg.kind == "eagle3"
         fc_in = cfg.feature_size if eagle3 else 2 * h
         self.fc = nn.Linear(fc_in, h, bias=cfg.fc_bias, dtype=dtype)
-        self.attn = SelfAttention(0, h, self.heads, False, False, None, rotary, single, dtype,
+        self.attn = SelfAttention(0, h, self.heads, False, False, None, rotary, tp, dtype,
                                   qkv_in_features=2 * h if eagle3 else h)
         self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.mlp = DenseMLP(h, cfg.intermediate_size, single, dtype)
+        self.mlp = DenseMLP(h, cfg.intermediate_size, tp, dtype)
         # Layers 1.. of a multi-layer EAGLE-1/2 head (KV layers 1.. of the draft group).
-        self.later = nn.ModuleList(_LaterLayer(i, cfg, self.heads, rotary, single, dtype)
+        self.later = nn.ModuleList(_LaterLayer(i, cfg, self.heads, rotary, tp, dtype)
                                    for i in range(1, cfg.num_layers))
+        # This rank's rows of the draft vocabulary (all of it unless the head is sharded).
+        self.vocab_sharded = tp.size > 1 and (eagle3 or cfg.draft_vocab_size < cfg.vocab_size)
+        self.vocab_start, vocab_end = (tp.shard_range(cfg.draft_vocab_size, "draft_vocab_size")
+                                       if self.vocab_sharded else (0, cfg.draft_vocab_size))
         if eagle3:
             self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False, dtype=dtype)
+            self.lm_head = nn.Linear(h, vocab_end - self.vocab_start, bias=False, dtype=dtype)
             # [draft_vocab] int64: target id = draft id + d2t[draft id]
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         else:
@@ -135,7 +171,11 @@ class EagleHead(nn.Module):
         full = lm.head_weight()  # [vocab/tp, H]
         if lm.tp.size > 1:
             full = lm.tp.all_gather_last_dim(full.t().contiguous()).t()  # [vocab, H]
-        self.draft_rows = full[self._subset_ids()].contiguous()
+        ids = self._subset_ids()[self.vocab_start : self.vocab_start + self._local_vocab()]
+        self.draft_rows = full[ids].contiguous()  # [V_local, H] this rank's slice
+
+    def _local_vocab(self) -> int:
+        return self.cfg.draft_vocab_size // (self.tp.size if self.vocab_sharded else 1)
 
     def _subset_ids(self) -> torch.Tensor:  # [draft_vocab] int64 target ids of the draft vocab
         return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
@@ -160,7 +200,7 @@ class EagleHead(nn.Module):
                 features = self.fc(features)  # fuse low/mid/high target features
             attn_in = torch.cat([self.input_norm(emb), self.hidden_norm(features)], dim=-1)
             residual = features
-        if _fuse(residual, self.attn, self.mlp):  # adds and norm ride in the GEMVs
+        if _fuse(residual, self.attn, self.mlp):  # adds and norm ride in the GEMVs (TP too)
             h = self.attn.forward_add(positions, attn_in, residual, ctx)
             h = self.mlp.forward_fused(h, self.post_attn_norm)
         else:
@@ -172,6 +212,12 @@ class EagleHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V_draft] float32 logits over the head's vocabulary."""
+        local = self._local_logits(hidden)
+        return self.tp.all_gather_last_dim(local) if self.vocab_sharded else local
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, V_local] float32: this rank's slice of the vocabulary (all of it
+        unless `vocab_sharded`), draft ids vocab_start + column."""
         if self.subset_vocab:
             assert self.draft_rows is not None, "build_draft_rows() after loading d2t"
             return kernels.linear(hidden.to(self.draft_rows.dtype), self.draft_rows,
@@ -205,20 +251,30 @@ class EagleHead(nn.Module):
         radix top-k: 3 kernels instead of ~25 (~60 us a draft step on an H200 at 32k rows);
         ties go to the lowest id."""
         if k == 1:
-            logits = self.logits(hidden)  # [n, V]
+            logits = self._local_logits(hidden)  # [n, V_local]
             best, ids = logits.max(dim=-1, keepdim=True)  # [n, 1]
-            return self.to_target_ids(ids), best - torch.logsumexp(logits, dim=-1, keepdim=True)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
+            if self.vocab_sharded:  # every rank's best, its draft id and normalizer
+                mine = torch.cat([best, (ids + self.vocab_start).float(), lse], dim=-1)
+                every = self.tp.all_gather_last_dim(mine).view(-1, self.tp.size, 3)  # [n, tp, 3]
+                # the first rank holding the largest value: ties go to the lowest id, as above
+                rank = every[:, :, 0].argmax(dim=-1, keepdim=True)  # [n, 1]
+                best = every[:, :, 0].gather(1, rank)
+                ids = every[:, :, 1].gather(1, rank).long()  # float32 holds ids < 2^24 exactly
+                lse = torch.logsumexp(every[:, :, 2], dim=-1, keepdim=True)
+            return self.to_target_ids(ids), best - lse
         logp, ids = torch.topk(self.log_probs(hidden), k, dim=-1)
         return self.to_target_ids(ids), logp
 
     def top1(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n] int64 the target id of each row's most likely draft token."""
-        return self.to_target_ids(self.logits(hidden).argmax(dim=-1))
+        return self.topk(hidden, 1)[0][:, 0]
 
     # ---- weights ----------------------------------------------------------------------------
 
     def weight_names(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> destination tensor (full shapes; the head is replicated)."""
+        """Checkpoint name -> destination tensor (this rank's: `_sharded_loaders` slice the
+        checkpoint's full tensors into those a sharded head holds a slice of)."""
         eagle3 = self.cfg.kind == "eagle3"
         p = "midlayer" if eagle3 else "layers.0"
         out = {"fc.weight": self.fc.weight, f"{p}.post_attention_layernorm.weight":
@@ -259,7 +315,11 @@ class EagleHead(nn.Module):
                 f"{source}: unexpected draft weight(s) {', '.join(unexpected[:5])} for a "
                 f"{self.cfg.kind} head")
         try:
+            sharded = self._sharded_loaders()
             for name, dst in self.weight_names().items():
+                if name in sharded:
+                    sharded[name](name, state[name])
+                    continue
                 check_shape(name, state[name].shape, tuple(dst.shape))
                 dst.data.copy_(state[name])
             for prefix, (attn, mlp) in self._merged():
@@ -283,8 +343,29 @@ class EagleHead(nn.Module):
                                      f"vocabulary of {self.cfg.vocab_size}")
             self.build_draft_rows()
 
+    def _sharded_loaders(self) -> dict:
+        """Checkpoint name -> loader(name, full tensor) of the weights a sharded head holds a
+        slice of (o_proj and down by input columns, an EAGLE-3 lm_head by vocabulary rows)."""
+        if self.tp.size == 1:
+            return {}
+        eagle3 = self.cfg.kind == "eagle3"
+        out = {f"{p}.self_attn.o_proj.weight": attn.o_proj.load_weight
+               for p, (attn, _) in self._merged()}
+        out.update({f"{p}.mlp.down_proj.weight": mlp.down.load_weight
+                    for p, (_, mlp) in self._merged()})
+        if eagle3:
+            def lm_rows(name: str, full: torch.Tensor) -> None:
+                check_shape(name, full.shape, (self.cfg.draft_vocab_size, self.cfg.hidden_size))
+                self.lm_head.weight.data.copy_(full[self.vocab_start : self.vocab_start
+                                                    + self.lm_head.weight.shape[0]])
+            out["lm_head.weight"] = lm_rows
+        return out
+
     def state_for_saving(self) -> dict[str, torch.Tensor]:
-        """The checkpoint layout `load_state` reads (q/k/v and gate/up unmerged)."""
+        """The checkpoint layout `load_state` reads (q/k/v and gate/up unmerged); a head of
+        one rank's (a sharded one holds slices)."""
+        if self.tp.size > 1:
+            raise ValueError("state_for_saving: a head sharded over TP holds slices only")
         out = {k: v.detach().contiguous() for k, v in self.weight_names().items()}
         for p, (attn, mlp) in self._merged():
             q, k, v = attn.qkv.weight.split(attn.qkv.local_sizes(), dim=0)
@@ -343,10 +424,16 @@ def load_head(path: Path, target: DecoderLM, dtype: torch.dtype, device: torch.d
 
 
 def dummy_head(cfg: DraftHeadConfig, target: DecoderLM, dtype: torch.dtype,
-               device: torch.device, max_position: int, seed: int = 0) -> EagleHead:
-    """A head with random weights (for tests and timing; accepts almost nothing)."""
+               device: torch.device, max_position: int, seed: int = 0,
+               tp: ParallelGroup | None = None) -> EagleHead:
+    """A head with random weights (for tests and timing; accepts almost nothing). Sharded
+    (tp, as EagleHead's): every rank loads its slices of the same random checkpoint."""
     with torch.device(device):
-        head = EagleHead(cfg, target, dtype, max_position)
+        head = EagleHead(cfg, target, dtype, max_position, tp)
+    if head.tp.size > 1:
+        whole = dummy_head(cfg, target, dtype, device, max_position, seed, ParallelGroup())
+        head.load_state(whole.state_for_saving(), "dummy head")
+        return head.eval()
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in head.named_parameters():
         if name.startswith(("target_", "own_embed")):

@@ -14,6 +14,7 @@ from tandem.engine.parallel import ParallelContext
 from tandem.kvtransfer import AuxRegion, CompatInfo, EndpointConfig, FailureInjection, KVLayout, KVRegion
 from tandem.kvtransfer.aux_slot import HEADER_BYTES
 from tandem.spec.config import SpecConfig
+from tandem.spec.draft_runner import DRAFT_GROUP
 from tandem.spec.engine import SpecEngine
 from tandem.spec.handoff import seed_nbytes
 
@@ -51,7 +52,7 @@ class WorkerConfig:
 
 def build_engine(cfg: WorkerConfig, parallel: ParallelContext | None = None) -> SpecEngine:
     """The speculative engine of one rank: the target sharded over `parallel` (TP/EP), the
-    draft head replicated."""
+    draft head too where it can (spec/head.py `draft_tp`), else replicated."""
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     return SpecEngine.from_config(cfg.engine, cfg.spec, parallel)
@@ -65,13 +66,15 @@ def aux_buffer(engine: SpecEngine, num_slots: int) -> torch.Tensor:
 
 
 def kv_layout(engine: SpecEngine, aux: torch.Tensor) -> KVLayout:
-    # The target's KV heads are this rank's slice; the draft (replicated) holds all of its own.
+    # The target's KV heads are this rank's slice; the draft's too where the head shards like
+    # the target (EagleHead.kv_heads), else it holds all of its own (num_heads 0: replicated).
     heads = engine.model.heads
-    target_heads = (heads.kv_part.local_start // heads.head_dim, heads.local_kv_heads)
+    split = {"target": (heads.kv_part.local_start // heads.head_dim, heads.local_kv_heads),
+             DRAFT_GROUP: engine.head.kv_heads}
     regions = tuple(
         KVRegion.from_tensor(name, engine.kv_pool.group_tensor(name),
-                             **(dict(head_start=target_heads[0], num_heads=target_heads[1])
-                                if name == "target" else {}))
+                             **(dict(head_start=split[name][0], num_heads=split[name][1])
+                                if split.get(name) else {}))
         for name in engine.kv_pool.specs)
     return KVLayout(regions=regions, aux=AuxRegion.from_tensor(aux))
 

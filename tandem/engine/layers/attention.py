@@ -115,9 +115,9 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """residual + attn(x), [T, H], with the add in o_proj's GEMV epilogue where
         `kernels.decode_fusion_ok` (a layer without an input norm of its own: EAGLE's draft
-        layer 0, whose input is the fc output or the normed [embedding, feature])."""
-        return kernels.fused_linear(self._attend(positions, self.qkv(x), ctx),
-                                    self.o_proj.weight, residual=residual)
+        layer 0, whose input is the fc output or the normed [embedding, feature]); under TP in
+        rank 0's, before the all-reduce (RowParallelLinear.forward_fused)."""
+        return self.o_proj.forward_fused(self._attend(positions, self.qkv(x), ctx), residual)
 
     def _attend(
         self, positions: torch.Tensor, qkv: torch.Tensor, ctx: ForwardContext
