@@ -254,6 +254,9 @@ def measure(fast: FastAllReduce, sizes: Sequence[int],
         x = torch.randn(nbytes // itemsize, device=fast.device).to(fast.dtype)  # [n] dtype
         row = []
         for method in methods:
+            if method == FLAG_ONE_SHOT and nbytes > FLAG_MAX_BYTES:
+                row.append(math.inf)  # past its slots: never a candidate, nothing to time
+                continue
             try:
                 row.append(time_in_graph(lambda m=method: fast.run(x, m)))
             except RuntimeError as exc:

@@ -16,12 +16,21 @@ def first_parting(a: Sequence[int], b: Sequence[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def assert_parts_only_at_near_ties(plain, prompts, got, want) -> None:
+def assert_parts_only_at_near_ties(plain, prompts, got, want, top2: bool = True) -> None:
     """For every prompt, `got` (token ids) equals `want` up to where they first part, and there
-    the two tokens are a near-tie of `plain`'s logits after the common prefix."""
+    the two tokens are a near-tie of `plain`'s logits after the common prefix. top2=False
+    (TP against one GPU: the row-parallel sums add in another order) also lets `got` take
+    another candidate there whose logit is within NEAR_TIE of `plain`'s best."""
     for p, a, b in zip(prompts, got, want):
         d = first_parting(a, b)
         if d is None:
             continue
-        tie = parting_gap(plain, list(p) + list(b[:d]), (a[d], b[d]))
+        context = list(p) + list(b[:d])
+        tie = parting_gap(plain, context, (a[d], b[d]))
+        if not tie.both_in_top2 and not top2:
+            logits = plain.next_token_logits(context)
+            top = float(logits.max())
+            gap = (top - float(logits[a[d]])) / max(1.0, abs(top))
+            assert gap <= NEAR_TIE, (d, tie, gap)
+            continue
         assert tie.both_in_top2 and tie.rel_gap <= NEAR_TIE, (d, tie)

@@ -64,4 +64,4 @@ def test_tp2_local_ranks_on_two_gpus(tmp_path, speculative):
         tp.close()
     out = [got[f"r{i}"] for i in range(len(PROMPTS))]
     assert all(len(o) == 24 for o in out)
-    assert_parts_only_at_near_ties(one, PROMPTS, out, want)
+    assert_parts_only_at_near_ties(one, PROMPTS, out, want, top2=False)
