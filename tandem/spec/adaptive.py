@@ -42,7 +42,7 @@ from typing import Protocol
 # the whole engine step (commit and stop checks included). 4: the least of 3 timed runs on CUDA
 # after two warm-ups (one run after one warm-up put noise of 50% into batch-1 entries). 5: the
 # profiled table is its monotone envelope (`StepCostTable.envelope`).
-POLICY_VERSION = 5
+POLICY_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
