@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tandem.engine.attention.backend import AttentionBackend
+from tandem.engine.attention.device_decode import DEVICE_DECODE, DeviceDecodePlan
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.kv_cache import KVPool
 from tandem.engine.layers.attention import ForwardContext
@@ -72,15 +73,21 @@ class ModelRunner:
         dp_counts: tuple[int, ...] | None = None,
     ) -> ForwardOutput:
         """The forward after planning (what `DecodeGraphRunner` captures). input_ids,
-        positions [T] int64; logits_indices [n] int64, or None for logits of every row.
+        positions [T] int64; logits_indices [n] int64, or None for logits of every row. A
+        `DeviceDecodePlan` (every row a decode query whose metadata is on the device: a
+        speculative verify in graphs) attends through `DEVICE_DECODE`.
         dp_counts (DP attention): every rank's rows in the MLP's gather when the caller knows
         them (a CUDA graph: `ParallelContext.static_dp_counts`); None gathers them (SYNC)."""
         group = self.kv_group
-        kv_slots = getattr(self.backend, "kv_slots", None)  # optional capability
+        backend, slots = self.backend, None
+        if isinstance(plan, DeviceDecodePlan):  # metadata on the device: its own backend
+            backend, slots = DEVICE_DECODE, plan.slot_ids
+        elif (kv_slots := getattr(self.backend, "kv_slots", None)) is not None:  # optional
+            slots = kv_slots(plan)
         dp = self.model.par.dp
         ctx = ForwardContext(
-            backend=self.backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i),
-            kv_slots=kv_slots(plan) if kv_slots is not None else None,
+            backend=backend, plan=plan, kv_layer=lambda i: self.kv_pool.layer(group, i),
+            kv_slots=slots,
             dp_counts=None if dp.size == 1 else dp_counts or dp.all_gather_counts(
                 self.model.par.dp_gather_rows(input_ids.shape[0]), input_ids.device),
         )

@@ -14,8 +14,10 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
 - **Verify.** One graph per batch bucket over B * N tokens (N = the tree size), planned the
   same way through `backend.graph_prefill_planner` (causal for chains, the ancestor mask for
   trees). Its outputs (logits of every row, features) are views of the graph's static
-  tensors, valid until the next verify replay; the round consumes them before that.
-
+  tensors, valid until the next verify replay; the round consumes them before that. With
+  `device_metadata` (chains; TANDEM_DEVICE_VERIFY=1) verify and draft-extend plan nothing on
+  the host: each row j is a decode query at num_cached + j over its request's page row
+  (`slices.device_rows_plan`, the drafting's kernel), from `_ver_table` / `_ver_base`.
 - **Draft-extend.** One graph per batch bucket over a fixed B * R tokens (R = 1 + the deepest
   acceptable path; `slices.extend_slices`): row j of request r is (feature of accepted node j,
   token of accepted node j+1 or the bonus) at draft position num_cached + j, causal. The rows
@@ -24,7 +26,6 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
   acceptance kernel's device outputs (num accepted, path, bonus) and the verify tokens and
   features, runs the draft head, and takes each request's bonus row's top-k. Its metadata
   depends on num_cached alone, so it is built and planned while the verify graph runs.
-
 - **Every k.** A runner holds the graphs of one k (`num_drafts`, default `num_steps`): an
   adaptive policy's rounds of k < num_steps replay the runner of their k (`graph_set.py`
   captures one per k). A chain of k drafts verifies N = k + 1 nodes and extends R = k + 1
@@ -34,12 +35,13 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
   engine share one `GraphMemory`: the graph memory pool and one verify-logits buffer.
 
 Padding rows (n requests in the bucket B >= n) live on the scratch page (`slices`). Tree draft
-steps run in graphs of their own (`tree_graphs.py`). Layouts are built on the host and copied without a stream sync (`h2d`), so
-the host plans the next forward while the GPU runs the current one.
+steps run in graphs of their own (`tree_graphs.py`). Layouts are built on the host and copied
+without a stream sync (`h2d`): the host plans the next forward while the GPU runs this one.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,7 @@ from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.tree_graphs import DraftedTree
 from tandem.spec.slices import (
+    device_rows_plan,
     device_tree_layout,
     extend_rows,
     extend_slices,
@@ -100,9 +103,11 @@ class SpecGraphRunner:
     def __init__(self, runner: ModelRunner, draft: DraftRunner, spec: SpecConfig,
                  batch_sizes: Sequence[int], max_kv_len: int,
                  capture_layers: tuple[int, ...], num_drafts: int | None = None,
-                 memory: GraphMemory | None = None) -> None:
+                 memory: GraphMemory | None = None, device_metadata: bool | None = None) -> None:
         """num_drafts: the k this runner's rounds draft (None: spec.num_steps; another k only
-        as a chain). memory: the engine's shared `GraphMemory` (None: allocate one)."""
+        as a chain). memory: the engine's shared `GraphMemory` (None: allocate one).
+        device_metadata: chain verify and draft-extend attend through the device-decode kernel
+        (`slices.device_rows_plan`: no host planning; None: TANDEM_DEVICE_VERIFY=1)."""
         backend = runner.backend
         if not hasattr(backend, "graph_prefill_planner"):  # verify and extend plan through it
             raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")
@@ -117,6 +122,9 @@ class SpecGraphRunner:
         self.num_nodes = spec.tree_size if full else k + 1  # N: verify tokens per request
         self.masked = full and spec.topk > 1  # tree configs verify through the ancestor mask
         self.chain_drafting = not self.masked and k > 1  # k = 1: d_1 is the seed's top-1
+        if device_metadata is None:
+            device_metadata = os.environ.get("TANDEM_DEVICE_VERIFY", "0") == "1"
+        self.device_metadata = device_metadata and not self.masked
         max_bs = self.batch_sizes[-1]
         pages = max_bs * -(-max_kv_len // self.page_size)
         device = runner.kv_pool.layer(runner.kv_group, 0).device
@@ -127,12 +135,14 @@ class SpecGraphRunner:
             raise ValueError(f"memory: {memory.logits.shape[0]} logits rows, the verify graphs "
                              f"need {max_bs} x {self.num_nodes}")
         self.memory = memory
-        self._verify_planner = graph_planner(backend, max_bs, self.num_nodes, pages, max_kv_len,
-                                        self.masked)
         # Draft-extend: R rows per request, causal, over the draft's KV group.
         self.extend_rows = extend_rows(k, self.num_nodes)
-        self._extend_planner = graph_planner(backend, max_bs, self.extend_rows, pages, max_kv_len,
-                                        False)
+        self._verify_planner = self._extend_planner = None  # device metadata: nothing to plan
+        if not self.device_metadata:
+            self._verify_planner = graph_planner(backend, max_bs, self.num_nodes, pages,
+                                                 max_kv_len, self.masked)
+            self._extend_planner = graph_planner(backend, max_bs, self.extend_rows, pages,
+                                                 max_kv_len, False)
         head = draft.head
         self._tokens = torch.zeros(max_bs, k + 1, dtype=torch.int64,
                                    device=device)  # [B_max, k+1]
@@ -143,6 +153,10 @@ class SpecGraphRunner:
         self._draft_table = torch.zeros(max_bs, -(-max_kv_len // self.page_size),
                                         dtype=torch.int32, device=device)  # [B_max, P_max]
         self._draft_base = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
+        # The verify's own (device metadata): page table [B_max, P_max], num_cached [B_max].
+        self._ver_table = torch.zeros_like(self._draft_table)
+        self._ver_base = torch.zeros_like(self._draft_base)
+        self._ver_loaded: VerifyInput | None = None  # the verify they were loaded for
         n = max_bs * self.num_nodes
         self._verify_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [B_max * N]
         self._verify_positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -201,11 +215,15 @@ class SpecGraphRunner:
         return captured.out
 
     def _verify_plan_padding(self, bs: int) -> Any:
+        if self.device_metadata:
+            return None
         slices = pad_fixed_slices([], bs, self.num_nodes, self.page_size, self.masked)
         return self._verify_planner.plan(build_layout(slices, self.page_size,
                                                       self.device).attn)
 
     def _extend_plan_padding(self, bs: int) -> Any:
+        if self.device_metadata:
+            return None
         slices = pad_fixed_slices([], bs, self.extend_rows, self.page_size, False)
         return self._extend_planner.plan(build_layout(slices, self.page_size,
                                                       self.device).attn)
@@ -219,9 +237,13 @@ class SpecGraphRunner:
 
     @torch.inference_mode()
     def _verify_body(self, bs: int, plan: Any) -> ForwardOutput:
-        n = bs * self.num_nodes
-        out = self.runner.forward_planned(self._verify_ids[:n], self._verify_positions[:n],
-                                          plan, None, self.capture_layers)
+        n, positions = bs * self.num_nodes, self._verify_positions[: bs * self.num_nodes]
+        if plan is None:  # device metadata: positions and slots from the table and num_cached
+            plan, positions = device_rows_plan(self._ver_table[:bs], self._ver_base[:bs],
+                                               self.num_nodes, self.page_size,
+                                               self.draft.num_splits)
+        out = self.runner.forward_planned(self._verify_ids[:n], positions, plan, None,
+                                          self.capture_layers)
         logits = self.memory.logits[:n]  # [B * N, V]: the shared buffer, not a graph output
         logits.copy_(out.logits)
         return ForwardOutput(logits=logits, hidden=out.hidden, aux_hidden=out.aux_hidden)
@@ -245,8 +267,12 @@ class SpecGraphRunner:
                            self._acc_bonus[:bs, None])  # [B, R]
         base = torch.arange(bs, device=dev)[:, None]  # [B, 1]
         feats = self._ver_features.index_select(0, (base * n + nodes).reshape(-1))  # [B*R, F]
-        hidden = self.draft.forward_planned(toks.reshape(-1), feats,
-                                            self._ext_positions[: bs * r], plan)  # [B*R, H]
+        positions = self._ext_positions[: bs * r]
+        if plan is None:  # device metadata, as the verify's
+            plan, positions = device_rows_plan(self._ver_table[:bs], self._ver_base[:bs], r,
+                                               self.page_size, self.draft.num_splits)
+        hidden = self.draft.forward_planned(toks.reshape(-1), feats, positions,
+                                            plan)  # [B*R, H]
         last = hidden.index_select(0, base[:, 0] * r + num)  # [B, H] each bonus row
         ids, logp = self.draft.head.topk(last, self.spec.topk)
         return last, ids, logp
@@ -329,17 +355,21 @@ class SpecGraphRunner:
         if not self.can_verify(verify) or rows is None:
             raise ValueError(f"no verify graph for {bs} x {verify.num_nodes} nodes (captured "
                              f"{self.batch_sizes} x {n})")
-        captured = self._verify_graphs[rows]
-        if isinstance(verify, DraftedTree):
-            layout = device_tree_layout(verify.page_ids, verify.num_cached, verify.parents,
-                                        verify.depths, self.page_size, self.device, rows=rows)
+        captured, plan = self._verify_graphs[rows], None
+        if self.device_metadata:  # the table and num_cached only (a chain: no tree here)
+            self._load_verify_table(verify, rows)
         else:
-            layout = verify_layout(verify, self.page_size, self.device, masked=self.masked,
-                                   rows=rows)
-        plan = self._verify_planner.plan(layout.attn)
+            if isinstance(verify, DraftedTree):
+                layout = device_tree_layout(verify.page_ids, verify.num_cached, verify.parents,
+                                            verify.depths, self.page_size, self.device,
+                                            rows=rows)
+            else:
+                layout = verify_layout(verify, self.page_size, self.device, masked=self.masked,
+                                       rows=rows)
+            plan = self._verify_planner.plan(layout.attn)
+            self._verify_positions[: rows * n].copy_(layout.positions, non_blocking=True)
         self._verify_ids[: bs * n].copy_(verify.tokens.reshape(-1), non_blocking=True)
         self._verify_ids[bs * n : rows * n].zero_()  # padding rows: any valid token
-        self._verify_positions[: rows * n].copy_(layout.positions, non_blocking=True)
         out = self._replay(captured, self._verify_body, rows, plan)
         assert out is not None
         m = bs * n
@@ -367,12 +397,17 @@ class SpecGraphRunner:
             raise ValueError(f"extend: path {tuple(path.shape)}, num {tuple(num_accepted.shape)}"
                              f", bonus {tuple(bonus.shape)}, features {tuple(features.shape)} "
                              f"for {bs} requests x {n} nodes, <= {r - 1} deep")
-        captured = self._extend_graphs[rows]
-        slices = extend_slices(verify.page_ids, verify.num_cached, r)
-        if rows > bs:
-            slices = pad_fixed_slices(slices, rows, r, self.page_size, False)
-        layout = build_layout(slices, self.page_size, self.device)
-        plan = self._extend_planner.plan(layout.attn)  # rewrites the captured buffers
+        captured, plan = self._extend_graphs[rows], None
+        if self.device_metadata:  # the verify's table and num_cached (loaded by `verify`)
+            if self._ver_loaded is not verify:
+                self._load_verify_table(verify, rows)
+        else:
+            slices = extend_slices(verify.page_ids, verify.num_cached, r)
+            if rows > bs:
+                slices = pad_fixed_slices(slices, rows, r, self.page_size, False)
+            layout = build_layout(slices, self.page_size, self.device)
+            plan = self._extend_planner.plan(layout.attn)  # rewrites the captured buffers
+            self._ext_positions[: rows * r].copy_(layout.positions, non_blocking=True)
         self._acc_num[:bs].copy_(num_accepted, non_blocking=True)
         self._acc_path[:bs, :d].copy_(path, non_blocking=True)
         if d < self._acc_path.shape[1]:
@@ -383,11 +418,15 @@ class SpecGraphRunner:
         if rows > bs:  # padding requests: accept nothing (rows read node 0 of request r)
             self._acc_num[bs:rows].zero_()
             self._acc_path[bs:rows].fill_(-1)
-        self._ext_positions[: rows * r].copy_(layout.positions, non_blocking=True)
         out = self._replay(captured, self._extend_body, rows, plan)
         last, ids, logp = out
         return ExtendOutput(hidden=last[:bs].clone(), topk_ids=ids[:bs].clone(),
                             topk_logp=logp[:bs].clone(), last_tokens=bonus.clone())
+
+    def _load_verify_table(self, verify: VerifyInput, rows: int) -> None:
+        load_draft_table(self._ver_table, self._ver_base, verify.page_ids, verify.num_cached,
+                         rows)
+        self._ver_loaded = verify
 
     # ---- benchmarks ---------------------------------------------------------------------------
 
@@ -398,11 +437,13 @@ class SpecGraphRunner:
 
     def replay_verify_only(self, rows: int) -> None:
         """Replay verify without re-planning: the latest verify plan must be of this bucket."""
-        check_latest_plan(self._verify_planner, rows, "replay_verify_only")
+        if self._verify_planner is not None:
+            check_latest_plan(self._verify_planner, rows, "replay_verify_only")
         self._verify_graphs[rows].graph.replay()
 
     def replay_extend_only(self, rows: int) -> None:
         """Replay draft-extend without re-planning: the latest extend plan must be of this
         bucket (an `extend` of that batch size just ran)."""
-        check_latest_plan(self._extend_planner, rows, "replay_extend_only")
+        if self._extend_planner is not None:
+            check_latest_plan(self._extend_planner, rows, "replay_extend_only")
         self._extend_graphs[rows].graph.replay()

@@ -464,10 +464,13 @@ def test_float32_k_schedule_equals_plain(target, monkeypatch):
     assert got == want
 
 
-def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, monkeypatch):
+@pytest.mark.parametrize("device_metadata", [False, True], ids=["planned", "device-metadata"])
+def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, monkeypatch,
+                                                                     device_metadata):
     """float32 on the GPU, the chain runner in eager mode: drafting ahead (queued on the stream
     before the round's host read, spec/ahead.py) gives plain greedy's tokens exactly, and its
-    rounds verify the same drafts as drafting in the step."""
+    rounds verify the same drafts as drafting in the step; also with verify and extend through
+    the device-decode kernel (device metadata, the Triton kernel over k+1 rows per request)."""
     from tandem.spec.cuda_graphs import SpecGraphRunner
 
     cfg = EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda",
@@ -490,7 +493,8 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
         monkeypatch.setattr(backend, "graph_prefill_planner",
                             lambda *a, **kw: _EagerPlanner(backend), raising=False)
         eng.spec_graphs = SpecGraphRunner(eng.runner, eng.draft, CHAIN, (1, 2, 4),
-                                          1024 + CHAIN.slots_per_round, eng.capture)
+                                          1024 + CHAIN.slots_per_round, eng.capture,
+                                          device_metadata=device_metadata)
         eng.spec_graphs.capture(eager=True)
         eng.set_draft_ahead(ahead)
         seen = verified[ahead] = []
