@@ -41,7 +41,8 @@ from typing import Protocol
 # table also prices the plain engine's step (`StepCostTable.plain`), and a round is priced as
 # the whole engine step (commit and stop checks included). 4: the least of 3 timed runs on CUDA
 # after two warm-ups (one run after one warm-up put noise of 50% into batch-1 entries). 5: the
-# profiled table is its monotone envelope (`StepCostTable.envelope`).
+# profiled table is its monotone envelope (`StepCostTable.envelope`). 6: rounds draft ahead
+# (spec/ahead.py) and the head shards over TP (spec/head.py): both change what a round costs.
 POLICY_VERSION = 6
 
 
