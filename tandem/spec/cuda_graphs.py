@@ -14,10 +14,10 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
 - **Verify.** One graph per batch bucket over B * N tokens (N = the tree size), planned the
   same way through `backend.graph_prefill_planner` (causal for chains, the ancestor mask for
   trees). Its outputs (logits of every row, features) are views of the graph's static
-  tensors, valid until the next verify replay; the round consumes them before that. With
-  `device_metadata` (chains; TANDEM_DEVICE_VERIFY=1) verify and draft-extend plan nothing on
-  the host: each row j is a decode query at num_cached + j over its request's page row
-  (`slices.device_rows_plan`, the drafting's kernel), from `_ver_table` / `_ver_base`.
+  tensors, valid until the next verify replay; the round consumes them before that. Chains by
+  default plan nothing on the host for verify and draft-extend (`device_metadata`;
+  TANDEM_DEVICE_VERIFY=0 plans them): row j is a decode query at num_cached + j over its
+  request's page row (`slices.device_rows_plan`, the drafting's kernel).
 - **Draft-extend.** One graph per batch bucket over a fixed B * R tokens (R = 1 + the deepest
   acceptable path; `slices.extend_slices`): row j of request r is (feature of accepted node j,
   token of accepted node j+1 or the bonus) at draft position num_cached + j, causal. The rows
@@ -107,7 +107,7 @@ class SpecGraphRunner:
         """num_drafts: the k this runner's rounds draft (None: spec.num_steps; another k only
         as a chain). memory: the engine's shared `GraphMemory` (None: allocate one).
         device_metadata: chain verify and draft-extend attend through the device-decode kernel
-        (`slices.device_rows_plan`: no host planning; None: TANDEM_DEVICE_VERIFY=1)."""
+        (`slices.device_rows_plan`: no host planning; None: yes unless TANDEM_DEVICE_VERIFY=0)."""
         backend = runner.backend
         if not hasattr(backend, "graph_prefill_planner"):  # verify and extend plan through it
             raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")
@@ -123,7 +123,7 @@ class SpecGraphRunner:
         self.masked = full and spec.topk > 1  # tree configs verify through the ancestor mask
         self.chain_drafting = not self.masked and k > 1  # k = 1: d_1 is the seed's top-1
         if device_metadata is None:
-            device_metadata = os.environ.get("TANDEM_DEVICE_VERIFY", "0") == "1"
+            device_metadata = os.environ.get("TANDEM_DEVICE_VERIFY", "1") != "0"
         self.device_metadata = device_metadata and not self.masked
         max_bs = self.batch_sizes[-1]
         pages = max_bs * -(-max_kv_len // self.page_size)

@@ -46,7 +46,7 @@ def capture_k_graphs(full: SpecGraphRunner, ks: Sequence[int], eager: bool = Fal
     for k in sorted(set(ks) - {full.num_drafts}, reverse=True):
         runner = SpecGraphRunner(full.runner, full.draft, full.spec, full.batch_sizes,
                                  full.max_kv_len, full.capture_layers, num_drafts=k,
-                                 memory=full.memory)
+                                 memory=full.memory, device_metadata=full.device_metadata)
         runner.capture(eager=eager)
         runners[k] = runner
     if cuda and runners:

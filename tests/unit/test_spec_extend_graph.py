@@ -251,7 +251,8 @@ def test_graph_buffers_hold_the_largest_bucket_at_the_context_end(name, monkeypa
     from tandem.spec.cuda_graphs import SpecGraphRunner
 
     max_kv = eng.max_model_len + spec.slots_per_round
-    graphs = SpecGraphRunner(eng.runner, eng.draft, spec, (1, 2, 4), max_kv, eng.capture)
+    graphs = SpecGraphRunner(eng.runner, eng.draft, spec, (1, 2, 4), max_kv, eng.capture,
+                             device_metadata=False)  # the host-planned buffers' capacity
     graphs.capture(eager=True)
     n, r = graphs.num_nodes, graphs.extend_rows
     assert caps["verify"][2] == n and caps["extend"][2] == r

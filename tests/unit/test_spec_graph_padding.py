@@ -175,7 +175,11 @@ class _FakePlanner:
         return self.backend.plan(meta)
 
 
-def _attach_graphs(eng: SpecEngine, monkeypatch, sizes=(1, 2, 4)) -> SpecGraphRunner:
+def _attach_graphs(eng: SpecEngine, monkeypatch, sizes=(1, 2, 4),
+                   device_metadata: bool = False) -> SpecGraphRunner:
+    """The engine's chain runner in eager mode, planning through `_FakePlanner`
+    (device_metadata False: the host-planned path; test_device_verify.py covers the
+    other, the default on CUDA)."""
     backend = eng.runner.backend
     monkeypatch.setattr(backend, "graph_decode_planner",
                         lambda bs, pages: _FakePlanner(backend, True), raising=False)
@@ -185,7 +189,7 @@ def _attach_graphs(eng: SpecEngine, monkeypatch, sizes=(1, 2, 4)) -> SpecGraphRu
                         raising=False)
     graphs = SpecGraphRunner(eng.runner, eng.draft, eng.spec, sizes,
                              max_kv_len=eng.max_model_len + eng.spec.slots_per_round,
-                             capture_layers=eng.capture)
+                             capture_layers=eng.capture, device_metadata=device_metadata)
     graphs.capture(eager=True)
     eng.spec_graphs = graphs
     return graphs

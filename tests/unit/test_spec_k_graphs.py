@@ -28,8 +28,9 @@ from tandem.spec.cuda_graphs import SpecGraphRunner
 from tandem.spec.graph_set import capture_k_graphs, graphs_for, policy_ks, verify_drafts
 
 
-def _attach_k_graphs(eng: SpecEngine, monkeypatch) -> dict[int, SpecGraphRunner]:
-    full = _attach_graphs(eng, monkeypatch)
+def _attach_k_graphs(eng: SpecEngine, monkeypatch, device_metadata: bool = False
+                     ) -> dict[int, SpecGraphRunner]:
+    full = _attach_graphs(eng, monkeypatch, device_metadata=device_metadata)
     eng.k_graphs = capture_k_graphs(full, policy_ks(eng.spec), eager=True)
     return eng.k_graphs
 
@@ -95,17 +96,21 @@ def test_k_runners_share_memory_and_take_their_shapes(monkeypatch):
         torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["planned", "device-metadata"])
 @pytest.mark.parametrize("bs", [1, 3])  # 3 runs padded in the bucket of 4
-def test_every_k_runs_in_its_graphs_and_greedy_equals_plain(bs, monkeypatch):
+def test_every_k_runs_in_its_graphs_and_greedy_equals_plain(bs, device, monkeypatch):
     """A schedule with k in {0, 1, 2, 3} and split steps: every round's drafting, verify and
     draft-extend go through the runner of its k (eager drafting only proposes k = 0's root,
-    no eager draft-extend at all), and the output is plain greedy's, token for token."""
+    no eager draft-extend at all), and the output is plain greedy's, token for token -- with
+    verify and extend planned on the host or with their metadata on the device."""
     model = tiny_target("llama")
     ps = prompts(bs, seed=61 + bs)
     policy = ForcedK(KS, split_every=3)
     eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"), policy=policy)
     calls: dict = {}
-    for k, runner in {**_attach_k_graphs(eng, monkeypatch), 3: eng.spec_graphs}.items():
+    for k, runner in {**_attach_k_graphs(eng, monkeypatch, device),
+                      3: eng.spec_graphs}.items():
+        assert runner.device_metadata == device
         _spy(monkeypatch, calls, k, runner)
     eager_ks = []
     real_propose = spec_engine.propose
