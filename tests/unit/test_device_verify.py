@@ -19,27 +19,10 @@ from spec_helpers import (
     tiny_head,
     tiny_target,
 )
-from test_spec_graph_padding import _FakePlanner, _running_input
+from test_spec_graph_padding import _attach_graphs, _running_input
 
 from tandem.spec import SpecConfig, SpecEngine, propose
 from tandem.spec.accept import launch_greedy_accept
-from tandem.spec.cuda_graphs import SpecGraphRunner
-
-
-def _runner(eng: SpecEngine, monkeypatch, device: bool, k: int | None = None,
-            sizes=(1, 2, 4)) -> SpecGraphRunner:
-    backend = eng.runner.backend
-    monkeypatch.setattr(backend, "graph_decode_planner",
-                        lambda bs, pages: _FakePlanner(backend, True), raising=False)
-    monkeypatch.setattr(backend, "graph_prefill_planner",
-                        lambda bs, n, pages, kv, custom_mask: _FakePlanner(backend, False, n,
-                                                                           custom_mask),
-                        raising=False)
-    graphs = SpecGraphRunner(eng.runner, eng.draft, eng.spec, sizes,
-                             max_kv_len=eng.max_model_len + eng.spec.slots_per_round,
-                             capture_layers=eng.capture, num_drafts=k, device_metadata=device)
-    graphs.capture(eager=True)
-    return graphs
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle-2layer", "eagle3"])
@@ -53,7 +36,7 @@ def test_device_metadata_rounds_equal_plain_greedy(bs, steps, kind, monkeypatch)
     verified = {}
     for ahead in (True, False):
         eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, kind))
-        eng.spec_graphs = _runner(eng, monkeypatch, device=True)
+        _attach_graphs(eng, monkeypatch, device_metadata=True)
         assert eng.spec_graphs.device_metadata and eng.spec_graphs._verify_planner is None
         eng.set_draft_ahead(ahead)
         seen = verified[ahead] = []
@@ -76,9 +59,8 @@ def test_device_metadata_verify_and_extend_equal_the_planned_ones(bs, kind, monk
     model = tiny_target("llama", live=None)
     spec = SpecConfig(num_steps=4)
     eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, kind, live=None))
-    planned = _runner(eng, monkeypatch, device=False)
-    device = _runner(eng, monkeypatch, device=True)
-    eng.spec_graphs = planned
+    device = _attach_graphs(eng, monkeypatch, device_metadata=True)
+    planned = _attach_graphs(eng, monkeypatch, device_metadata=False)
     inp = _running_input(eng, bs)
     verify = propose(eng.draft, inp, spec)
     out = planned.verify(verify)
