@@ -433,12 +433,9 @@ class _EagerPlanner:
         return self.backend.plan(meta)
 
 
-def test_float32_k_schedule_equals_plain(target, monkeypatch):
-    """float32 on the GPU (torch attention, Triton acceptance kernels): the runner of every k
-    in eager mode, under the schedule with splits, gives plain greedy's tokens exactly."""
-    from tandem.spec.cuda_graphs import SpecGraphRunner
-    from tandem.spec.graph_set import capture_k_graphs, policy_ks
-
+def _float32_smollm2():
+    """(cfg, model, head): SmolLM2-shaped dummy target and head in float32 on the GPU, torch
+    attention, no decode graphs (the speculative runners are attached eagerly)."""
     cfg = EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda",
                        dtype="float32", attention_backend="torch", cuda_graphs=False,
                        max_num_seqs=8, max_model_len=1024, kv_cache_bytes=512 << 20)
@@ -446,20 +443,38 @@ def test_float32_k_schedule_equals_plain(target, monkeypatch):
     model = build_model(model_cfg, path, cfg, ParallelContext(), 1024)
     head = dummy_head(DraftHeadConfig.like_target(model_cfg), model, DTYPES["float32"], DEV,
                       1024)
-    g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 49152, (7 + 13 * i,), generator=g).tolist() for i in range(4)]
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    want = [c.output_ids for c in LLMEngine(cfg, model).generate(prompts, params)]
-    eng = SpecEngine(cfg, CHAIN, model, head, policy=_Schedule(KS))
+    return cfg, model, head
+
+
+def _eager_chain_runner(eng, monkeypatch, device_metadata: bool | None = None):
+    """The engine's chain runner in eager mode, planning through `_EagerPlanner`."""
+    from tandem.spec.cuda_graphs import SpecGraphRunner
+
     backend = eng.runner.backend
     monkeypatch.setattr(backend, "graph_decode_planner",
                         lambda bs, pages: _EagerPlanner(backend), raising=False)
     monkeypatch.setattr(backend, "graph_prefill_planner",
                         lambda *a, **kw: _EagerPlanner(backend), raising=False)
-    full = SpecGraphRunner(eng.runner, eng.draft, CHAIN, (1, 2, 4), 1024 + CHAIN.slots_per_round,
-                           eng.capture)
-    full.capture(eager=True)
-    eng.spec_graphs, eng.k_graphs = full, capture_k_graphs(full, policy_ks(CHAIN), eager=True)
+    eng.spec_graphs = SpecGraphRunner(eng.runner, eng.draft, CHAIN, (1, 2, 4),
+                                      1024 + CHAIN.slots_per_round, eng.capture,
+                                      device_metadata=device_metadata)
+    eng.spec_graphs.capture(eager=True)
+    return eng.spec_graphs
+
+
+def test_float32_k_schedule_equals_plain(target, monkeypatch):
+    """float32 on the GPU (torch attention, Triton acceptance kernels): the runner of every k
+    in eager mode, under the schedule with splits, gives plain greedy's tokens exactly."""
+    from tandem.spec.graph_set import capture_k_graphs, policy_ks
+
+    cfg, model, head = _float32_smollm2()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 49152, (7 + 13 * i,), generator=g).tolist() for i in range(4)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = [c.output_ids for c in LLMEngine(cfg, model).generate(prompts, params)]
+    eng = SpecEngine(cfg, CHAIN, model, head, policy=_Schedule(KS))
+    full = _eager_chain_runner(eng, monkeypatch)
+    eng.k_graphs = capture_k_graphs(full, policy_ks(CHAIN), eager=True)
     got = [c.output_ids for c in eng.generate(prompts, params)]
     assert got == want
 
@@ -471,15 +486,7 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
     before the round's host read, spec/ahead.py) gives plain greedy's tokens exactly, and its
     rounds verify the same drafts as drafting in the step; also with verify and extend through
     the device-decode kernel (device metadata, the Triton kernel over k+1 rows per request)."""
-    from tandem.spec.cuda_graphs import SpecGraphRunner
-
-    cfg = EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda",
-                       dtype="float32", attention_backend="torch", cuda_graphs=False,
-                       max_num_seqs=8, max_model_len=1024, kv_cache_bytes=512 << 20)
-    model_cfg, path = resolve_model(cfg)
-    model = build_model(model_cfg, path, cfg, ParallelContext(), 1024)
-    head = dummy_head(DraftHeadConfig.like_target(model_cfg), model, DTYPES["float32"], DEV,
-                      1024)
+    cfg, model, head = _float32_smollm2()
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 49152, (5 + 11 * i,), generator=g).tolist() for i in range(3)]
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -487,15 +494,7 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
     verified = {}
     for ahead in (True, False):
         eng = SpecEngine(cfg, CHAIN, model, head)
-        backend = eng.runner.backend
-        monkeypatch.setattr(backend, "graph_decode_planner",
-                            lambda bs, pages: _EagerPlanner(backend), raising=False)
-        monkeypatch.setattr(backend, "graph_prefill_planner",
-                            lambda *a, **kw: _EagerPlanner(backend), raising=False)
-        eng.spec_graphs = SpecGraphRunner(eng.runner, eng.draft, CHAIN, (1, 2, 4),
-                                          1024 + CHAIN.slots_per_round, eng.capture,
-                                          device_metadata=device_metadata)
-        eng.spec_graphs.capture(eager=True)
+        _eager_chain_runner(eng, monkeypatch, device_metadata)
         eng.set_draft_ahead(ahead)
         seen = verified[ahead] = []
         orig = eng._verify_forward
