@@ -186,6 +186,12 @@ def spec_rounds(plain, args) -> list[dict]:
     rows = _spec_rounds(plain, args, shard=True)
     if args.draft_ab:
         rows += _spec_rounds(plain, args, shard=False)
+    if args.verify_ab:  # verify and extend planned on the host (FlashInfer), the head sharded
+        os.environ["TANDEM_DEVICE_VERIFY"] = "0"
+        try:
+            rows += _spec_rounds(plain, args, shard=True)
+        finally:
+            os.environ.pop("TANDEM_DEVICE_VERIFY")
     return rows
 
 
@@ -202,6 +208,8 @@ def _spec_rounds(plain, args, shard: bool) -> list[dict]:
                       tp=None if shard else ParallelGroup())
     eng = SpecEngine(plain.cfg, SpecConfig(num_steps=4), plain.model, head)
     draft = f"sharded over {head.tp.size}" if head.tp.size > 1 else "replicated"
+    if os.environ.get("TANDEM_DEVICE_VERIFY") == "0":
+        draft += ", verify planned"
     g, rows = torch.Generator().manual_seed(1), []
     for bs in sorted({1, min(8, plain.cfg.max_num_seqs)}):
         ids = [eng.add_request(torch.randint(3, cfg.vocab_size, (args.ctx,), generator=g).tolist(),
@@ -545,6 +553,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2, help="ranks (GPUs) of the TP engine")
     ap.add_argument("--draft-ab", action="store_true",
                     help="also time the EAGLE round with the draft head replicated")
+    ap.add_argument("--verify-ab", action="store_true",
+                    help="also time the EAGLE round with verify and extend planned on the host")
     ap.add_argument("--skip-tp1", action="store_true",
                     help="no TP=1 reference (a model one GPU cannot hold, e.g. llama-3.1-70b)")
     ap.add_argument("--custom-only", action="store_true",
