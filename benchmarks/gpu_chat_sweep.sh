@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 22 on one GPU: the real-weights sweep (SmolLM2-135M-Instruct + the shipped EAGLE head,
 # the 50 chat prompts, greedy bf16, 128 new tokens; plain / spec / tree / adaptive at
-# concurrency 1, 4, 16, 50) in three calls on one warm machine. The GGUF (98 MB) is over what
+# concurrency 1, 4, 16, 50) in four calls on one warm machine. The GGUF (98 MB) is over what
 # one call can carry, so it travels as four 24.6 MB pieces (`split -b 24590608 -d GGUF
 # .gpucache/q`), and the pure-Python `gguf` package in .gpucache/py:
 #   PHASE=a  carry .devbundle-fi .gpucache/q00     -> /tmp/gc/q00 (and FlashInfer unpacked)
-#   PHASE=b  carry .gpucache/q01 .gpucache/q02     -> /tmp/gc/q01, q02
+#   PHASE=b1 carry .gpucache/q01                   -> /tmp/gc/q01
+#   PHASE=b2 carry .gpucache/q02                   -> /tmp/gc/q02 (two pieces and the tree pass
+#                                                     the 64 MiB a call carries)
 #   PHASE=c  carry .gpucache/q03 .gpucache/py      -> join, check md5, import, run the sweep
 # Issue each call within 30 s of the last (an idle machine goes back, and /tmp with it).
 set -u
@@ -13,9 +15,10 @@ export PYTHONUNBUFFERED=1
 mkdir -p /tmp/gc
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-case "${PHASE:?set PHASE=a, b or c}" in
+case "${PHASE:?set PHASE=a, b1, b2 or c}" in
   a) source benchmarks/gpu_env.sh; cp .gpucache/q00 /tmp/gc/; ls -la /tmp/gc ;;
-  b) cp .gpucache/q01 .gpucache/q02 /tmp/gc/; ls -la /tmp/gc ;;
+  b1) cp .gpucache/q01 /tmp/gc/; ls -la /tmp/gc ;;
+  b2) cp .gpucache/q02 /tmp/gc/; ls -la /tmp/gc ;;
   c)
     source benchmarks/gpu_env.sh
     cp .gpucache/q03 /tmp/gc/
