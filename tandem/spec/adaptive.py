@@ -25,7 +25,8 @@ The estimates are exponentially weighted: a round that proposed k drafts and acc
 observes positions 1..a as accepted and position a+1 (if a < k) as rejected; positions past
 a+1 are not observed (the estimate is conditional). A request that does not draft is not
 observed; its estimate relaxes toward the prior at `relax` per step, so a muted request (or a
-whole engine stuck at k = 0) drafts again after a while and is measured afresh.
+whole engine stuck at k = 0, or in the plain regime: `plain_step`) drafts again after a while
+and is measured afresh.
 """
 
 from __future__ import annotations
@@ -209,7 +210,8 @@ class KPolicy(Protocol):
 
     # A policy may also offer `plain_wins(batch_size) -> bool` (AdaptivePolicy does): whether
     # plain engine steps beat every round at that batch size. `SpecScheduler.plain_regime`
-    # asks it; a policy without it never runs the plain regime.
+    # asks it; a policy without it never runs the plain regime. And `plain_step() -> None`,
+    # told of each plain-regime step the scheduler runs without asking.
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +232,11 @@ class FixedK:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdaptiveSettings:
-    alpha: float = 0.1  # EWMA weight of one observation
+    alpha: float = 0.1  # EWMA weight of one observation in a request's own estimate
+    # ... in the engine-wide one, which prices the plain regime: it pools every request's
+    # rounds, so a slower average (~50 observations) keeps a run of unlucky rounds from
+    # flipping the engine to plain decoding where rounds pay by ~10% (SmolLM2, H100)
+    overall_alpha: float = 0.02
     prior: float = 0.6  # P(accepted) at every position before anything is observed
     relax: float = 0.02  # per unobserved step, the pull back toward the prior
     # per step of the plain regime (no request drafts): slower, so that trying speculation
@@ -238,7 +244,7 @@ class AdaptiveSettings:
     plain_relax: float = 0.002
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "prior", "relax", "plain_relax"):
+        for name in ("alpha", "overall_alpha", "prior", "relax", "plain_relax"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
 
@@ -287,14 +293,21 @@ class AdaptivePolicy:
                     for k in range(1, self.max_k + 1)), default=0.0)
         wins = 1.0 / plain >= best
         if wins:
-            self.overall = relax(self.overall, self._prior(), self.settings.plain_relax)
+            self.plain_step()
         return wins
 
+    def plain_step(self) -> None:
+        """A step of the plain regime, asked or not (while every request the engine holds is
+        plain, the engine runs plain steps without asking `plain_wins`): unobserved, so the
+        engine-wide estimate relaxes toward the prior and a later request drafts again."""
+        self.overall = relax(self.overall, self._prior(), self.settings.plain_relax)
+
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
-        a = self.settings.alpha
-        self.overall = ewma_update(self.overall, num_drafts, num_accepted, a)
-        own = self.per_request.get(req_id, self.overall)
-        self.per_request[req_id] = ewma_update(own, num_drafts, num_accepted, a)
+        own = self.per_request.get(req_id, self.overall)  # (before this round counts in it)
+        self.overall = ewma_update(self.overall, num_drafts, num_accepted,
+                                   self.settings.overall_alpha)
+        self.per_request[req_id] = ewma_update(own, num_drafts, num_accepted,
+                                               self.settings.alpha)
 
     def forget(self, req_id: str) -> None:
         self.per_request.pop(req_id, None)

@@ -22,7 +22,6 @@ configuration (`DraftHeadConfig`, read from config.json) is in `tandem.spec.head
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -38,7 +37,8 @@ from tandem.engine.layers.norm import RMSNorm
 from tandem.engine.layers.rotary import RotaryEmbedding
 from tandem.engine.models.decoder import DecoderLM
 from tandem.engine.parallel import ParallelGroup
-from tandem.spec.head_config import DraftHeadConfig, DraftHeadError, HeadKind
+from tandem.spec.head_config import (DraftHeadConfig, DraftHeadError, detect_kind,
+                                     read_head_checkpoint)
 
 # Checkpoint tensors a head may carry beyond what it loads (t2d is derivable from d2t).
 _OPTIONAL_KEYS = frozenset({"t2d", "embed_tokens.weight"})
@@ -246,29 +246,38 @@ class EagleHead(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n, H] -> (target ids [n, k] int64, log-probs [n, k] float32), best first. k = 1 (chain
-        drafting) takes a max and a logsumexp over the logits instead of a log-softmax and a
-        radix top-k: 3 kernels instead of ~25 (~60 us a draft step on an H200 at 32k rows);
-        ties go to the lowest id."""
+        """[n, H] -> (target ids [n, k] int64, log-probs [n, k] float32), best first. k = 1: a max
+        and a logsumexp, not a log-softmax and a radix top-k (3 kernels instead of ~25, ~60 us
+        a draft step on an H200 at 32k rows); ties go to the lowest id."""
         if k == 1:
             logits = self._local_logits(hidden)  # [n, V_local]
             best, ids = logits.max(dim=-1, keepdim=True)  # [n, 1]
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
-            if self.vocab_sharded:  # every rank's best, its draft id and normalizer
-                mine = torch.cat([best, (ids + self.vocab_start).float(), lse], dim=-1)
-                every = self.tp.all_gather_last_dim(mine).view(-1, self.tp.size, 3)  # [n, tp, 3]
-                # the first rank holding the largest value: ties go to the lowest id, as above
-                rank = every[:, :, 0].argmax(dim=-1, keepdim=True)  # [n, 1]
-                best = every[:, :, 0].gather(1, rank)
-                ids = every[:, :, 1].gather(1, rank).long()  # float32 holds ids < 2^24 exactly
-                lse = torch.logsumexp(every[:, :, 2], dim=-1, keepdim=True)
+            if self.vocab_sharded:
+                best, ids, lse = self._combine(best, ids, lse)
             return self.to_target_ids(ids), best - lse
         logp, ids = torch.topk(self.log_probs(hidden), k, dim=-1)
         return self.to_target_ids(ids), logp
 
     def top1(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, H] -> [n] int64 the target id of each row's most likely draft token."""
-        return self.topk(hidden, 1)[0][:, 0]
+        """[n, H] -> [n] int64: `topk(hidden, 1)`'s ids without its normalizer (chain steps never
+        read the log-prob; the logsumexps were ~12 of a sharded step's launches)."""
+        best, ids = self._local_logits(hidden).max(dim=-1, keepdim=True)  # [n, 1] each
+        if self.vocab_sharded:
+            _, ids, _ = self._combine(best, ids, None)
+        return self.to_target_ids(ids)[:, 0]
+
+    def _combine(self, best: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each rank's top-1 (best [n, 1] float32, local ids [n, 1], lse [n, 1] or None) -> the
+        global (best, draft ids, lse), one all-gather; ties to the first rank (lowest id)."""
+        cols = [best, (ids + self.vocab_start).float()] + ([lse] if lse is not None else [])
+        mine = torch.cat(cols, dim=-1)  # [n, C]; float32 holds ids < 2^24 exactly
+        every = self.tp.all_gather_last_dim(mine).view(-1, self.tp.size, len(cols))  # [n, tp, C]
+        rank = every[:, :, 0].argmax(dim=-1, keepdim=True)  # [n, 1]
+        won = every.gather(1, rank[:, :, None].expand(-1, 1, len(cols)))[:, 0]  # [n, C]
+        lse = None if lse is None else torch.logsumexp(every[:, :, 2], dim=-1, keepdim=True)
+        return won[:, :1], won[:, 1:2].long(), lse
 
     # ---- weights ----------------------------------------------------------------------------
 
@@ -381,35 +390,6 @@ class EagleHead(nn.Module):
         first = "midlayer" if self.cfg.kind == "eagle3" else "layers.0"
         return [(first, (self.attn, self.mlp))] + [
             (f"layers.{i}", (layer.attn, layer.mlp)) for i, layer in enumerate(self.later, 1)]
-
-
-def read_head_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, tensors) from a head directory (safetensors or pytorch_model.bin)."""
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise DraftHeadError(f"{path}: no config.json in the draft head directory")
-    raw = json.loads(cfg_path.read_text())
-    state: dict[str, torch.Tensor] = {}
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
-        for f in files:
-            state.update(load_file(str(f)))
-    elif (path / "pytorch_model.bin").is_file():
-        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise DraftHeadError(f"{path}: no model.safetensors or pytorch_model.bin")
-    return raw, state
-
-
-def detect_kind(state: dict[str, torch.Tensor]) -> HeadKind:
-    if any(k.startswith("midlayer.") for k in state):
-        return "eagle3"
-    if any(k.startswith("layers.0.") for k in state):
-        return "eagle"
-    raise DraftHeadError("draft checkpoint has neither 'layers.0.*' (EAGLE) nor 'midlayer.*' "
-                         "(EAGLE-3) tensors")
 
 
 def load_head(path: Path, target: DecoderLM, dtype: torch.dtype, device: torch.device,

@@ -1,14 +1,19 @@
 """A draft head's configuration: its kind (EAGLE-1/2 or EAGLE-3), its shape, and the target
 layers whose features it reads -- validated when built, from the target's config
-(`like_target`) or from a head checkpoint's config.json (`from_json`, `to_json` writes it).
+(`like_target`) or from a head checkpoint's config.json (`from_json`, `to_json` writes it) --,
+and a checkpoint directory's files and kind (`read_head_checkpoint`, `detect_kind`).
 
-The network itself (`EagleHead`) and its checkpoint loading live in `tandem.spec.head`.
+The network itself (`EagleHead`) and its weight loading live in `tandem.spec.head`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+import torch
 
 from tandem.engine.config import ModelConfig, RopeScaling, _parse_rope
 
@@ -138,3 +143,32 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     if len(picks) < 2:
         picks = sorted({0, n - 1})
     return tuple(picks)
+
+
+def read_head_checkpoint(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, tensors) from a head directory (safetensors or pytorch_model.bin)."""
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise DraftHeadError(f"{path}: no config.json in the draft head directory")
+    raw = json.loads(cfg_path.read_text())
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        for f in files:
+            state.update(load_file(str(f)))
+    elif (path / "pytorch_model.bin").is_file():
+        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise DraftHeadError(f"{path}: no model.safetensors or pytorch_model.bin")
+    return raw, state
+
+
+def detect_kind(state: dict[str, torch.Tensor]) -> HeadKind:
+    if any(k.startswith("midlayer.") for k in state):
+        return "eagle3"
+    if any(k.startswith("layers.0.") for k in state):
+        return "eagle"
+    raise DraftHeadError("draft checkpoint has neither 'layers.0.*' (EAGLE) nor 'midlayer.*' "
+                         "(EAGLE-3) tensors")

@@ -74,12 +74,17 @@ class SpecScheduler:
         how they were proposed), and the regime never leaves a seed stale. New requests are
         plain too while it holds; once speculation looks worth it again, new requests draft
         and the plain ones finish plain -- in plain engine steps while every request the
-        engine holds is plain (none could draft), without asking the policy."""
+        engine holds is plain (none could draft), without asking the policy, which hears of
+        each such step (`plain_step`: its estimate relaxes toward the prior, or an engine that
+        turned plain once would never draft again)."""
         wins = getattr(self.policy, "plain_wins", None)
         held = self.scheduler.requests.keys()
         if not allowed or wins is None or not held:
             return False
         if held <= self._plain:
+            step = getattr(self.policy, "plain_step", None)
+            if step is not None:  # unasked, but a plain step all the same
+                step()
             return True
         if not wins(min(len(held), self.scheduler.max_num_seqs)):
             return False

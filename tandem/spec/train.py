@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
-from tandem.spec.head import EagleHead, detect_kind, read_head_checkpoint
-from tandem.spec.head_config import DraftHeadConfig, DraftHeadError, HeadKind
+from tandem.spec.head import EagleHead
+from tandem.spec.head_config import (DraftHeadConfig, DraftHeadError, HeadKind, detect_kind,
+                                     read_head_checkpoint)
 from tandem.spec.train_data import (Sample, SelfPromptConfig, build_prompts, generate_samples,
                                      read_samples, self_prompts, unanswered)
 from tandem.spec.ttt import target_log_probs, ttt_forward, ttt_loss

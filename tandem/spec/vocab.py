@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.spec.head import detect_kind, read_head_checkpoint
-from tandem.spec.head_config import DraftHeadError
+from tandem.spec.head_config import DraftHeadError, detect_kind, read_head_checkpoint
 from tandem.spec.train_data import Sample
 
 

@@ -57,7 +57,7 @@ def test_plain_wins_where_a_plain_step_beats_the_best_round():
 def test_the_plain_regime_relaxes_the_estimate_toward_the_prior_slowly():
     pol = AdaptivePolicy(table=table((0.7, 3.0)), max_k=3,
                          settings=AdaptiveSettings(plain_relax=0.01))
-    for _ in range(10):
+    for _ in range(60):
         pol.observe("a", 3, 0)  # drafts that never land
     low = pol.overall
     assert pol.plain_wins(1)
@@ -67,6 +67,34 @@ def test_the_plain_regime_relaxes_the_estimate_toward_the_prior_slowly():
         steps += 1
         assert steps < 2000
     assert steps > 20
+
+
+def test_unasked_plain_steps_relax_the_estimate_too():
+    """While every request is plain the engine runs plain steps without asking `plain_wins`,
+    and tells the policy of each (`plain_step`): an engine that went plain comes back."""
+    pol = AdaptivePolicy(table=table((0.7, 3.0)), max_k=3,
+                         settings=AdaptiveSettings(plain_relax=0.01))
+    for _ in range(60):
+        pol.observe("a", 3, 0)
+    assert pol.plain_wins(1)
+    for _ in range(500):
+        pol.plain_step()
+    assert not pol.plain_wins(1)
+
+
+def test_the_engine_wide_estimate_moves_slower_than_a_request_s():
+    """One request's rounds move its own estimate by alpha and the engine-wide one (which
+    prices the plain regime) by overall_alpha: a few unlucky rounds do not turn the engine
+    plain where rounds pay."""
+    pol = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3,
+                         settings=AdaptiveSettings(alpha=0.1, overall_alpha=0.02))
+    for _ in range(5):
+        pol.observe("a", 3, 0)
+    assert pol.per_request["a"][0] == pytest.approx(0.6 * 0.9**5)
+    assert pol.overall[0] == pytest.approx(0.6 * 0.98**5)
+    assert not pol.plain_wins(1)
+    with pytest.raises(ValueError, match="overall_alpha"):
+        AdaptiveSettings(overall_alpha=1.5)
 
 
 def test_the_plain_cost_round_trips_and_is_checked():
@@ -91,6 +119,10 @@ class ForcedRegime:
     def __init__(self, regime: tuple[bool, ...], k: int = 3) -> None:
         self.regime, self.k = itertools.cycle(regime), k
         self.asked: list[bool] = []
+        self.unasked = 0  # plain-regime steps the engine ran without asking
+
+    def plain_step(self) -> None:
+        self.unasked += 1
 
     def plain_wins(self, batch_size: int) -> bool:
         assert batch_size >= 1
@@ -147,6 +179,7 @@ def test_greedy_equals_plain_across_regime_switches(bs, overlap):
     assert not [p for p in prefill_plans
                 if all(c.req_id in made_plain and len(c.token_ids) == 1 for c in p.chunks)]
     assert True in policy.asked and eng.spec_stats.num_rounds > 0
+    assert policy.unasked > 0  # the policy heard of the plain steps it was not asked about
     want = reference(model, first + later, greedy(30))
     assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
     assert_pages_free(eng)
