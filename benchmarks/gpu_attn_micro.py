@@ -1,0 +1,139 @@
+"""Decode attention at batch 1-8 on the GPU: FlashInfer's paged decode (what plain decode graphs
+run: tensor-core kernel + split-KV merge, planned on the host) against tandem's device-metadata
+paged decode (`kernels.triton_ops.paged_decode`: what chain drafting, verify and draft-extend
+run), with its merge in the split kernel or as a second launch, over split counts.
+
+Each case first checks the Triton output against FlashInfer's (relative error), then times 64
+calls captured back to back in one CUDA graph, each over its own layer's pages (32 KV layers,
+so the keys come from HBM as in a model, not L2): us per call, the graph's gaps included.
+
+    source benchmarks/gpu_env.sh; python3 benchmarks/gpu_attn_micro.py --out $OUT
+Writes $OUT/gpu_attn_micro.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+import torch  # noqa: E402
+
+from tandem.engine.attention.device_decode import decode_splits  # noqa: E402
+from tandem.engine.kernels import triton_ops  # noqa: E402
+
+PAGE = 16
+LAYERS = 32
+CALLS = 64
+# (name, Hq, Hkv, D, context, batch): SmolLM2-135M, Llama-3.1-8B per TP rank (TP 1 and 2)
+CASES = [
+    ("smollm2 b1", 9, 3, 64, 516, 1), ("smollm2 b8", 9, 3, 64, 516, 8),
+    ("8b-tp2 b1", 16, 4, 128, 1071, 1), ("8b-tp2 b8", 16, 4, 128, 1071, 8),
+    ("8b-tp1 b1", 32, 8, 128, 1071, 1), ("8b-tp1 b8", 32, 8, 128, 1071, 8),
+    ("8b-tp1 b1 4k", 32, 8, 128, 4096, 1),
+]
+
+
+def graph_us(fn, calls: int = CALLS, reps: int = 20) -> float:
+    """us per call of `fn(i)` (i = 0 .. calls-1) captured back to back in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_case(name, hq, hkv, d, ctx, bs, fi, dev) -> dict:
+    g = torch.Generator(dev).manual_seed(0)
+    pages_per_seq = -(-ctx // PAGE)
+    num_pages = bs * pages_per_seq + 1
+    caches = [torch.randn(num_pages, 2, PAGE, hkv, d, device=dev, generator=g,
+                          dtype=torch.bfloat16) for _ in range(LAYERS)]
+    q = torch.randn(bs, hq, d, device=dev, generator=g, dtype=torch.bfloat16)
+    table = (torch.randperm(num_pages - 1, device=dev, generator=g)[: bs * pages_per_seq] + 1
+             ).view(bs, pages_per_seq).to(torch.int32)  # [B, P]
+    lens = torch.full((bs,), ctx, dtype=torch.int64, device=dev)
+    scale = d ** -0.5
+    row = {"case": name, "hq": hq, "hkv": hkv, "d": d, "ctx": ctx, "batch": bs}
+
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    indptr = torch.arange(bs + 1, dtype=torch.int32, device=dev) * pages_per_seq
+    last = torch.full((bs,), ctx - (pages_per_seq - 1) * PAGE, dtype=torch.int32, device=dev)
+    ids = table.reshape(-1).contiguous()
+    wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+        paged_kv_indices_buffer=ids, paged_kv_last_page_len_buffer=last, backend="fa2")
+    wrapper.plan(indptr.cpu(), ids, last.cpu(), hq, hkv, d, PAGE, q_data_type=torch.bfloat16,
+                 kv_data_type=torch.bfloat16, sm_scale=scale)
+    want = wrapper.run(q, caches[0]).float()
+    row["flashinfer_us"] = graph_us(lambda i: wrapper.run(q, caches[i % LAYERS]))
+
+    default = decode_splits(ctx + 512)
+    for splits in sorted({default, 4, 8, 16, 32}):
+        for fused in ("1", "0"):
+            os.environ["TANDEM_FUSED_MERGE"] = fused
+            got = triton_ops.paged_decode(q, caches[0], table, lens, scale, splits).float()
+            err = ((got - want).norm() / want.norm()).item()
+            us = graph_us(lambda i, s=splits: triton_ops.paged_decode(
+                q, caches[i % LAYERS], table, lens, scale, s))
+            key = f"triton_s{splits}_{'fused' if fused == '1' else 'merge'}"
+            row[key + "_us"], row[key + "_rel_err"] = us, err
+    os.environ.pop("TANDEM_FUSED_MERGE")
+    row["default_splits"] = default
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import flashinfer
+
+    dev = torch.device("cuda")
+    res = {"env": {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                   "flashinfer": flashinfer.__version__, "torch": torch.__version__},
+           "rows": []}
+    for case in CASES:
+        row = run_case(*case, flashinfer, dev)
+        res["rows"].append(row)
+        (args.out / "gpu_attn_micro.json").write_text(json.dumps(res, indent=1))
+        best = min((k for k in row if k.startswith("triton_") and k.endswith("_us")),
+                   key=row.get)
+        s = row["default_splits"]
+        print(f"{row['case']:14s} flashinfer {row['flashinfer_us']:6.2f} us | default s{s} "
+              f"fused {row[f'triton_s{s}_fused_us']:6.2f} merge "
+              f"{row[f'triton_s{s}_merge_us']:6.2f} | best {best} {row[best]:6.2f} "
+              f"(err {row[best.replace('_us', '_rel_err')]:.1e})", flush=True)
+        for k in sorted(row):
+            if k.endswith("_us") and k.startswith("triton"):
+                print(f"    {k:28s} {row[k]:7.2f}")
+    print(json.dumps(res["env"]))
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
