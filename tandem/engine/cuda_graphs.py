@@ -6,8 +6,10 @@ layers -> logits) once per padded batch size and replays it. A batch of n sequen
 the graph of the smallest captured size >= n; the caller pads the batch with
 `pad_decode_slices`, whose rows attend to and write only the reserved scratch page 0.
 
-Attention is planned (host work) before each replay into buffers that never move (the
-backend's `graph_decode_planner`), so the captured kernels read the new page tables.
+Attention is planned before each replay into buffers that never move, so the captured kernels
+read the new page tables: on CUDA by `DeviceDecodePlanner` (page tables copied on the device,
+tandem's paged-decode kernel; TANDEM_DEVICE_DECODE=0: off), else by the backend's
+`graph_decode_planner` (host work: FlashInfer's plan).
 
 With DP attention every rank replays the graph of the same size (the engine agrees on it each
 step) and the MLP's gather of the DP ranks' rows takes its counts from the size -- every TP
@@ -17,12 +19,14 @@ exchanging them (a host read a graph cannot hold).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tandem.engine.attention.device_decode import DeviceDecodePlanner
 from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.runner import ForwardBatch, ModelRunner
@@ -69,7 +73,10 @@ class DecodeGraphRunner:
     scratch page; nothing is re-captured, so buffers keep their addresses for life."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int],
-                 max_pages_per_seq: int, par: ParallelContext | None = None) -> None:
+                 max_pages_per_seq: int, par: ParallelContext | None = None,
+                 device_metadata: bool | None = None) -> None:
+        """device_metadata: plan through `DeviceDecodePlanner` (None: on CUDA unless
+        TANDEM_DEVICE_DECODE=0), else through the backend's `graph_decode_planner`."""
         planner_factory = getattr(runner.backend, "graph_decode_planner", None)
         if planner_factory is None:
             raise ValueError(f"attention backend '{runner.backend.name}' cannot replay graphs")
@@ -78,7 +85,13 @@ class DecodeGraphRunner:
         max_bs = self.batch_sizes[-1]
         self.page_size = runner.kv_pool.page_size
         device = runner.kv_pool.layer(runner.kv_group, 0).device
-        self._planner = planner_factory(max_bs, max_bs * max_pages_per_seq)
+        if device_metadata is None:
+            device_metadata = (device.type == "cuda"
+                               and os.environ.get("TANDEM_DEVICE_DECODE", "1") != "0")
+        self.device_metadata = device_metadata
+        self._planner = (
+            DeviceDecodePlanner(max_bs, max_pages_per_seq, self.page_size, device)
+            if device_metadata else planner_factory(max_bs, max_bs * max_pages_per_seq))
         self._input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
         self._positions = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
         self._graphs: dict[int, _Captured] = {}
@@ -130,8 +143,8 @@ class DecodeGraphRunner:
         plan = self._planner.plan(attn)  # rewrites the captured wrapper's buffers in place
         if captured.graph is None:  # eager mode (CPU tests)
             return self._body(bs, plan)[batch.logits_indices]
-        assert plan.wrapper is captured.plan.wrapper and plan.slot_ids.data_ptr() == \
-            captured.plan.slot_ids.data_ptr()
+        assert getattr(plan, "wrapper", None) is getattr(captured.plan, "wrapper", None)
+        assert plan.slot_ids.data_ptr() == captured.plan.slot_ids.data_ptr()
         captured.graph.replay()
         return captured.logits[batch.logits_indices]  # advanced indexing: a new tensor
 

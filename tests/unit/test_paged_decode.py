@@ -16,6 +16,13 @@ require_triton_interpreter()  # before triton is first imported
 from tandem.engine.kernels import ops, torch_ops, triton_ops
 
 PAGE_SIZE, D = 16, 64
+
+
+@pytest.fixture(autouse=True)
+def given_splits(monkeypatch):
+    """The kernels run the split count each test names (a launch of few programs would
+    otherwise split finer: `decode_split_count`, tested on its own below)."""
+    monkeypatch.setattr(triton_ops, "PAGED_DECODE_PROGRAMS", 1)
 # (B, kv_lens): one sequence longer than a 32-key block; three mixing the other edges.
 BATCHES = [(1, [40]), (3, [1, 17, 5]), (3, [16, 40, 1])]
 HEADS = [(4, 1), (8, 2), (2, 2)]  # (Hq, Hkv): G = 4, 4, 1
@@ -121,50 +128,16 @@ def test_dispatch_takes_triton_on_a_triton_device_and_the_twin_elsewhere(monkeyp
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4, 7])
-@pytest.mark.parametrize(("hq", "hkv"), HEADS)
-def test_merge_in_the_split_kernel_equals_the_merge_kernel(hq, hkv, num_splits, monkeypatch):
-    """The split kernel's last program per (sequence, KV head) merges (one launch) exactly as
-    the merge kernel does (TANDEM_FUSED_MERGE=0): bit for bit, and each counter is back to zero
-    afterwards (a graph replays the launch with the same counters)."""
-    q, cache, table, lens = _case(9, [5, 40, 17], hq, hkv, torch.float32)
-    monkeypatch.setattr(triton_ops, "_merge_counts", {})
-    monkeypatch.setattr(triton_ops, "torch", _NanScratch())  # a merge too early reads NaN
-    fused = triton_ops.paged_decode(q, cache, table, lens, D**-0.5, num_splits)
-    counts = triton_ops._merge_counts[q.device]
-    assert counts.numel() >= 3 * hkv and not counts.any()
-    monkeypatch.setenv("TANDEM_FUSED_MERGE", "0")
-    launches = []
-    real = triton_ops._paged_decode_merge_kernel
-    monkeypatch.setattr(triton_ops, "_paged_decode_merge_kernel",
-                        _Spy(real, launches))
-    apart = triton_ops.paged_decode(q, cache, table, lens, D**-0.5, num_splits)
-    assert launches == [1]
-    assert torch.equal(fused, apart)
-    monkeypatch.delenv("TANDEM_FUSED_MERGE")
-    again = triton_ops.paged_decode(q, cache, table, lens, D**-0.5, num_splits)
-    assert launches == [1] and torch.equal(again, fused)
-
-
-class _NanScratch:
-    """torch, except that torch.empty's float tensors start as NaN (the CPU allocator hands
-    back the previous call's bytes, which would hide a merge of unwritten partials)."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs) -> torch.Tensor:
-        out = torch.empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-
-class _Spy:
-    """Counts launches of a Triton kernel (kernel[grid](...)) and runs it."""
-
-    def __init__(self, kernel, launches: list) -> None:
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(1)
-        return self.kernel[grid]
+def test_a_small_launch_splits_finer_up_to_32():
+    """512 programs wanted: batch 1 x 4 KV heads -> 32 splits (capped), 8 x 4 -> 16, 8 x 8 at
+    an engine count of 7 -> 8; never fewer than the engine's count."""
+    count = triton_ops.decode_split_count
+    assert triton_ops.PAGED_DECODE_PROGRAMS == 1  # (the fixture)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_ops, "PAGED_DECODE_PROGRAMS", 512)
+        assert [count(7, 1, 4), count(7, 8, 4), count(7, 8, 8), count(7, 64, 8)] == [32, 16, 8, 7]
+        assert count(40, 1, 1) == 40
+        q, cache, table, lens = _case(10, [5, 40, 17], 8, 2, torch.float32)
+        got = triton_ops.paged_decode(q, cache, table, lens, D**-0.5, 1)  # 3 x 2: 32 splits
+    want = torch_ops.paged_decode(q, cache, table, lens, D**-0.5, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

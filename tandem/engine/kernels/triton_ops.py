@@ -247,6 +247,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> new [T, I
 # planning. Shapes depend on (B, Hq, D, num_splits) only.
 
 PAGED_DECODE_BLOCK_N = 32  # keys per inner step: 2 steps at 40 keys exercise the rescaling
+# Split programs a launch aims for: a small batch splits its keys finer than the engine's
+# count (a function of the context alone) asks. On an H100 (benchmarks/gpu_attn_micro.py,
+# graphs over 32 layers' pages) the best launch had 256-512 programs: Llama-8B per TP-2 rank
+# (4 KV heads, 1,071 keys) at batch 1 took 8.5 us at 32 splits against 11.8 at 7 (FlashInfer's
+# decode 11.4), at batch 8 13.6 at 16; SmolLM2 (3 KV heads, 516 keys) at batch 1 4.7 at 32.
+PAGED_DECODE_PROGRAMS = 512
+PAGED_DECODE_MAX_SPLITS = 32
+
+
+def decode_split_count(num_splits: int, batch: int, num_kv_heads: int) -> int:
+    """The splits a launch of `batch` rows x `num_kv_heads` runs: at least `num_splits` (the
+    engine's, from its longest context), more while the launch has fewer programs than
+    PAGED_DECODE_PROGRAMS (up to 32). A function of the shapes only: a CUDA graph and an
+    eager call of one shape sum in the same order."""
+    want = -(-PAGED_DECODE_PROGRAMS // max(1, batch * num_kv_heads))
+    return max(num_splits, min(PAGED_DECODE_MAX_SPLITS, want))
 
 
 @triton.jit
@@ -284,16 +300,13 @@ def _paged_decode_block(
 def _paged_decode_split_kernel(
     q_ptr, cache_ptr, table_ptr, lens_ptr, part_ptr, lse_ptr,
     stride_qb, stride_qh, stride_cp, stride_ckv, stride_ct, stride_ch, stride_tb, stride_tp,
-    stride_len, scale, num_q_heads, group, num_splits, count_ptr, out_ptr, stride_ob, stride_oh,
+    stride_len, scale, num_q_heads, group, num_splits,
     PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Program (b, kv_head, split): the `group` query heads of kv_head over split's chunk of
     sequence b's keys. Writes part [B, Hq, S, D] float32 (softmax-weighted V of the chunk, already
-    normalised) and lse [B, Hq, S] float32 (log-sum-exp of the chunk's scores; -inf if empty).
-    MERGE: the last of the (b, kv_head) programs to finish (a counter in count_ptr [B * Hkv]
-    int32, zero between launches: that program sets it back) merges its GROUP heads into out,
-    as `_paged_decode_merge_kernel` would, so one launch does both."""
+    normalised) and lse [B, Hq, S] float32 (log-sum-exp of the chunk's scores; -inf if empty)."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -336,16 +349,6 @@ def _paged_decode_split_kernel(
     row = (b * num_q_heads + heads) * num_splits + split  # [BLOCK_G] (b, head, split) rows
     tl.store(part_ptr + row[:, None] * D + d[None, :], out, mask=g_mask[:, None])
     tl.store(lse_ptr + row, lse, mask=g_mask)
-    if MERGE:
-        # Every thread's stores happen before the release; the acquire that sees the count
-        # reach num_splits orders the other programs' stores before the loads below (L2 only).
-        tl.debug_barrier()
-        count = count_ptr + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            for gi in tl.static_range(GROUP):
-                _merge_head(part_ptr, lse_ptr, out_ptr, b, kv_head * GROUP + gi, stride_ob,
-                            stride_oh, num_q_heads, num_splits, D, BLOCK_S)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -353,52 +356,21 @@ def _paged_decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, num_q_heads, num_splits,
     D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Program (b, head): `_merge_head`."""
-    _merge_head(part_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-                stride_ob, stride_oh, num_q_heads, num_splits, D, BLOCK_S)
-
-
-@triton.jit
-def _merge_head(part_ptr, lse_ptr, out_ptr, b, head, stride_ob, stride_oh, num_q_heads,
-                num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """out[b, head] = sum_s w_s part_s / sum_s w_s, w_s = exp(lse_s - max lse). A sequence
-    without keys (lse all -inf) gets a zero row instead of NaN. Loads bypass L1 (.cg): other
-    programs wrote part and lse during this launch when the split kernel merges."""
+    """Program (b, head): out = sum_s w_s part_s / sum_s w_s, w_s = exp(lse_s - max lse).
+    A sequence without keys (lse all -inf) gets a zero row instead of NaN."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
     s_mask = s < num_splits
     row = (b * num_q_heads + head) * num_splits + s  # [BLOCK_S]
-    lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.exp(lse - tl.where(m > float("-inf"), m, 0.0))  # [BLOCK_S], 0 for empty splits
-    parts = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0,
-                    cache_modifier=".cg")  # [BLOCK_S, D]
+    parts = tl.load(part_ptr + row[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)  # [D] float32
     tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
-
-
-# One counter per (sequence, KV head) for the split kernel's merge, per device, zero between
-# launches. Grown (never during a capture) into a new buffer; old ones stay alive for the
-# graphs that captured them. One stream per device runs attention (graphs replay in turn).
-_merge_counts: dict[torch.device, torch.Tensor] = {}
-_retired_counts: list[torch.Tensor] = []
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """int32 [>= n] zeros for `_paged_decode_split_kernel`'s MERGE; None when off
-    (TANDEM_FUSED_MERGE=0) or when the buffer would have to grow inside a CUDA graph capture."""
-    if os.environ.get("TANDEM_FUSED_MERGE", "1") == "0":
-        return None
-    buf = _merge_counts.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _retired_counts.append(buf)
-        buf = _merge_counts[device] = torch.zeros(max(n, 4096), dtype=torch.int32,
-                                                  device=device)
-    return buf
 
 
 def paged_decode(
@@ -407,8 +379,8 @@ def paged_decode(
 ) -> torch.Tensor:
     """q [B, Hq, D]; kv_cache [num_pages, 2, page_size, Hkv, D] (last dim contiguous);
     page_table [B, P] int32; kv_lens [B] int32/int64 on the device -> new [B, Hq, D] q.dtype.
-    One launch, no host sync: the split kernel (B, Hkv, num_splits), whose last program per
-    (sequence, KV head) merges; with TANDEM_FUSED_MERGE=0 a second, the merge (B, Hq)."""
+    Two launches, no host sync: the split kernel (B, Hkv, S), the merge (B, Hq); S is
+    `decode_split_count(num_splits, B, Hkv)`."""
     batch, num_q_heads, d = q.shape
     page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     assert d >= 16 and d & (d - 1) == 0, f"head_dim {d}: needs a power of two >= 16"
@@ -416,6 +388,7 @@ def paged_decode(
     assert kv_cache.dtype == q.dtype and kv_cache.stride(4) == 1
     assert page_table.dtype == torch.int32 and kv_lens.dim() == 1
     group = num_q_heads // num_kv_heads
+    num_splits = decode_split_count(num_splits, batch, num_kv_heads)
     q = q if q.stride(2) == 1 else q.contiguous()
     out = torch.empty(batch, num_q_heads, d, dtype=q.dtype, device=q.device)  # [B, Hq, D]
     if batch == 0:
@@ -424,21 +397,16 @@ def paged_decode(
                        device=q.device)  # [B, Hq, S, D] float32 per-split outputs
     lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
                       device=q.device)  # [B, Hq, S] float32 per-split log-sum-exp
-    counts = _merge_counters(q.device, batch * num_kv_heads)
-    block_s = triton.next_power_of_2(num_splits)
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, page_table, kv_lens, part, lse,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), page_table.stride(0), page_table.stride(1), kv_lens.stride(0),
-        scale, num_q_heads, group, num_splits, counts if counts is not None else lse, out,
-        out.stride(0), out.stride(1),
+        scale, num_q_heads, group, num_splits,
         PAGE_SIZE=page_size, D=d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=PAGED_DECODE_BLOCK_N, INTERPRET=INTERPRET, MERGE=counts is not None,
-        GROUP=group, BLOCK_S=block_s, num_warps=4,
+        BLOCK_N=PAGED_DECODE_BLOCK_N, INTERPRET=INTERPRET, num_warps=4,
     )
-    if counts is None:
-        _paged_decode_merge_kernel[(batch, num_q_heads)](
-            part, lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
-            D=d, BLOCK_S=block_s, num_warps=4,
-        )
+    _paged_decode_merge_kernel[(batch, num_q_heads)](
+        part, lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
+        D=d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+    )
     return out
