@@ -148,6 +148,13 @@ class DecodeGraphRunner:
         captured.graph.replay()
         return captured.logits[batch.logits_indices]  # advanced indexing: a new tensor
 
+    def eager(self, batch: ForwardBatch) -> torch.Tensor:
+        """`batch`'s forward as its replay runs it (the same planner, so the same kernels),
+        eagerly -> logits [n, V] float32: what `run` of the batch must equal bit for bit."""
+        plan = self._planner.plan(batch.attn)
+        return self.runner.forward_planned(batch.input_ids, batch.positions, plan,
+                                           batch.logits_indices).logits
+
     def replay_only(self, batch_size: int) -> None:
         """Replay without re-planning (benchmarks: pure GPU time of a step). The latest plan
         must be of this size (`run` a batch of it first): the planner's buffers are shared by

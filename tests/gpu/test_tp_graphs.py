@@ -67,7 +67,7 @@ def _rank(rank: int, port: int, model_dir: str, queue) -> None:
                                  positions=lay.positions, attn=lay.attn,
                                  logits_indices=torch.arange(3, device=dev))
             out[f"replay_equals_eager_{mode}"] = bool(torch.equal(eng.graphs.run(batch),
-                                                                 eng.runner.forward(batch).logits))
+                                                                 eng.graphs.eager(batch)))
             eng.allocator.free(pages)
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(3, 4096, (5 + 11 * i,), generator=g).tolist() for i in range(4)]
