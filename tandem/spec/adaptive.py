@@ -44,7 +44,9 @@ from typing import Protocol
 # after two warm-ups (one run after one warm-up put noise of 50% into batch-1 entries). 5: the
 # profiled table is its monotone envelope (`StepCostTable.envelope`). 6: rounds draft ahead
 # (spec/ahead.py) and the head shards over TP (spec/head.py): both change what a round costs.
-POLICY_VERSION = 6
+# 7: plain decode graphs plan on the device (engine/attention/device_decode.py), small decode
+# launches split finer, chain draft steps skip the normalizer: plain steps and rounds both.
+POLICY_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
