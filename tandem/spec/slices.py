@@ -14,13 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine import h2d
+from tandem.engine import h2d, kernels
 from tandem.engine.attention.metadata import (
     BatchLayout,
     SeqSlice,
     tree_mask,
 )
-from tandem.engine.attention.device_decode import DeviceDecodePlan, device_decode_plan
+from tandem.engine.attention.device_decode import DeviceDecodePlan
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
 from tandem.engine.h2d import build_layout
 from tandem.spec import kernels as spec_kernels
@@ -200,7 +200,7 @@ def device_rows_plan(table: torch.Tensor, base: torch.Tensor, rows_per_seq: int,
     (every row's K/V is stored before any attends). table [B, P] int32, base [B] int64 ->
     (the plan of B * rows_per_seq rows, their positions [B * rows_per_seq] int64). Pure tensor
     ops, no host read: what the speculative graphs capture instead of a host-planned prefill."""
-    offsets = torch.arange(rows_per_seq, device=base.device)  # [R]
-    positions = (base[:, None] + offsets[None, :]).reshape(-1)  # [B * R]
-    rows = table.repeat_interleave(rows_per_seq, dim=0)  # [B * R, P]
-    return device_decode_plan(rows, positions, page_size, num_splits), positions
+    positions, kv_lens, slots, rows = kernels.decode_rows_plan(table, base, rows_per_seq,
+                                                              page_size)  # [B * R] ...
+    return DeviceDecodePlan(page_table=rows, kv_lens=kv_lens, slot_ids=slots,
+                            num_splits=num_splits), positions

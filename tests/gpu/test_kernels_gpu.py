@@ -174,9 +174,11 @@ def test_rotary_store(tri, page_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("num_splits", [1, 4, 32])
-def test_paged_decode(tri, dtype, heads, num_splits):
+def test_paged_decode(dtype, heads, num_splits):
     """The device-metadata decode kernel (chain draft steps) == its float32 twin, and a CUDA
     graph of it replayed after the lengths changed on the device == a fresh call."""
+    from tandem.engine.kernels import triton_decode as tri
+
     hq, hkv, d = heads
     ps, pages = 16, 64
     g = torch.Generator(DEV).manual_seed(num_splits)

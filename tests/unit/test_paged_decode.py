@@ -13,7 +13,7 @@ from triton_interp import require_triton_interpreter
 
 require_triton_interpreter()  # before triton is first imported
 
-from tandem.engine.kernels import ops, torch_ops, triton_ops
+from tandem.engine.kernels import ops, torch_ops, triton_decode
 
 PAGE_SIZE, D = 16, 64
 
@@ -22,7 +22,7 @@ PAGE_SIZE, D = 16, 64
 def given_splits(monkeypatch):
     """The kernels run the split count each test names (a launch of few programs would
     otherwise split finer: `decode_split_count`, tested on its own below)."""
-    monkeypatch.setattr(triton_ops, "PAGED_DECODE_PROGRAMS", 1)
+    monkeypatch.setattr(triton_decode, "PAGED_DECODE_PROGRAMS", 1)
 # (B, kv_lens): one sequence longer than a 32-key block; three mixing the other edges.
 BATCHES = [(1, [40]), (3, [1, 17, 5]), (3, [16, 40, 1])]
 HEADS = [(4, 1), (8, 2), (2, 2)]  # (Hq, Hkv): G = 4, 4, 1
@@ -79,7 +79,7 @@ def test_twin_equals_dense_attention(seed, kv_lens, hq, hkv):
                                                enumerate(BATCHES)])
 def test_triton_equals_twin_float32(seed, kv_lens, hq, hkv, num_splits):
     q, cache, table, lens = _case(seed, kv_lens, hq, hkv, torch.float32)
-    got = triton_ops.paged_decode(q, cache, table, lens, D**-0.5, num_splits)
+    got = triton_decode.paged_decode(q, cache, table, lens, D**-0.5, num_splits)
     want = torch_ops.paged_decode(q, cache, table, lens, D**-0.5, num_splits)
     assert got.shape == q.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -89,7 +89,7 @@ def test_triton_equals_twin_float32(seed, kv_lens, hq, hkv, num_splits):
 @pytest.mark.parametrize(("hq", "hkv"), [(8, 2), (2, 2)])
 def test_triton_equals_twin_bf16_int64_lens(hq, hkv, num_splits):
     q, cache, table, lens = _case(5, [1, 17, 40], hq, hkv, torch.bfloat16)
-    got = triton_ops.paged_decode(q, cache, table, lens.long(), D**-0.5, num_splits)
+    got = triton_decode.paged_decode(q, cache, table, lens.long(), D**-0.5, num_splits)
     want = torch_ops.paged_decode(q, cache, table, lens, D**-0.5, num_splits)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -99,7 +99,7 @@ def test_split_count_does_not_change_the_result():
     """Splits only reorder the float32 sums: 1, 4 and 7 agree to rounding, with empty
     chunks (7 splits of 5 keys: chunks of 1, two empty)."""
     q, cache, table, lens = _case(6, [5, 40, 17], 8, 2, torch.float32)
-    outs = [triton_ops.paged_decode(q, cache, table, lens, 0.3, s) for s in (1, 4, 7)]
+    outs = [triton_decode.paged_decode(q, cache, table, lens, 0.3, s) for s in (1, 4, 7)]
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-6)
 
@@ -107,7 +107,7 @@ def test_split_count_does_not_change_the_result():
 def test_zero_length_gives_a_zero_row():
     """A graph-padding row with no keys gets zeros (no NaN) from both kernels."""
     q, cache, table, lens = _case(7, [0, 5], 4, 1, torch.float32)
-    for impl in (triton_ops, torch_ops):
+    for impl in (triton_decode, torch_ops):
         out = impl.paged_decode(q, cache, table, lens, D**-0.5, 4)
         assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].abs().sum() > 0
 
@@ -115,8 +115,8 @@ def test_zero_length_gives_a_zero_row():
 def test_dispatch_takes_triton_on_a_triton_device_and_the_twin_elsewhere(monkeypatch):
     q, cache, table, lens = _case(8, [17, 1], 4, 1, torch.float32)
     calls: list[str] = []
-    real = triton_ops.paged_decode
-    monkeypatch.setattr(triton_ops, "paged_decode",
+    real = triton_decode.paged_decode
+    monkeypatch.setattr(triton_decode, "paged_decode",
                         lambda *a: calls.append("triton") or real(*a))
     want = torch_ops.paged_decode(q, cache, table, lens, D**-0.5, 4)
     with torch.inference_mode():
@@ -131,13 +131,35 @@ def test_dispatch_takes_triton_on_a_triton_device_and_the_twin_elsewhere(monkeyp
 def test_a_small_launch_splits_finer_up_to_32():
     """512 programs wanted: batch 1 x 4 KV heads -> 32 splits (capped), 8 x 4 -> 16, 8 x 8 at
     an engine count of 7 -> 8; never fewer than the engine's count."""
-    count = triton_ops.decode_split_count
-    assert triton_ops.PAGED_DECODE_PROGRAMS == 1  # (the fixture)
+    count = triton_decode.decode_split_count
+    assert triton_decode.PAGED_DECODE_PROGRAMS == 1  # (the fixture)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_ops, "PAGED_DECODE_PROGRAMS", 512)
+        mp.setattr(triton_decode, "PAGED_DECODE_PROGRAMS", 512)
         assert [count(7, 1, 4), count(7, 8, 4), count(7, 8, 8), count(7, 64, 8)] == [32, 16, 8, 7]
         assert count(40, 1, 1) == 40
         q, cache, table, lens = _case(10, [5, 40, 17], 8, 2, torch.float32)
-        got = triton_ops.paged_decode(q, cache, table, lens, D**-0.5, 1)  # 3 x 2: 32 splits
+        got = triton_decode.paged_decode(q, cache, table, lens, D**-0.5, 1)  # 3 x 2: 32 splits
     want = torch_ops.paged_decode(q, cache, table, lens, D**-0.5, 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows_per_seq", [1, 5])
+def test_rows_plan_kernel_equals_its_twin(rows_per_seq):
+    """The decode rows' plan in one launch (positions base[b] + j, key counts, K/V slots, each
+    row's page-table row) == the torch twin, across page edges (page_size 16, bases 0, 14, 31
+    and 47 with 5 rows), a 3-page table over a scrambled pool, and j past a page boundary."""
+    g = torch.Generator().manual_seed(rows_per_seq)
+    table = torch.randperm(40, generator=g)[:12].view(4, 3).to(torch.int32)  # [B, P]
+    base = torch.tensor([0, 14, 31, 27], dtype=torch.int64)
+    got = triton_decode.decode_rows_plan(table, base, rows_per_seq, PAGE_SIZE)
+    want = torch_ops.decode_rows_plan(table, base, rows_per_seq, PAGE_SIZE)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    positions, lens, slots, rows = want
+    assert positions.tolist()[: rows_per_seq] == list(range(rows_per_seq))
+    assert torch.equal(lens, positions + 1) and rows.shape == (4 * rows_per_seq, 3)
+    b, j = 1, rows_per_seq - 1  # row j of sequence 1: position 14 + j
+    pos = 14 + j
+    assert slots[b * rows_per_seq + j] == int(table[1, pos // PAGE_SIZE]) * PAGE_SIZE + pos % 16
+    if rows_per_seq == 1:
+        assert got[3] is table  # no copy: each row is its sequence's

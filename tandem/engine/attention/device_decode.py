@@ -46,10 +46,8 @@ def device_decode_plan(page_table: torch.Tensor, positions: torch.Tensor, page_s
                        num_splits: int) -> DeviceDecodePlan:
     """page_table [B, P] int32, positions [B] int64 (device) -> the plan of a decode step whose
     token b sits at positions[b]. Pure tensor ops, no host read: safe inside a CUDA graph."""
-    block = (positions // page_size).unsqueeze(1)  # [B, 1]
-    page = page_table.gather(1, block).squeeze(1).long()  # [B]
-    return DeviceDecodePlan(page_table=page_table, kv_lens=positions + 1,
-                            slot_ids=page * page_size + positions % page_size,
+    _, kv_lens, slots, _ = kernels.decode_rows_plan(page_table, positions, 1, page_size)
+    return DeviceDecodePlan(page_table=page_table, kv_lens=kv_lens, slot_ids=slots,
                             num_splits=num_splits)
 
 

@@ -5,6 +5,7 @@ from tandem.engine.kernels.ops import (
     add_rms_norm,
     current_policy,
     decode_fusion_ok,
+    decode_rows_plan,
     fused_linear,
     kernel_policy,
     linear,
@@ -19,7 +20,8 @@ from tandem.engine.kernels.ops import (
 )
 
 __all__ = [
-    "KernelPolicy", "add_rms_norm", "current_policy", "decode_fusion_ok", "fused_linear",
+    "KernelPolicy", "add_rms_norm", "current_policy", "decode_fusion_ok", "decode_rows_plan",
+    "fused_linear",
     "kernel_policy", "linear", "moe_experts", "moe_weighted_sum", "paged_decode", "rms_norm",
     "rotary", "rotary_store", "silu_and_mul", "store_kv",
 ]

@@ -71,6 +71,7 @@ _policy = KernelPolicy(triton=os.environ.get("TANDEM_TRITON", "1") != "0",
                        fused_draft=os.environ.get("TANDEM_FUSED_DRAFT", "1") != "0")
 _triton_module: ModuleType | None = None
 _gemv_module: ModuleType | None = None
+_decode_module: ModuleType | None = None  # triton_decode, imported on first use
 _moe_module: ModuleType | None = None
 _triton_failed = False
 
@@ -96,6 +97,18 @@ def _on_triton_device(x: torch.Tensor) -> bool:
     """Whether x lives where the Triton kernels run (a seam: CPU tests under the Triton
     interpreter patch it)."""
     return x.is_cuda
+
+
+def _decode_for(x: torch.Tensor) -> ModuleType | None:
+    """`triton_decode` (the device-metadata decode kernels) where `_triton_for` takes Triton."""
+    global _decode_module
+    if _triton_for(x) is None:
+        return None
+    if _decode_module is None:
+        from tandem.engine.kernels import triton_decode
+
+        _decode_module = triton_decode
+    return _decode_module
 
 
 def _triton_for(x: torch.Tensor) -> ModuleType | None:
@@ -182,11 +195,23 @@ def paged_decode(
     cuts each sequence's keys into num_splits chunks of ceil(kv_len / num_splits) keys on the
     device and never reads kv_lens on the host, so a CUDA graph replays it for any lengths.
     The twin (CPU, autograd, D not a power of two >= 16) reads them: capturing it fails loudly."""
-    tri = _triton_for(q)
+    tri = _decode_for(q)
     d = q.shape[-1]
     if tri is not None and d >= 16 and d & (d - 1) == 0 and kv_cache.stride(-1) == 1:
         return tri.paged_decode(q, kv_cache, page_table, kv_lens, scale, num_splits)
     return torch_ops.paged_decode(q, kv_cache, page_table, kv_lens, scale, num_splits)
+
+
+def decode_rows_plan(
+    table: torch.Tensor, base: torch.Tensor, rows_per_seq: int, page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """table [B, P] int32, base [B] int64 -> (positions, key counts, K/V slots [B*R] int64,
+    page-table rows [B*R, P] int32) of decode rows base[b] + j, j < R
+    (`torch_ops.decode_rows_plan`). One Triton launch on CUDA, no host read either way."""
+    tri = _decode_for(base)
+    if tri is not None and table.dtype == torch.int32 and table.stride(1) == 1:
+        return tri.decode_rows_plan(table, base, rows_per_seq, page_size)
+    return torch_ops.decode_rows_plan(table, base, rows_per_seq, page_size)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

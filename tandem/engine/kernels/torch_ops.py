@@ -119,3 +119,19 @@ def paged_decode(
     probs = scores.softmax(-1).nan_to_num(0.0)  # an empty row (all -inf) -> zeros
     out = torch.einsum("bkgn,bnkd->bkgd", probs, kv[:, :, 1])  # [B, Hkv, G, D] float32
     return out.reshape(bs, num_q_heads, d).to(q.dtype)
+
+
+def decode_rows_plan(
+    table: torch.Tensor,  # [B, P] int32 page table of each sequence
+    base: torch.Tensor,  # [B] int64 position of each sequence's first row
+    rows_per_seq: int,  # R: row j of sequence b sits at base[b] + j
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The device-side metadata of B * R decode rows -> (positions [B*R] int64, keys attended
+    positions + 1 [B*R] int64, K/V slots page * page_size + offset [B*R] int64, each row's page
+    table [B*R, P] int32: `table` itself when R == 1, else its rows repeated R times)."""
+    offsets = torch.arange(rows_per_seq, device=base.device)  # [R]
+    positions = (base[:, None] + offsets[None, :]).reshape(-1)  # [B * R]
+    rows = table if rows_per_seq == 1 else table.repeat_interleave(rows_per_seq, dim=0)
+    page = rows.gather(1, (positions // page_size).unsqueeze(1)).squeeze(1).long()  # [B * R]
+    return positions, positions + 1, page * page_size + positions % page_size, rows
