@@ -54,6 +54,7 @@ from tandem.engine.cuda_graphs import (
 )
 from tandem.engine.h2d import build_layout
 from tandem.engine.runner import ForwardOutput, ModelRunner
+from tandem.spec import kernels as spec_kernels
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.graph_memory import GraphMemory, check_fixed_buffers, graph_planner
@@ -255,25 +256,17 @@ class SpecGraphRunner:
         of request r takes the feature of node_j (root, then accepted nodes) and the token of
         accepted node j+1 -- the bonus at j = a_r and past it (filler). Returns the static
         (hidden [B, H], top-k ids [B, K], top-k log-probs [B, K]) of each bonus row."""
-        r, n, dev = self.extend_rows, self.num_nodes, self.device
-        num = self._acc_num[:bs].long()  # [B]
-        path = self._acc_path[:bs, : r - 1].long().clamp(min=0)  # [B, R-1]
-        j = torch.arange(r, device=dev)  # [R]
-        zero = torch.zeros(bs, 1, dtype=torch.int64, device=dev)
-        nodes = torch.cat([zero, path], dim=1)  # [B, R] node feeding row j
-        nxt = torch.cat([path, zero], dim=1)  # [B, R] node whose token row j carries
-        accepted = j[None, :] < num[:, None]  # [B, R]
-        toks = torch.where(accepted, self._ver_tokens[:bs].gather(1, nxt),
-                           self._acc_bonus[:bs, None])  # [B, R]
-        base = torch.arange(bs, device=dev)[:, None]  # [B, 1]
-        feats = self._ver_features.index_select(0, (base * n + nodes).reshape(-1))  # [B*R, F]
+        r = self.extend_rows
+        toks, rows, last_rows = spec_kernels.extend_rows(
+            self._ver_tokens[:bs], self._acc_path[:bs], self._acc_num[:bs],
+            self._acc_bonus[:bs], r)  # [B*R], [B*R], [B]
+        feats = self._ver_features.index_select(0, rows)  # [B*R, F]
         positions = self._ext_positions[: bs * r]
         if plan is None:  # device metadata, as the verify's
             plan, positions = device_rows_plan(self._ver_table[:bs], self._ver_base[:bs], r,
                                                self.page_size, self.draft.num_splits)
-        hidden = self.draft.forward_planned(toks.reshape(-1), feats, positions,
-                                            plan)  # [B*R, H]
-        last = hidden.index_select(0, base[:, 0] * r + num)  # [B, H] each bonus row
+        hidden = self.draft.forward_planned(toks, feats, positions, plan)  # [B*R, H]
+        last = hidden.index_select(0, last_rows)  # [B, H] each bonus row
         ids, logp = self.draft.head.topk(last, self.spec.topk)
         return last, ids, logp
 

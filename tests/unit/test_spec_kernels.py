@@ -105,6 +105,32 @@ def test_extend_inputs_equal_twin_and_the_round_logic(seed):
 
 
 @pytest.mark.parametrize("seed", range(10))
+def test_extend_rows_equal_twin_and_the_round_logic(seed):
+    """The fixed-shape extend's inputs (speculative graphs: R rows per request, filler past the
+    bonus) == the twin, and the packed extend's rows where a request has them."""
+    rng = random.Random(300 + seed)
+    b, n = rng.randint(1, 8), rng.randint(2, 9)
+    parents, depths, tokens, target = _random_trees(rng, b, n, rng.random() < 0.5, vocab=3)
+    d = max(max(x) for x in depths)
+    num, path, bonus = torch_ops.greedy_accept(torch.tensor(tokens), torch.tensor(target),
+                                               torch.tensor(parents, dtype=torch.int32), d)
+    r = d + 1  # the graph's rows per request (extend_rows for a chain of d drafts)
+    args = (torch.tensor(tokens), path, num, bonus, r)
+    got = triton_ops.extend_rows(*args)
+    twin = torch_ops.extend_rows(*args)
+    for a, t in zip(got, twin):
+        assert a.dtype == t.dtype == torch.int64 and torch.equal(a, t)
+    toks, rows, last = (x.tolist() for x in got)
+    for q in range(b):
+        accepted = [c for c in path[q].tolist() if c >= 0]
+        a = len(accepted)
+        assert toks[q * r : q * r + a + 1] == [tokens[q][c] for c in accepted] + [bonus[q].item()]
+        assert toks[q * r + a + 1 : (q + 1) * r] == [bonus[q].item()] * (r - a - 1)  # filler
+        assert rows[q * r : q * r + a + 1] == [q * n + c for c in (0, *accepted)]
+        assert last[q] == q * r + a
+
+
+@pytest.mark.parametrize("seed", range(10))
 def test_tree_mask_equals_twin_and_the_metadata_packing(seed):
     rng = random.Random(200 + seed)
     b, n = rng.randint(1, 6), rng.randint(1, 12)

@@ -49,6 +49,15 @@ def extend_inputs(
         tokens, path, num_accepted, bonus, num_cached, page_table, page_size)
 
 
+def extend_rows(tokens: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
+                bonus: torch.Tensor, rows_per_seq: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token ids, feature rows [B * R], bonus rows [B]) of the fixed-shape extend; see
+    torch_ops."""
+    return (_triton_for(tokens) or torch_ops).extend_rows(tokens, path, num_accepted, bonus,
+                                                          rows_per_seq)
+
+
 def tree_mask(parents: torch.Tensor, num_cached: torch.Tensor, mask_offsets: torch.Tensor,
               total: int, max_num_cached: int) -> torch.Tensor:
     """[total] bool flat verify mask in build_metadata's packing; see torch_ops."""

@@ -105,3 +105,29 @@ def tree_mask(
         block = torch.cat([torch.ones(n, nc, dtype=torch.bool, device=dev), anc[r]], dim=1)
         out[off : off + n * (nc + n)] = block.reshape(-1)
     return out
+
+
+def extend_rows(
+    tokens: torch.Tensor,  # [B, N] int64 the verified nodes' tokens
+    path: torch.Tensor,  # [B, >= R-1] int32 accepted nodes, -1 padded
+    num_accepted: torch.Tensor,  # [B] int32
+    bonus: torch.Tensor,  # [B] int64
+    rows_per_seq: int,  # R: the fixed-shape extend's rows per request
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fixed-shape draft-extend's inputs (speculative graphs; `extend_inputs` packs
+    instead): row j of request r carries the token of accepted node j+1 (the bonus at
+    j = a_r and past it: filler) and reads the feature row r * N + node_j (root, then the
+    accepted nodes) -> (token ids [B*R] int64, feature rows [B*R] int64, each request's bonus
+    row r * R + a_r [B] int64)."""
+    b, n = tokens.shape
+    r = rows_per_seq
+    dev = tokens.device
+    num = num_accepted.long()  # [B]
+    steps = path[:, : r - 1].long().clamp(min=0)  # [B, R-1]
+    zero = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+    nodes = torch.cat([zero, steps], dim=1)  # [B, R] node feeding row j
+    nxt = torch.cat([steps, zero], dim=1)  # [B, R] node whose token row j carries
+    j = torch.arange(r, device=dev)  # [R]
+    toks = torch.where(j[None, :] < num[:, None], tokens.gather(1, nxt), bonus[:, None])
+    base = torch.arange(b, device=dev)[:, None]  # [B, 1]
+    return toks.reshape(-1), (base * n + nodes).reshape(-1), base[:, 0] * r + num
