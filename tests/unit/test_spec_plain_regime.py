@@ -141,46 +141,50 @@ class ForcedRegime:
 
 SPEC = SpecConfig(num_steps=3)
 # The policy's answers, one per ask: spec steps (prefill, rounds), then plain -- the requests of
-# the first spec stretch go plain and stay plain, and while every request is plain the engine
-# runs plain steps without asking --, then spec again for the ones added later: they draft.
-REGIME = (False,) * 4 + (True,) + (False,) * 6
+# the first spec stretch go plain and stay plain; requests added while they decode are plain
+# too, unasked (a step never runs plain rows next to a round) --, then, once every plain
+# request is gone, spec again for the ones added after: they draft.
+REGIME = (False,) * 4 + (True,) + (False,) * 100
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("bs", [1, 3])
 def test_greedy_equals_plain_across_regime_switches(bs, overlap):
     model = tiny_target("llama")
-    first, later = prompts(bs, seed=61 + bs), prompts(2, seed=71)
+    first, later, last = prompts(bs, seed=61 + bs), prompts(2, seed=71), prompts(2, seed=72)
     policy = ForcedRegime(REGIME)
     eng = SpecEngine(engine_cfg(overlap_schedule=overlap), SPEC, model,
                      tiny_head(model, "eagle"), policy=policy)
     assert eng.overlap_ok == overlap and not eng.overlap
-    # plain requests' decode rows run the plain path (their graph), never the prefill path's
-    # eager forward with a draft prefill
-    prefill_plans, run_plain = [], eng._prefill_step
-    eng._prefill_step = lambda plan: prefill_plans.append(plan) or run_plain(plan)
+    rounds = []  # rounds per step, to see that none ran next to plain rows
     ids = [eng.add_request(p, greedy(30)) for p in first]
     out: dict[str, list[int]] = {}
     made_plain: set[str] = set()
-    drafted_later = overlapped = False
+    drafted_last = overlapped = False
     for step in itertools.count():
-        assert step < 400
-        if step == 12:  # after the plain stretch: these requests draft
+        assert step < 600
+        if step == 12:  # the first ones decode plain now: these join them, unasked
+            asked = len(policy.asked)
             ids += [eng.add_request(p, greedy(30)) for p in later]
+        if not eng.has_unfinished():
+            if len(ids) == bs + 4:
+                break
+            ids += [eng.add_request(p, greedy(30)) for p in last]  # nothing plain left
+        before = eng.spec_stats.num_rounds
         for o in eng.step():
             out.setdefault(o.req_id, []).extend(o.new_token_ids)
-        made_plain |= {r for r in ids[:bs] if eng.spec_scheduler.is_plain(r)}
+        held_plain = any(eng.spec_scheduler.is_plain(r) for r in eng.scheduler.requests)
+        rounds.append((eng.spec_stats.num_rounds > before, held_plain))
+        made_plain |= {r for r in ids if eng.spec_scheduler.is_plain(r)}
         assert not made_plain & set(eng.seeds), "a request made plain drafted again"
-        drafted_later |= any(r in eng.seeds for r in ids[bs:])
+        drafted_last |= any(r in eng.seeds for r in ids[bs + 2:])
         overlapped |= eng._inflight is not None  # a plain step left in flight
-        if not eng.has_unfinished():
-            break
-    assert made_plain == set(ids[:bs]) and drafted_later and overlapped == overlap
-    assert not [p for p in prefill_plans
-                if all(c.req_id in made_plain and len(c.token_ids) == 1 for c in p.chunks)]
-    assert True in policy.asked and eng.spec_stats.num_rounds > 0
-    assert policy.unasked > 0  # the policy heard of the plain steps it was not asked about
-    want = reference(model, first + later, greedy(30))
+        if step == 12:
+            assert len(policy.asked) == asked  # joined the regime without asking
+    assert made_plain == set(ids[: bs + 2]) and drafted_last and overlapped == overlap
+    assert not [r for r in rounds if r == (True, True)]  # no round next to a plain request
+    assert True in policy.asked and policy.unasked > 0
+    want = reference(model, first + later + last, greedy(30))
     assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
     assert_pages_free(eng)
 
@@ -247,27 +251,35 @@ def test_profiling_an_engine_whose_plain_regime_holds_still_seeds_its_requests()
 def test_plain_requests_keep_overlapped_plain_steps_after_the_policy_turns():
     """Once every request the engine holds is plain, its steps are plain engine steps
     (overlapped) without asking the policy -- also after the policy stopped favouring plain
-    steps: a request that cannot draft gains nothing from the speculative path, which would run
-    its rows without overlap. A request added later asks the policy again and drafts."""
+    steps, and for a request added meanwhile, which is plain too: a round next to plain rows
+    would cost two forwards a step. A request added once they are gone asks the policy again
+    and drafts."""
     model = tiny_target("llama")
     policy = ForcedRegime((True,) + (False,) * 50)
     eng = SpecEngine(engine_cfg(overlap_schedule=True), SPEC, model,
                      tiny_head(model, "eagle"), policy=policy)
     run_plan = []
     eng._run_plan = lambda plan, orig=eng._run_plan: run_plan.append(plan) or orig(plan)
-    first, later = prompts(2, seed=81), prompts(1, seed=82)
+    first, later, last = prompts(2, seed=81), prompts(1, seed=82), prompts(1, seed=83)
     ids = [eng.add_request(p, greedy(20)) for p in first]
     out: dict[str, list[int]] = {}
+
+    def drain() -> None:
+        while eng.has_unfinished():
+            for o in eng.step():
+                out.setdefault(o.req_id, []).extend(o.new_token_ids)
+
     for step in range(12):
         for o in eng.step():
             out.setdefault(o.req_id, []).extend(o.new_token_ids)
         assert eng._inflight is not None  # overlapped plain steps throughout
     assert policy.asked == [True] and not run_plan
     ids += [eng.add_request(p, greedy(20)) for p in later]
-    while eng.has_unfinished():
-        for o in eng.step():
-            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+    drain()
+    assert policy.asked == [True] and eng.spec_stats.num_rounds == 0 and not run_plan
+    ids += [eng.add_request(p, greedy(20)) for p in last]
+    drain()
     assert policy.asked[1] is False and eng.spec_stats.num_rounds > 0  # the newcomer drafted
-    want = reference(model, first + later, greedy(20))
+    want = reference(model, first + later + last, greedy(20))
     assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
     assert_pages_free(eng)
