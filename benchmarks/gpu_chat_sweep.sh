@@ -10,6 +10,8 @@
 #                                                     the 64 MiB a call carries)
 #   PHASE=c  carry .gpucache/q03 .gpucache/py      -> join, check md5, import, run the sweep
 # Issue each call within 30 s of the last (an idle machine goes back, and /tmp with it).
+# ENGINES picks engines, EXTRA adds gpu_spec_chat.py options (e.g. "--concurrency 16
+# --skip-batch1 --repeats 1").
 set -u
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/gc
@@ -31,7 +33,7 @@ case "${PHASE:?set PHASE=a, b1, b2 or c}" in
 import_gguf(Path('/tmp/gc/smollm2.gguf'), Path('/tmp/gc/smollm2'))" || exit 1
     nvidia-smi --query-gpu=name --format=csv,noheader
     timeout ${SWEEP_TIMEOUT:-540} python3 benchmarks/gpu_spec_chat.py --model /tmp/gc/smollm2 \
-      --engines ${ENGINES:-plain,spec,tree,adaptive} --out "$OUT" > "$OUT/log.txt" 2>&1
+      --engines ${ENGINES:-plain,spec,tree,adaptive} --out "$OUT" ${EXTRA:-} > "$OUT/log.txt" 2>&1
     echo "rc=$?"; tail -40 "$OUT/log.txt" | cut -c1-200
     ;;
 esac
