@@ -14,6 +14,7 @@ Writes $OUT/gpu_attn_micro.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ sys.path[:0] = [str(ROOT)]
 
 import torch  # noqa: E402
 
+from tandem.engine import graph_timing  # noqa: E402
 from tandem.engine.attention.device_decode import decode_splits  # noqa: E402
 from tandem.engine.kernels import triton_decode  # noqa: E402
 
@@ -39,30 +41,13 @@ CASES = [
 ]
 
 
-def graph_us(fn, calls: int = CALLS, reps: int = 20) -> float:
-    """us per call of `fn(i)` (i = 0 .. calls-1) captured back to back in one graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    times.sort()
-    return times[len(times) // 2]
+def graph_us(fn) -> float:
+    """us per call of `fn(i)`, calls i = 0 .. CALLS-1 captured back to back in one graph (each
+    over its own layer's pages), after 3 eager calls."""
+    for i in range(3):
+        fn(i)
+    index = itertools.count()
+    return graph_timing.graph_us(lambda: fn(next(index)), CALLS, 20)
 
 
 def run_case(name, hq, hkv, d, ctx, bs, fi, dev) -> dict:

@@ -2,7 +2,8 @@
 # Plain decode graphs planned on the device (engine/attention/device_decode.py
 # DeviceDecodePlanner, TANDEM_DEVICE_DECODE=1, the default) against FlashInfer's host-planned
 # graphs (=0), same host.
-#   bash benchmarks/gpu_device_decode.sh          # one GPU: GPU tests, then gpu_spec.py twice
+#   bash benchmarks/gpu_device_decode.sh          # one GPU: GPU tests, gpu_attn_micro.py,
+#                                                 # then gpu_spec.py twice
 #   TP=2 bash benchmarks/gpu_device_decode.sh     # two GPUs: test_tp_graphs, gpu_tp.py twice
 # (carrying .devbundle-fi)
 set -u
@@ -18,6 +19,7 @@ if [ "${TP:-1}" = 1 ]; then
     | tail -3
   timeout 150 python3 -m pytest -q tests/gpu/test_spec_graphs.py --tb=short \
     -k "lossless_up_to_bf16 and chain and default" 2>&1 | tail -4
+  timeout 200 python3 benchmarks/gpu_attn_micro.py --out "$OUT" 2>&1 | grep -v "^    "
   for dd in 1 0; do
     mkdir -p "$OUT/dd$dd"
     TANDEM_DEVICE_DECODE=$dd timeout 150 python3 benchmarks/gpu_spec.py --out "$OUT/dd$dd" \
