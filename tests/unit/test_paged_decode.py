@@ -163,3 +163,22 @@ def test_rows_plan_kernel_equals_its_twin(rows_per_seq):
     assert slots[b * rows_per_seq + j] == int(table[1, pos // PAGE_SIZE]) * PAGE_SIZE + pos % 16
     if rows_per_seq == 1:
         assert got[3] is table  # no copy: each row is its sequence's
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_rows_plan_dispatch_takes_triton_only_when_opted_in(opt_in, monkeypatch):
+    """On a Triton device the one-launch plan runs only with TANDEM_PLAN_KERNELS=1
+    (`ops.PLAN_KERNELS`: not yet run on a GPU); either way the result is the twin's."""
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    base = torch.tensor([0, 17, 40], dtype=torch.int64)
+    calls: list[str] = []
+    real = triton_decode.decode_rows_plan
+    monkeypatch.setattr(triton_decode, "decode_rows_plan",
+                        lambda *a: calls.append("triton") or real(*a))
+    monkeypatch.setattr(ops, "_on_triton_device", lambda x: True)
+    monkeypatch.setattr(ops, "PLAN_KERNELS", opt_in)
+    with torch.inference_mode():
+        got = ops.decode_rows_plan(table, base, 5, PAGE_SIZE)
+    assert calls == (["triton"] if opt_in else [])
+    for a, b in zip(got, torch_ops.decode_rows_plan(table, base, 5, PAGE_SIZE)):
+        assert torch.equal(a, b)

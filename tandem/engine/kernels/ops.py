@@ -72,6 +72,9 @@ _policy = KernelPolicy(triton=os.environ.get("TANDEM_TRITON", "1") != "0",
 _triton_module: ModuleType | None = None
 _gemv_module: ModuleType | None = None
 _decode_module: ModuleType | None = None  # triton_decode, imported on first use
+# The one-launch bookkeeping kernels of the speculative graphs (decode_rows_plan here,
+# spec kernels.extend_rows): opt-in until they have run on a GPU.
+PLAN_KERNELS = os.environ.get("TANDEM_PLAN_KERNELS", "0") == "1"
 _moe_module: ModuleType | None = None
 _triton_failed = False
 
@@ -207,8 +210,10 @@ def decode_rows_plan(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """table [B, P] int32, base [B] int64 -> (positions, key counts, K/V slots [B*R] int64,
     page-table rows [B*R, P] int32) of decode rows base[b] + j, j < R
-    (`torch_ops.decode_rows_plan`). One Triton launch on CUDA, no host read either way."""
-    tri = _decode_for(base)
+    (`torch_ops.decode_rows_plan`); no host read either way. The one-launch Triton kernel
+    runs only with TANDEM_PLAN_KERNELS=1 until it has run on a GPU (tested through the
+    interpreter); otherwise the twin's ~7-10 small launches."""
+    tri = _decode_for(base) if PLAN_KERNELS else None
     if tri is not None and table.dtype == torch.int32 and table.stride(1) == 1:
         return tri.decode_rows_plan(table, base, rows_per_seq, page_size)
     return torch_ops.decode_rows_plan(table, base, rows_per_seq, page_size)

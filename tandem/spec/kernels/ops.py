@@ -11,6 +11,7 @@ from types import ModuleType
 import torch
 
 from tandem.engine.kernels import current_policy
+from tandem.engine.kernels import ops as engine_kernels
 from tandem.spec.kernels import torch_ops
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,9 @@ def extend_rows(tokens: torch.Tensor, path: torch.Tensor, num_accepted: torch.Te
                 bonus: torch.Tensor, rows_per_seq: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token ids, feature rows [B * R], bonus rows [B]) of the fixed-shape extend; see
-    torch_ops."""
-    return (_triton_for(tokens) or torch_ops).extend_rows(tokens, path, num_accepted, bonus,
-                                                          rows_per_seq)
+    torch_ops. The Triton kernel only with TANDEM_PLAN_KERNELS=1 (not yet run on a GPU)."""
+    tri = _triton_for(tokens) if engine_kernels.PLAN_KERNELS else None
+    return (tri or torch_ops).extend_rows(tokens, path, num_accepted, bonus, rows_per_seq)
 
 
 def tree_mask(parents: torch.Tensor, num_cached: torch.Tensor, mask_offsets: torch.Tensor,
