@@ -18,7 +18,8 @@ mkdir -p "$OUT"
 if [ "${TP:-1}" = 1 ]; then
   env "$AB=1" timeout 120 python3 -m pytest -q tests/gpu/test_cuda_graphs.py tests/gpu/test_overlap_gpu.py \
     --tb=short 2>&1 | tail -6
-  env "$AB=1" timeout 60 python3 -m pytest -q tests/gpu/test_kernels_gpu.py -k paged_decode --tb=short 2>&1 \
+  env "$AB=1" timeout 90 python3 -m pytest -q tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_spec_kernels_gpu.py -k "paged_decode or spec_kernels" --tb=short 2>&1 \
     | tail -3
   env "$AB=1" timeout 150 python3 -m pytest -q tests/gpu/test_spec_graphs.py --tb=short \
     -k "lossless_up_to_bf16 and chain and default" 2>&1 | tail -4

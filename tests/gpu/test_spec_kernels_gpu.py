@@ -54,3 +54,16 @@ def test_spec_kernels_equal_twins_on_cuda(seed):
     offsets = torch.tensor([sum(sizes[:r]) for r in range(b)], device=DEV)
     margs = (parents, nc, offsets, sum(sizes), int(nc.max()))
     assert torch.equal(triton_ops.tree_mask(*margs), torch_ops.tree_mask(*margs))
+    # The speculative graphs' one-launch plans (TANDEM_PLAN_KERNELS=1): the fixed-shape
+    # extend's inputs and the decode rows' plan.
+    eargs = (tokens, path, num, bonus, depth + 1)
+    for a, w in zip(triton_ops.extend_rows(*eargs), torch_ops.extend_rows(*eargs)):
+        assert torch.equal(a, w)
+    from tandem.engine.kernels import torch_ops as engine_twins
+    from tandem.engine.kernels import triton_decode
+
+    for rows in (1, n):
+        pargs = (table, nc, rows, ps)
+        for a, w in zip(triton_decode.decode_rows_plan(*pargs),
+                        engine_twins.decode_rows_plan(*pargs)):
+            assert torch.equal(a, w)
