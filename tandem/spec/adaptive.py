@@ -299,9 +299,9 @@ class AdaptivePolicy:
         return wins
 
     def plain_step(self) -> None:
-        """A step of the plain regime, asked or not (while every request the engine holds is
-        plain, the engine runs plain steps without asking `plain_wins`): unobserved, so the
-        engine-wide estimate relaxes toward the prior and a later request drafts again."""
+        """A step of the plain regime, asked or not (while any plain request is held, the
+        engine runs plain steps without asking `plain_wins`): unobserved, so the engine-wide
+        estimate relaxes toward the prior and a later request drafts again."""
         self.overall = relax(self.overall, self._prior(), self.settings.plain_relax)
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
