@@ -1,5 +1,6 @@
 """Decode CUDA graphs under DP attention, on the CPU with the graph runner in eager mode (its
-body runs at each replay, with the same buffers, bucket padding and DP counts): gloo ranks of a
+body runs at each replay, with the same buffers, bucket padding and DP counts; planned on the
+host or, dense, on the device as on CUDA: `DeviceDecodePlanner`): gloo ranks of a
 DP 2 worker (and DP 2 x TP 2) decode through `DecodeGraphRunner`, every rank replaying the
 bucket the ranks agreed on -- an idle rank over padding rows alone -- with the MLP's gather
 counts taken from the bucket (`ParallelContext.static_dp_counts`), not exchanged. Greedy
@@ -32,7 +33,7 @@ def _requests():
 
 
 def _engine(model_dir, par: ParallelContext | None = None, graphs: bool = True,
-            moe_dispatch: str = "allreduce") -> LLMEngine:
+            moe_dispatch: str = "allreduce", device_metadata: bool = False) -> LLMEngine:
     from tandem.engine.cuda_graphs import DecodeGraphRunner
 
     eng = LLMEngine.from_config(EngineConfig(model=str(model_dir), dtype="float32",
@@ -43,7 +44,7 @@ def _engine(model_dir, par: ParallelContext | None = None, graphs: bool = True,
         backend = eng.runner.backend
         backend.graph_decode_planner = lambda bs, pages: _FakePlanner(backend, True)
         eng.graphs = DecodeGraphRunner(eng.runner, SIZES, max_pages_per_seq=16,
-                                       par=eng.model.par)
+                                       par=eng.model.par, device_metadata=device_metadata)
         eng.graphs.capture(eager=True)
         runs = eng.graph_runs = []
         run = eng.graphs.run
@@ -69,6 +70,8 @@ def _rank(rank: int, port: int, tp: int, dense_dir, moe_dir, out) -> None:
     par, _ = join_group(RankInfo(rank=rank, tp=tp, dp=2), "127.0.0.1", port, "cpu")
     moe_par = ParallelContext(tp=par.tp, dp=par.dp, ep=par.dp)  # experts over every rank
     outs = {"dense": _run(_engine(dense_dir, par), par.dp_rank),
+            # planned on the device (DeviceDecodePlanner, the CUDA default)
+            "dense-device": _run(_engine(dense_dir, par, device_metadata=True), par.dp_rank),
             "moe-allreduce": _run(_engine(moe_dir, moe_par), par.dp_rank),
             "moe-alltoall-padded": _run(_engine(moe_dir, moe_par,
                                                 moe_dispatch="alltoall_padded"), par.dp_rank)}
@@ -87,7 +90,7 @@ def test_dp_decode_graphs_equal_one_rank(tmp_path, tp):
     reports, codes = run_ranks(_rank, 2 * tp, tp, dense_dir, moe_dir, timeout_s=200)
     assert all(code == 0 for code in codes)
     per_rank = dict(reports)
-    for what, ref in (("dense", ref_dense), ("moe-allreduce", ref_moe),
+    for what, ref in (("dense", ref_dense), ("dense-device", ref_dense), ("moe-allreduce", ref_moe),
                       ("moe-alltoall-padded", ref_moe)):
         for k, owner in enumerate(ASSIGNMENTS):
             merged = {**per_rank[0][what][0][k], **per_rank[tp][what][0][k]}
