@@ -67,7 +67,8 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
                 concurrency: int) -> tuple[list[tuple[int, ...]], float, dict]:
     """Every prompt, at most `concurrency` in flight (a new one starts as one ends, as
     `tandem bench`'s closed-loop clients do) -> (outputs in prompt order, wall seconds, the
-    median seconds from a request's add to its first token and from its first to its last)."""
+    median seconds from a request's add to its first token and from its first to its last,
+    and where the steps' time went: `step_summary`)."""
     outs: list[tuple[int, ...]] = [()] * len(prompts)
     waiting = list(enumerate(prompts))
     running: dict[str, int] = {}
@@ -75,13 +76,20 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     ttft, decode = [], []
+    steps: list[tuple[float, int, bool]] = []  # (seconds, requests held, a prompt arrived)
     t0 = time.perf_counter()
     while waiting or running:
+        arrived = False
         while waiting and len(running) < concurrency:
             i, p = waiting.pop(0)
             rid = eng.add_request(p, params)
             running[rid], toks[rid], added[rid] = i, [], time.perf_counter()
-        for o in eng.step():
+            arrived = True
+        held = len(eng.scheduler.requests)
+        s0 = time.perf_counter()
+        outputs = eng.step()
+        steps.append((time.perf_counter() - s0, held, arrived))
+        for o in outputs:
             if o.req_id in running:
                 now = time.perf_counter()
                 if o.new_token_ids and o.req_id not in first:
@@ -92,8 +100,23 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
                     outs[running.pop(o.req_id)] = tuple(toks.pop(o.req_id))
                     decode.append(now - first.get(o.req_id, now))
     times = {"ttft_p50_s": statistics.median(ttft) if ttft else None,
-             "first_to_last_p50_s": statistics.median(decode) if decode else None}
+             "first_to_last_p50_s": statistics.median(decode) if decode else None,
+             "steps": step_summary(steps)}
     return outs, time.perf_counter() - t0, times
+
+
+def step_summary(steps: list[tuple[float, int, bool]]) -> dict:
+    """Where a closed loop's time went: its steps, those right after a prompt arrived (whose
+    step prefills it) and the others, each with count, mean ms and mean requests held."""
+    def part(rows) -> dict:
+        rows = list(rows)
+        n = len(rows)
+        return {"steps": n, "mean_ms": 1e3 * sum(r[0] for r in rows) / n if n else 0.0,
+                "total_s": sum(r[0] for r in rows),
+                "mean_held": sum(r[1] for r in rows) / n if n else 0.0}
+
+    return {"all": part(steps), "arrival": part(r for r in steps if r[2]),
+            "other": part(r for r in steps if not r[2])}
 
 
 def stats_delta(eng: SpecEngine, before: tuple[int, int, list[int]]) -> dict:
@@ -270,6 +293,16 @@ def main() -> None:
                 cell += f" {summary[name][f'c{c}']['tokens_per_s_ratio']:.2f}x"
             cells.append(f"{cell:>12}")
         print(f"{name:<9} {b1} " + " ".join(cells))
+    def steps_cell(st: dict) -> str:
+        a, o = st["arrival"], st["other"]
+        return (f"{a['steps']}x{a['mean_ms']:.2f}ms@{a['mean_held']:.1f} | "
+                f"{o['steps']}x{o['mean_ms']:.2f}ms@{o['mean_held']:.1f}")
+
+    print("steps per level (after a prompt arrived | the others: count x mean ms @ requests "
+          "held):")
+    for name in names:
+        print(f"  {name}: " + "; ".join(f"c={c} {steps_cell(res[name][f'c{c}']['steps'])}"
+                                        for c in levels))
     print("TTFT p50 ms (add -> first token) per level: " + "; ".join(
         f"{name} " + " ".join(f"{1e3 * (res[name][f'c{c}']['ttft_p50_s'] or 0):.1f}"
                               for c in levels) for name in names))
