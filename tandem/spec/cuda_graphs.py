@@ -17,7 +17,7 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
   tensors, valid until the next verify replay; the round consumes them before that. Chains by
   default plan nothing on the host for verify and draft-extend (`device_metadata`;
   TANDEM_DEVICE_VERIFY=0 plans them): row j is a decode query at num_cached + j over its
-  request's page row (`slices.device_rows_plan`, the drafting's kernel).
+  request's page row (`device_decode.device_rows_plan`, the drafting's kernel).
 - **Draft-extend.** One graph per batch bucket over a fixed B * R tokens (R = 1 + the deepest
   acceptable path; `slices.extend_slices`): row j of request r is (feature of accepted node j,
   token of accepted node j+1 or the bonus) at draft position num_cached + j, causal. The rows
@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from tandem.engine.attention.device_decode import device_rows_plan
 from tandem.engine.cuda_graphs import (
     check_latest_plan,
     padded_batch_size,
@@ -62,7 +63,6 @@ from tandem.spec.phases import DraftInput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.tree_graphs import DraftedTree
 from tandem.spec.slices import (
-    device_rows_plan,
     device_tree_layout,
     extend_rows,
     extend_slices,
@@ -108,7 +108,8 @@ class SpecGraphRunner:
         """num_drafts: the k this runner's rounds draft (None: spec.num_steps; another k only
         as a chain). memory: the engine's shared `GraphMemory` (None: allocate one).
         device_metadata: chain verify and draft-extend attend through the device-decode kernel
-        (`slices.device_rows_plan`: no host planning; None: yes unless TANDEM_DEVICE_VERIFY=0)."""
+        (`device_decode.device_rows_plan`: no host planning; None: yes unless
+        TANDEM_DEVICE_VERIFY=0)."""
         backend = runner.backend
         if not hasattr(backend, "graph_prefill_planner"):  # verify and extend plan through it
             raise ValueError(f"attention backend '{backend.name}' cannot replay graphs")

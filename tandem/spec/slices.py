@@ -14,13 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.engine import h2d, kernels
+from tandem.engine import h2d
 from tandem.engine.attention.metadata import (
     BatchLayout,
     SeqSlice,
     tree_mask,
 )
-from tandem.engine.attention.device_decode import DeviceDecodePlan
 from tandem.engine.cuda_graphs import SCRATCH_PAGE
 from tandem.engine.h2d import build_layout
 from tandem.spec import kernels as spec_kernels
@@ -190,17 +189,3 @@ def extend_slices(page_ids: Sequence[Sequence[int]], num_cached: Sequence[int],
     step writes its slot first; the next verify and extend write theirs)."""
     return [SeqSlice(page_ids=p, num_cached=nc, num_new=rows)
             for p, nc in zip(page_ids, num_cached)]
-
-
-def device_rows_plan(table: torch.Tensor, base: torch.Tensor, rows_per_seq: int,
-                     page_size: int, num_splits: int) -> tuple[DeviceDecodePlan, torch.Tensor]:
-    """A chain verify or draft-extend with its metadata on the device: row j of sequence b is
-    a decode query at position base[b] + j over b's page row -- its K/V written at that slot,
-    attending to base[b] + j + 1 keys, so the rows of a sequence are causal among themselves
-    (every row's K/V is stored before any attends). table [B, P] int32, base [B] int64 ->
-    (the plan of B * rows_per_seq rows, their positions [B * rows_per_seq] int64). Pure tensor
-    ops, no host read: what the speculative graphs capture instead of a host-planned prefill."""
-    positions, kv_lens, slots, rows = kernels.decode_rows_plan(table, base, rows_per_seq,
-                                                              page_size)  # [B * R] ...
-    return DeviceDecodePlan(page_table=rows, kv_lens=kv_lens, slot_ids=slots,
-                            num_splits=num_splits), positions

@@ -1,6 +1,6 @@
 """Chain verify and draft-extend with their metadata on the device (`SpecGraphRunner`
-device_metadata, `slices.device_rows_plan`): each of a request's k+1 verify rows is a decode
-query at num_cached + j over its page row, so no host planning sits between rounds. On the
+device_metadata, `device_decode.device_rows_plan`): each of a request's k+1 verify rows is a
+decode query at num_cached + j over its page row, so no host planning sits between rounds. On the
 CPU (the runner in eager mode, the device-decode kernel's torch twin) it computes what the
 planned path computes: the same verify logits and features, the same extend, and plain greedy
 decoding's tokens, with drafting ahead too."""

@@ -46,9 +46,21 @@ def device_decode_plan(page_table: torch.Tensor, positions: torch.Tensor, page_s
                        num_splits: int) -> DeviceDecodePlan:
     """page_table [B, P] int32, positions [B] int64 (device) -> the plan of a decode step whose
     token b sits at positions[b]. Pure tensor ops, no host read: safe inside a CUDA graph."""
-    _, kv_lens, slots, _ = kernels.decode_rows_plan(page_table, positions, 1, page_size)
-    return DeviceDecodePlan(page_table=page_table, kv_lens=kv_lens, slot_ids=slots,
-                            num_splits=num_splits)
+    return device_rows_plan(page_table, positions, 1, page_size, num_splits)[0]
+
+
+def device_rows_plan(table: torch.Tensor, base: torch.Tensor, rows_per_seq: int,
+                     page_size: int, num_splits: int) -> tuple[DeviceDecodePlan, torch.Tensor]:
+    """R = rows_per_seq decode rows per sequence: row j of sequence b is a decode query at
+    position base[b] + j over b's page row -- its K/V written at that slot, attending to
+    base[b] + j + 1 keys, so the rows of a sequence are causal among themselves (every row's
+    K/V is stored before any attends): a chain verify or draft-extend in the speculative
+    graphs, or (R = 1) one decode step. table [B, P] int32, base [B] int64 -> (the plan of
+    B * R rows, their positions [B * R] int64). Pure tensor ops, no host read."""
+    positions, kv_lens, slots, rows = kernels.decode_rows_plan(table, base, rows_per_seq,
+                                                              page_size)  # [B * R] ...
+    return DeviceDecodePlan(page_table=rows, kv_lens=kv_lens, slot_ids=slots,
+                            num_splits=num_splits), positions
 
 
 class DeviceDecodeBackend:
