@@ -330,8 +330,12 @@ class SpecGraphRunner:
                 len(p) > self._draft_table.shape[1] or len(p) * self.page_size < nc + need
                 for p, nc in zip(verify.page_ids, verify.num_cached)):
             return False
-        load_draft_table(self._draft_table, self._draft_base, verify.page_ids,
-                         verify.num_cached, rows)
+        if self._ver_loaded is verify:  # the verify's table is on the device already
+            self._draft_table[:rows].copy_(self._ver_table[:rows])
+            self._draft_base[:rows].copy_(self._ver_base[:rows])
+        else:
+            load_draft_table(self._draft_table, self._draft_base, verify.page_ids,
+                             verify.num_cached, rows)
         self._draft_base[:bs] += num_accepted.long() + 1  # [bs] the next round's num_cached
         self._tokens[:bs, 0].copy_(ext.last_tokens)
         self._tokens[:bs, 1].copy_(ext.topk_ids[:, 0])
