@@ -82,17 +82,13 @@ class SpecScheduler:
         held = self.scheduler.requests.keys()
         if not allowed or wins is None or not held:
             return False
-        if held & self._plain:
-            for rid in held - self._plain:  # arrived while plain requests decode: plain too
-                self._plain.add(rid)
-                self.drop_seed(rid)
+        if held & self._plain:  # plain requests still decode: the regime holds, unasked
             step = getattr(self.policy, "plain_step", None)
-            if step is not None:  # unasked, but a plain step all the same
+            if step is not None:  # but a plain step all the same
                 step()
-            return True
-        if not wins(min(len(held), self.scheduler.max_num_seqs)):
+        elif not wins(min(len(held), self.scheduler.max_num_seqs)):
             return False
-        for rid in self.scheduler.requests.keys() - self._plain:  # new since the last step
+        for rid in held - self._plain:  # new since the last step: plain too
             self._plain.add(rid)
             self.drop_seed(rid)
         return True

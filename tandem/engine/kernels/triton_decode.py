@@ -6,13 +6,11 @@ through the Triton interpreter."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from tandem.engine.kernels.triton_ops import INTERPRET
 
 
 # ---- paged decode attention, split over the keys (flash-decoding) ----------------------------
