@@ -55,6 +55,10 @@ METHODS = (NCCL, ONE_SHOT, TWO_SHOT, FLAG_ONE_SHOT)  # NCCL first: it wins ties
 MODES = ("auto", *METHODS)  # EngineConfig.all_reduce: "auto" measures; a method forces it
 MAX_BYTES = 8 << 20  # symmetric buffer per rank; larger messages always take NCCL
 FLAG_MAX_BYTES = 1 << 20  # the flag one-shot's slots (two per rank); larger: other methods
+# kernels/triton_gemv_ar.py: a one-row row-parallel GEMV and its all-reduce in one launch,
+# where the table takes the flag one-shot for the product's size. Opt-in (=1) until measured.
+GEMV_AR_ENV = "TANDEM_GEMV_AR"
+GEMV_AR_MAX_ELEMS = 16384  # the fused kernel's slots: outputs up to this many elements
 ALIGN = 16  # bytes: the symm_mem kernels' vector width; smaller alignments are not offered
 CUSTOM_DTYPES = (torch.bfloat16, torch.float32)  # what the symm_mem reduce kernels support
 
@@ -170,6 +174,9 @@ class FastAllReduce:
         self._has_copy_op = hasattr(ops, "one_shot_all_reduce_copy_out")
         self._has_two_shot_out = hasattr(ops, "two_shot_all_reduce_out")
         self._flag = self._build_flag_one_shot(min(self.max_bytes, FLAG_MAX_BYTES))
+        self._gemv_ar = (self._build_gemv_all_reduce()
+                         if os.environ.get(GEMV_AR_ENV, "0") == "1" else None)
+        self._gemv_ar_configs: dict[tuple, tuple[int, ...]] = {}  # agreed over the group
         self.table: MethodTable | None = None
 
     def _build_flag_one_shot(self, max_bytes: int) -> Any:
@@ -181,6 +188,55 @@ class FastAllReduce:
             log.warning("flag one-shot all-reduce unavailable: %s", exc)
             return None
         return OneShot(self.group_name, self.group.size, self.device, self.dtype, max_bytes)
+
+    def _build_gemv_all_reduce(self) -> Any:
+        """The fused GEMV all-reduce's buffers (collective), or None without Triton."""
+        try:
+            from tandem.engine.kernels.triton_gemv import sm_count
+            from tandem.engine.kernels.triton_gemv_ar import GemvAllReduce
+        except ImportError as exc:
+            log.warning("fused GEMV all-reduce unavailable: %s", exc)
+            return None
+        return GemvAllReduce.build(self.group_name, self.group.size, self.device, self.dtype,
+                                   GEMV_AR_MAX_ELEMS, sm_count(self.device))
+
+    def gemv_all_reduce(self, x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool,
+                        residual: torch.Tensor | None) -> torch.Tensor | None:
+        """sum over the group of weight @ prologue(x) (+ residual, given on rank 0 only) in one
+        launch (kernels/triton_gemv_ar.py), for x [1, K] where the table takes the flag
+        one-shot for the [1, N] result; None elsewhere (the caller runs the GEMV and
+        `all_reduce`). The first call of a shape agrees its config over the group (rank 0's
+        one-row choice, broadcast): eager, at warm-up, never inside a capture."""
+        fused = self._gemv_ar
+        n_rows = weight.shape[0]
+        if (fused is None or self.table is None or x.shape[0] != 1 or x.dtype != self.dtype
+                or weight.dtype != self.dtype or not fused.fits(n_rows)
+                or self.table.method_for(n_rows * x.element_size()) != FLAG_ONE_SHOT):
+            return None
+        key = (tuple(weight.shape), silu_mul)  # the same on every rank (residual is not)
+        config = self._gemv_ar_configs.get(key)
+        if config is None:
+            config = self._agree_config(key, x, weight, silu_mul, residual)
+        return fused(x, weight, config, silu_mul=silu_mul, residual=residual)
+
+    def _agree_config(self, key: tuple, x: torch.Tensor, weight: torch.Tensor,
+                      silu_mul: bool, residual: torch.Tensor | None) -> tuple[int, ...]:
+        import torch.distributed as dist
+
+        from tandem.engine.kernels.triton_gemv import one_row_choice
+
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gemv all-reduce {key}: config not agreed before CUDA graph "
+                               "capture")
+        mine = (one_row_choice(x, weight, silu_mul=silu_mul, residual=residual)
+                if self.group.rank == 0 else (0, 0, 0, 0))
+        agreed = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        dist.broadcast(agreed, src=dist.get_global_rank(self.group.handle, 0),
+                       group=self.group.handle)
+        config = tuple(int(v) for v in agreed.tolist())  # SYNC: first call of a shape only
+        self._gemv_ar_configs[key] = config
+        log.info("fused GEMV all-reduce %s: config %s (rank 0's)", key, config)
+        return config
 
     def set_table(self, table: MethodTable) -> None:
         if self.table is not None:

@@ -83,6 +83,88 @@ def _rank(rank: int, port: int, model_dir: str, queue) -> None:
     os._exit(0)
 
 
+def _fused_rank(rank: int, port: int, model_dir: str, queue) -> None:
+    """TANDEM_GEMV_AR=1: the one-launch GEMV + all-reduce (kernels/triton_gemv_ar.py) against
+    the GEMV of the same config followed by the flag one-shot, eagerly and replayed from a
+    graph of many calls of mixed shapes; then batch-1 engine replays against eager, and
+    batch-1 greedy tokens against an NCCL engine's."""
+    import torch.distributed as dist
+
+    from tandem.engine import EngineConfig, LLMEngine, ParallelContext, ParallelGroup
+    from tandem.engine import SamplingParams, SeqSlice, build_metadata
+    from tandem.engine.allreduce import FLAG_ONE_SHOT
+    from tandem.engine.cuda_graphs import pad_decode_slices
+    from tandem.engine.kernels import triton_gemv
+    from tandem.engine.runner import ForwardBatch
+
+    dev = torch.device(f"cuda:{rank}")
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    group = ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
+    par = ParallelContext(tp=group, ep=group)
+    out: dict = {"rank": rank}
+    with torch.inference_mode():
+        engines = {mode: LLMEngine.from_config(EngineConfig(
+            model=model_dir, load_format="dummy", device=str(dev), dtype="bfloat16",
+            attention_backend="flashinfer", cuda_graphs=True, max_num_seqs=8,
+            max_model_len=512, kv_cache_bytes=256 << 20, all_reduce=mode), par)
+            for mode in ("flag_one_shot", "nccl")}  # forced: every small message fused
+        fast = engines["flag_one_shot"].model.par.tp.fast
+        out["fused_on"] = fast is not None and fast._gemv_ar is not None
+        # the engine's batch-1 warm-up took the fused path for o_proj and down
+        out["engine_fused"] = sorted(str(k) for k in fast._gemv_ar_configs) if fast else []
+        g = torch.Generator(dev).manual_seed(10 + rank)
+        shapes = [(1024, 512, False), (1024, 1408, True), (4096, 2048, False)]  # N, K, silu
+        cases = []
+        for n, k, silu in shapes:
+            x = torch.randn(1, 2 * k if silu else k, device=dev, generator=g).bfloat16()
+            w = (0.05 * torch.randn(n, k, device=dev, generator=g)).bfloat16()
+            res = torch.randn(1, n, device=dev, generator=g).bfloat16() if rank == 0 else None
+            cases.append((x, w, silu, res))
+
+        def fused(c):
+            return fast.gemv_all_reduce(c[0], c[1], silu_mul=c[2], residual=c[3])
+
+        def reference(c):
+            cfg = fast._gemv_ar_configs[(tuple(c[1].shape), c[2])]
+            part = triton_gemv.gemv(c[0], c[1], silu_mul=c[2], residual=c[3], config=cfg)
+            return fast.run(part, FLAG_ONE_SHOT)
+
+        eager = [fused(c) for c in cases]  # agrees the configs (first calls)
+        out["configs"] = {str(k): v for k, v in fast._gemv_ar_configs.items()}
+        out["fused_equals_reference"] = all(torch.equal(a, reference(c))
+                                            for a, c in zip(eager, cases))
+        calls = [cases[i % len(cases)] for i in range(60)]  # mixed shapes, slots alternating
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [fused(c) for c in calls]
+        ok = True
+        for _ in range(20):
+            graph.replay()
+            torch.cuda.synchronize()
+            ok &= all(torch.equal(o, eager[i % len(cases)]) for i, o in enumerate(outs))
+        out["graph_replays_equal"] = bool(ok)
+        eng = engines["flag_one_shot"]
+        pages = eng.allocator.alloc(2)
+        lay = build_metadata(pad_decode_slices([SeqSlice(page_ids=pages, num_cached=9,
+                                                         num_new=1)], 1), eng.cfg.page_size,
+                             dev)
+        batch = ForwardBatch(input_ids=torch.tensor([11], device=dev), positions=lay.positions,
+                             attn=lay.attn, logits_indices=torch.arange(1, device=dev))
+        out["replay_equals_eager_b1"] = bool(torch.equal(eng.graphs.run(batch),
+                                                         eng.graphs.eager(batch)))
+        eng.allocator.free(pages)
+        prompt = torch.randint(3, 4096, (13,), generator=torch.Generator().manual_seed(5))
+        params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+        out["tokens_b1"] = {m: e.generate([prompt.tolist()], params)[0].output_ids
+                            for m, e in engines.items()}
+    queue.put(out)
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
 def _spec_under_tp(plain, prompts, params) -> dict:
     """A SpecEngine (random EAGLE head, chain k=4) on the TP=2 target with its speculative
     graphs (draft steps, verify, extend: collectives inside): where its greedy tokens part
@@ -129,3 +211,18 @@ def test_tp2_graphs_replay_eager_and_custom_all_reduce_equals_nccl(tmp_path):
     for o in by_rank.values():  # speculative graphs under TP: lossless up to bf16 near-ties
         assert o["spec"]["graphs"] and o["spec"]["all_near_ties"], o["spec"]
     assert by_rank[0]["spec"]["tokens"] == by_rank[1]["spec"]["tokens"]
+
+
+def test_tp2_fused_gemv_all_reduce(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_GEMV_AR", "1")
+    (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    items, codes = run_ranks(_fused_rank, 2, str(tmp_path), timeout_s=400)
+    assert codes == [0, 0]
+    by_rank = {o["rank"]: o for o in items}
+    assert by_rank[0]["configs"] == by_rank[1]["configs"]  # agreed over the group
+    for o in by_rank.values():
+        assert o["fused_on"]
+        assert o["engine_fused"] == ["((1024, 1408), True)", "((1024, 512), False)"], o
+        assert o["fused_equals_reference"] and o["graph_replays_equal"], o
+        assert o["replay_equals_eager_b1"]
+        assert o["tokens_b1"]["flag_one_shot"] == o["tokens_b1"]["nccl"], o["tokens_b1"]

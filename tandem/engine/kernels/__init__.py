@@ -7,6 +7,7 @@ from tandem.engine.kernels.ops import (
     decode_fusion_ok,
     decode_rows_plan,
     fused_linear,
+    gemv_applies,
     kernel_policy,
     linear,
     moe_experts,
@@ -21,7 +22,7 @@ from tandem.engine.kernels.ops import (
 
 __all__ = [
     "KernelPolicy", "add_rms_norm", "current_policy", "decode_fusion_ok", "decode_rows_plan",
-    "fused_linear",
+    "fused_linear", "gemv_applies",
     "kernel_policy", "linear", "moe_experts", "moe_weighted_sum", "paged_decode", "rms_norm",
     "rotary", "rotary_store", "silu_and_mul", "store_kv",
 ]

@@ -70,6 +70,22 @@ def _gemv_rows(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, EVEN: tl.constexpr,
     NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
+    out, rows, rmask = gemv_block(x_ptr, w_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w,
+                                  eps, block, BLOCK_N, BLOCK_K, NUM_K, EVEN, NORM, SILU_MUL,
+                                  RESIDUAL)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def gemv_block(
+    x_ptr, w_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps, block,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, EVEN: tl.constexpr,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
+):
+    """Weight rows [block * BLOCK_N, (block + 1) * BLOCK_N) of the one-row product, before
+    the store: (values [BLOCK_N] -- float32, or the residual's dtype after the add --, the
+    rows, their mask). `gemv_kernel` stores them; triton_gemv_ar sums them over TP ranks
+    first."""
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -93,7 +109,7 @@ def _gemv_rows(
     rmask = rows < n_rows
     if RESIDUAL:
         out = _add_residual(out, tl.load(res_ptr + rows, mask=rmask, other=0.0))
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rmask)
+    return out, rows, rmask
 
 
 @triton.jit

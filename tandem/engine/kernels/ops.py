@@ -145,6 +145,11 @@ def _gemv_for(x: torch.Tensor) -> ModuleType | None:
     return _gemv_module
 
 
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` / `fused_linear` of x with this weight run the Triton GEMV."""
+    return weight.stride(1) == 1 and _gemv_for(x) is not None
+
+
 def decode_fusion_ok(x: torch.Tensor) -> bool:
     """Whether a layer given x [T, H] should take the fused path (`fused_linear`): T rows,
     1 <= T <= gemv_max_rows, on CUDA (batch-1 decode, speculative verify, small batches)."""

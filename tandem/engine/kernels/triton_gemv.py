@@ -32,6 +32,7 @@ gemv_tuning.py. Callers import every name from here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,8 @@ from tandem.engine.kernels.gemv_tuning import (
 
 __all__ = [
     "CONFIGS", "MAX_ROWS", "ROWS_CONFIGS", "TUNING_ENV", "UNFUSED", "Config", "RowsChoice",
-    "RowsConfig", "choose", "gemv", "tuned_configs", "tuning_file", "unfused",
+    "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count", "tuned_configs", "tuning_file",
+    "unfused",
 ]
 
 MAX_ROWS = 8  # x rows the multi-row kernel takes (its M_PAD)
@@ -100,11 +102,43 @@ def gemv(
     assert not isinstance(config, (RowsConfig, str)), config
     # One row: the tuned one-row kernel.
     out = torch.empty(1, n_rows, dtype=out_dtype or x.dtype, device=x.device)
+    launch = _one_row_launcher(x, weight, out, norm_weight, eps, silu_mul, residual)
+    if config is None:
+        config = one_row_config(_one_row_key(weight, out, norm_weight, silu_mul, residual),
+                                launch, weight)
+    return launch(config)
+
+
+def one_row_choice(
+    x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0, silu_mul: bool = False, residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Config:
+    """The one-row config `gemv` would run for these arguments (x [1, K]; tuned at first use,
+    like gemv's: never inside a capture). triton_gemv_ar launches its kernel with it."""
+    out = torch.empty(1, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    launch = _one_row_launcher(x, weight, out, norm_weight, eps, silu_mul, residual)
+    return one_row_config(_one_row_key(weight, out, norm_weight, silu_mul, residual), launch,
+                          weight)
+
+
+def _one_row_key(weight: torch.Tensor, out: torch.Tensor, norm_weight: torch.Tensor | None,
+                 silu_mul: bool, residual: torch.Tensor | None) -> tuple:
+    n_rows, n_cols = weight.shape
+    return (n_rows, n_cols, str(weight.dtype), norm_weight is not None, silu_mul,
+            residual is not None, str(out.dtype))
+
+
+def _one_row_launcher(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                      norm_weight: torch.Tensor | None, eps: float, silu_mul: bool,
+                      residual: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    """launch(cfg, w=weight): `gemv_kernel` of x into `out` with config cfg."""
+    n_rows, n_cols = weight.shape
 
     def launch(cfg: Config, w: torch.Tensor = weight) -> torch.Tensor:
         block_n, block_k, warps, per_sm = cfg
         blocks = triton.cdiv(n_rows, block_n)
-        grid = min(blocks, per_sm * _sm_count(x.device)) if per_sm else blocks
+        grid = min(blocks, per_sm * sm_count(x.device)) if per_sm else blocks
         iters = triton.cdiv(blocks, grid)
         gemv_kernel[(grid,)](
             x, w, out, norm_weight if norm_weight is not None else x,
@@ -116,11 +150,7 @@ def gemv(
         )
         return out
 
-    if config is None:
-        key = (n_rows, n_cols, str(weight.dtype), norm_weight is not None, silu_mul,
-               residual is not None, str(out.dtype))
-        config = one_row_config(key, launch, weight)
-    return launch(config)
+    return launch
 
 
 def _gemm_rows(
@@ -191,7 +221,7 @@ def unfused(
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: any small grid
     index = device.index if device.index is not None else torch.cuda.current_device()

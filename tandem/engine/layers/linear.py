@@ -116,6 +116,12 @@ class RowParallelLinear(nn.Module):
         rank). x: [T, in_local], or [T, 2 in_local] gate|up with silu_mul."""
         assert self.bias is None, "forward_fused: a bias would be added once per rank"
         mine = residual if self.tp.rank == 0 else None
+        fast = self.tp.fast  # one launch for GEMV + all-reduce where it applies (batch 1)
+        if fast is not None and x.shape[0] == 1 and kernels.gemv_applies(x, self.weight):
+            out = fast.gemv_all_reduce(x.contiguous(), self.weight, silu_mul=silu_mul,
+                                       residual=mine)
+            if out is not None:
+                return out
         return self.tp.all_reduce(kernels.fused_linear(x, self.weight, silu_mul=silu_mul,
                                                        residual=mine), owned=True)
 

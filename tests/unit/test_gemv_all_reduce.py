@@ -1,0 +1,109 @@
+"""The fused row-parallel GEMV + all-reduce (kernels/triton_gemv_ar.py) through the Triton
+interpreter, two ranks in one process.
+
+The interpreter runs one program at a time, so the ranks cannot meet: each rank's call runs
+with its peer's pushes already in its inbox. Rank 0 runs first, with rank 1's partial and
+flags staged by hand; rank 1 then runs on what rank 0's kernel really pushed. Both must
+return the sum of the partials in rank order, bit for bit what `gemv` + the flag one-shot
+all-reduce computes, and leave the counters, flags and slots as the protocol says. The GPU
+test (tests/gpu/test_tp_graphs.py) runs the two ranks for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import require_triton_interpreter
+
+require_triton_interpreter()  # before triton is first imported
+
+from tandem.engine.kernels import triton_gemv  # noqa: E402
+from tandem.engine.kernels.triton_gemv_ar import GemvAllReduce, launch_grid  # noqa: E402
+
+WORLD, SLOT, SMS = 2, 128, 4
+DT = torch.bfloat16
+
+
+class Pair:
+    """Two ranks' inboxes [2, W, SLOT] and flags [G, W] as ordinary CPU tensors."""
+
+    def __init__(self) -> None:
+        max_programs = 4 * SMS
+        self.inbox = [torch.zeros(2 * WORLD * SLOT, dtype=DT) for _ in range(WORLD)]
+        self.flags = [torch.zeros(max_programs * WORLD, dtype=torch.int64)
+                      for _ in range(WORLD)]
+        bufs = torch.tensor([t.data_ptr() for t in self.inbox], dtype=torch.int64)
+        flag_ptrs = torch.tensor([t.data_ptr() for t in self.flags], dtype=torch.int64)
+        self.ranks = [GemvAllReduce(r, WORLD, self.inbox[r], bufs, flag_ptrs, max_programs,
+                                    SMS, keep=(self.flags[r],)) for r in range(WORLD)]
+
+    def region(self, rank: int, slot: int, sender: int, n: int) -> torch.Tensor:
+        """What `sender` pushed into `rank`'s inbox, slot `slot`: [n]."""
+        return self.inbox[rank].view(2, WORLD, SLOT)[slot, sender, :n]
+
+    def flag(self, rank: int, program: int, sender: int) -> int:
+        return int(self.flags[rank].view(-1, WORLD)[program, sender])
+
+
+def _sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The flag one-shot's sum: float32 in rank order, to bf16 as the interpreter converts
+    (it truncates; the GPU rounds to nearest, and the GPU test compares there)."""
+    total = sum(p.float() for p in parts)
+    return (total.view(torch.int32) >> 16).to(torch.int16).view(DT)
+
+
+def _case(seed: int, n: int, k: int, silu: bool):
+    """Each rank's x slice [1, K] (or gate | up), weight slice [N, K], and the residual."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(1, 2 * k if silu else k, generator=g).to(DT) for _ in range(WORLD)]
+    ws = [(0.1 * torch.randn(n, k, generator=g)).to(DT) for _ in range(WORLD)]
+    return xs, ws, torch.randn(1, n, generator=g).to(DT)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("config", [(8, 32, 4, 0), (4, 16, 4, 1)])  # 1 and 4 blocks a program
+def test_two_ranks_sum_like_gemv_then_all_reduce(config, silu):
+    n, k = 64, 32
+    pair = Pair()
+    grid, iters = launch_grid(n, config, SMS)
+    assert grid * iters >= n // config[0] and (iters > 1) == (config[3] == 1)
+    for call in range(3):  # slots alternate; the counter and flags advance
+        e, slot = call + 1, (call + 1) % 2
+        xs, ws, res = _case(call, n, k, silu)
+        parts = [triton_gemv.gemv(xs[r], ws[r], silu_mul=silu, config=config,
+                                  residual=res if r == 0 else None) for r in range(WORLD)]
+        want = _sum(parts)
+        # rank 1's push, staged: its partial in rank 0's inbox and its flag per program
+        pair.region(0, slot, 1, n).copy_(parts[1][0])
+        pair.flags[0].view(-1, WORLD)[:grid, 1] = e
+        got0 = pair.ranks[0](xs[0], ws[0], config, silu_mul=silu, residual=res)
+        assert torch.equal(got0, want)
+        assert torch.equal(pair.region(1, slot, 0, n), parts[0][0])  # what rank 0 pushed
+        assert all(pair.flag(1, g, 0) == e for g in range(grid))
+        assert pair.flag(1, grid, 0) == 0  # programs past the grid raise nothing
+        assert int(pair.ranks[0].count) == e and int(pair.ranks[0].done) == 0
+        got1 = pair.ranks[1](xs[1], ws[1], config, silu_mul=silu)  # on rank 0's real push
+        assert torch.equal(got1, want)
+        assert torch.equal(pair.region(0, slot, 1, n), parts[1][0])
+        assert int(pair.ranks[1].count) == e and int(pair.ranks[1].done) == 0
+
+
+def test_a_peer_one_call_ahead_leaves_this_calls_slot_alone():
+    """Rank 1 may finish call e + 1 before rank 0 reads call e: its flag reads e + 1 and its
+    call-e + 1 values sit in the other slot; rank 0 still sums call e's."""
+    n, k, config = 64, 32, (8, 32, 4, 0)
+    pair = Pair()
+    grid, _ = launch_grid(n, config, SMS)
+    xs, ws, res = _case(7, n, k, False)
+    part1 = triton_gemv.gemv(xs[1], ws[1], config=config)
+    pair.region(0, 1, 1, n).copy_(part1[0])  # call 1 in slot 1
+    pair.region(0, 0, 1, n).fill_(1000.0)  # call 2, ahead, in slot 0
+    pair.flags[0].view(-1, WORLD)[:grid, 1] = 2
+    got = pair.ranks[0](xs[0], ws[0], config, residual=res)
+    part0 = triton_gemv.gemv(xs[0], ws[0], config=config, residual=res)
+    assert torch.equal(got, _sum([part0, part1]))
+
+
+def test_launch_grid_caps_programs():
+    assert launch_grid(4096, (2, 2048, 4, 0), 132) == (528, 4)  # 2048 blocks, 4 per SM
+    assert launch_grid(4096, (8, 512, 4, 4), 132) == (512, 1)
+    assert launch_grid(64, (8, 32, 4, 0), 132) == (8, 1)
