@@ -104,6 +104,7 @@ def test_a_peer_one_call_ahead_leaves_this_calls_slot_alone():
 
 
 def test_launch_grid_caps_programs():
-    assert launch_grid(4096, (2, 2048, 4, 0), 132) == (528, 4)  # 2048 blocks, 4 per SM
+    assert launch_grid(4096, (2, 2048, 4, 0), 132) == (512, 4)  # 2048 blocks, <= 4 per SM
+    assert launch_grid(4100, (2, 2048, 4, 0), 132) == (513, 4)
     assert launch_grid(4096, (8, 512, 4, 4), 132) == (512, 1)
     assert launch_grid(64, (8, 32, 4, 0), 132) == (8, 1)

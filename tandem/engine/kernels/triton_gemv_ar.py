@@ -98,12 +98,14 @@ def _gemv_ar_kernel(
 
 
 def launch_grid(n_rows: int, config: Config, sm_count: int) -> tuple[int, int]:
-    """(grid, iters) of the fused kernel for an [n_rows]-row weight under `config`: the
-    one-row config's own persistent grid, or PROGRAMS_PER_SM programs per SM at most."""
+    """(grid, iters) of the fused kernel for an [n_rows]-row weight under `config`: at most
+    the config's programs per SM (PROGRAMS_PER_SM for a config without), the fewest blocks
+    per program, spread evenly (grid * iters == blocks where iters divides them: no masked
+    weight loads)."""
     block_n, _, _, per_sm = config
     blocks = triton.cdiv(n_rows, block_n)
-    grid = min(blocks, (per_sm or PROGRAMS_PER_SM) * sm_count)
-    return grid, triton.cdiv(blocks, grid)
+    iters = triton.cdiv(blocks, (per_sm or PROGRAMS_PER_SM) * sm_count)
+    return triton.cdiv(blocks, iters), iters
 
 
 class GemvAllReduce:
