@@ -29,6 +29,10 @@ class ConfigError(ValueError):
     """A config value is missing, of the wrong type or unsupported; the message names it."""
 
 
+# EngineConfig.all_reduce (engine/allreduce.py MODES)
+ALL_REDUCE_MODES = ("auto", "nccl", "one_shot", "two_shot", "flag_one_shot")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RopeScaling:
     """Llama-3.1 style frequency-dependent rope scaling (`rope_type: llama3`)."""
@@ -260,10 +264,11 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True  # replay pure-decode steps from CUDA graphs (CUDA + FlashInfer only)
     # TP all-reduce on GPUs (allreduce.py): "auto" measures NCCL and the symmetric-memory
-    # one-shot/two-shot kernels at start-up and gives each message size the fastest; "nccl"
-    # never uses symmetric memory; "one_shot"/"two_shot" force that kernel wherever a message
-    # fits its buffer (tests, benchmarks). No effect on the CPU, with TP 1 or DP attention.
-    all_reduce: Literal["auto", "nccl", "one_shot", "two_shot"] = "auto"
+    # one-shot/two-shot and flag one-shot kernels at start-up and gives each message size the
+    # fastest; "nccl" never uses symmetric memory; "one_shot"/"two_shot"/"flag_one_shot" force
+    # that kernel wherever a message fits its buffer (tests, benchmarks). No effect on the CPU,
+    # with TP 1 or DP attention.
+    all_reduce: Literal["auto", "nccl", "one_shot", "two_shot", "flag_one_shot"] = "auto"
     # Reuse the KV pages of prompt prefixes computed before (prefix_cache.py); off by default.
     enable_prefix_caching: bool = False
     # How expert-parallel MoE moves tokens (layers/moe_dispatch.py): "allreduce" (every rank
@@ -299,9 +304,9 @@ class EngineConfig:
         if self.overlap_schedule is not None and not isinstance(self.overlap_schedule, bool):
             raise ConfigError(f"overlap_schedule: must be true, false or null (auto), "
                               f"got {self.overlap_schedule!r}")
-        if self.all_reduce not in ("auto", "nccl", "one_shot", "two_shot"):
-            raise ConfigError(f"all_reduce: '{self.all_reduce}' is not one of auto, nccl, "
-                              "one_shot, two_shot")
+        if self.all_reduce not in ALL_REDUCE_MODES:
+            raise ConfigError(f"all_reduce: '{self.all_reduce}' is not one of "
+                              f"{', '.join(ALL_REDUCE_MODES)}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching: must be true or false, "
                               f"got {self.enable_prefix_caching!r}")

@@ -88,7 +88,11 @@ def _fused_rank(rank: int, port: int, model_dir: str, queue) -> None:
     the GEMV of the same config followed by the flag one-shot, eagerly and replayed from a
     graph of many calls of mixed shapes; then batch-1 engine replays against eager, and
     batch-1 greedy tokens against an NCCL engine's."""
+    import faulthandler
+
     import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(150, exit=False)  # where a rank waits, if it hangs
 
     from tandem.engine import EngineConfig, LLMEngine, ParallelContext, ParallelGroup
     from tandem.engine import SamplingParams, SeqSlice, build_metadata
@@ -216,7 +220,7 @@ def test_tp2_graphs_replay_eager_and_custom_all_reduce_equals_nccl(tmp_path):
 def test_tp2_fused_gemv_all_reduce(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_GEMV_AR", "1")
     (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
-    items, codes = run_ranks(_fused_rank, 2, str(tmp_path), timeout_s=400)
+    items, codes = run_ranks(_fused_rank, 2, str(tmp_path), timeout_s=240)
     assert codes == [0, 0]
     by_rank = {o["rank"]: o for o in items}
     assert by_rank[0]["configs"] == by_rank[1]["configs"]  # agreed over the group

@@ -170,3 +170,12 @@ def test_group_takes_the_custom_result_when_there_is_one_and_nccl_otherwise(gloo
     assert fast.calls == 2
     plain = ParallelGroup(rank=0, size=2, handle=gloo_world_of_one)
     assert torch.equal(plain.all_reduce(small), small)
+
+
+def test_engine_config_takes_every_all_reduce_mode():
+    from tandem.engine.allreduce import MODES
+    from tandem.engine.config import ALL_REDUCE_MODES, EngineConfig
+
+    assert ALL_REDUCE_MODES == MODES
+    for mode in MODES:
+        EngineConfig(model="smollm2-135m", load_format="dummy", all_reduce=mode)
