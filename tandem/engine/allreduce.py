@@ -58,7 +58,6 @@ FLAG_MAX_BYTES = 1 << 20  # the flag one-shot's slots (two per rank); larger: ot
 # kernels/triton_gemv_ar.py: a one-row row-parallel GEMV and its all-reduce in one launch,
 # where the table takes the flag one-shot for the product's size. Opt-in (=1) until measured.
 GEMV_AR_ENV = "TANDEM_GEMV_AR"
-GEMV_AR_MAX_ELEMS = 16384  # the fused kernel's slots: outputs up to this many elements
 ALIGN = 16  # bytes: the symm_mem kernels' vector width; smaller alignments are not offered
 CUSTOM_DTYPES = (torch.bfloat16, torch.float32)  # what the symm_mem reduce kernels support
 
@@ -198,7 +197,7 @@ class FastAllReduce:
             log.warning("fused GEMV all-reduce unavailable: %s", exc)
             return None
         return GemvAllReduce.build(self.group_name, self.group.size, self.device, self.dtype,
-                                   GEMV_AR_MAX_ELEMS, sm_count(self.device))
+                                   sm_count(self.device))
 
     def gemv_all_reduce(self, x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool,
                         residual: torch.Tensor | None) -> torch.Tensor | None:
@@ -210,13 +209,15 @@ class FastAllReduce:
         fused = self._gemv_ar
         n_rows = weight.shape[0]
         if (fused is None or self.table is None or x.shape[0] != 1 or x.dtype != self.dtype
-                or weight.dtype != self.dtype or not fused.fits(n_rows)
+                or weight.dtype != self.dtype
                 or self.table.method_for(n_rows * x.element_size()) != FLAG_ONE_SHOT):
             return None
         key = (tuple(weight.shape), silu_mul)  # the same on every rank (residual is not)
         config = self._gemv_ar_configs.get(key)
         if config is None:
             config = self._agree_config(key, x, weight, silu_mul, residual)
+        if not fused.fits(n_rows, config):  # alike on every rank: the config is agreed
+            return None
         return fused(x, weight, config, silu_mul=silu_mul, residual=residual)
 
     def _agree_config(self, key: tuple, x: torch.Tensor, weight: torch.Tensor,

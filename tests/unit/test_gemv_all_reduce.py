@@ -17,28 +17,40 @@ from triton_interp import require_triton_interpreter
 require_triton_interpreter()  # before triton is first imported
 
 from tandem.engine.kernels import triton_gemv  # noqa: E402
-from tandem.engine.kernels.triton_gemv_ar import GemvAllReduce, launch_grid  # noqa: E402
+from tandem.engine.kernels.triton_gemv_ar import (  # noqa: E402
+    AREA,
+    G_MAX,
+    GemvAllReduce,
+    area_offsets,
+    launch_grid,
+)
 
-WORLD, SLOT, SMS = 2, 128, 4
+WORLD, SMS = 2, 4
 DT = torch.bfloat16
 
 
 class Pair:
-    """Two ranks' inboxes [2, W, SLOT] and flags [G, W] as ordinary CPU tensors."""
+    """Two ranks' inboxes [G_MAX, 2, W, AREA] and flags [G_MAX, W] as CPU tensors."""
 
     def __init__(self) -> None:
-        max_programs = 4 * SMS
-        self.inbox = [torch.zeros(2 * WORLD * SLOT, dtype=DT) for _ in range(WORLD)]
-        self.flags = [torch.zeros(max_programs * WORLD, dtype=torch.int64)
-                      for _ in range(WORLD)]
+        self.inbox = [torch.zeros(G_MAX * 2 * WORLD * AREA, dtype=DT) for _ in range(WORLD)]
+        self.flags = [torch.zeros(G_MAX * WORLD, dtype=torch.int64) for _ in range(WORLD)]
         bufs = torch.tensor([t.data_ptr() for t in self.inbox], dtype=torch.int64)
         flag_ptrs = torch.tensor([t.data_ptr() for t in self.flags], dtype=torch.int64)
-        self.ranks = [GemvAllReduce(r, WORLD, self.inbox[r], bufs, flag_ptrs, max_programs,
-                                    SMS, keep=(self.flags[r],)) for r in range(WORLD)]
+        self.ranks = [GemvAllReduce(r, WORLD, self.inbox[r], bufs, flag_ptrs, SMS,
+                                    keep=(self.flags[r],)) for r in range(WORLD)]
 
-    def region(self, rank: int, slot: int, sender: int, n: int) -> torch.Tensor:
-        """What `sender` pushed into `rank`'s inbox, slot `slot`: [n]."""
-        return self.inbox[rank].view(2, WORLD, SLOT)[slot, sender, :n]
+    def region(self, rank: int, slot: int, sender: int, n: int,
+               config: tuple) -> torch.Tensor:
+        """The indices of `sender`'s push of n rows in `rank`'s inbox, slot `slot`."""
+        return area_offsets(n, config, SMS, slot, sender, WORLD)
+
+    def pushed(self, rank: int, slot: int, sender: int, n: int, config: tuple) -> torch.Tensor:
+        return self.inbox[rank][self.region(rank, slot, sender, n, config)]
+
+    def stage(self, rank: int, slot: int, sender: int, values: torch.Tensor,
+              config: tuple) -> None:
+        self.inbox[rank][self.region(rank, slot, sender, values.numel(), config)] = values
 
     def flag(self, rank: int, program: int, sender: int) -> int:
         return int(self.flags[rank].view(-1, WORLD)[program, sender])
@@ -65,26 +77,26 @@ def test_two_ranks_sum_like_gemv_then_all_reduce(config, silu):
     n, k = 64, 32
     pair = Pair()
     grid, iters = launch_grid(n, config, SMS)
-    assert grid * iters >= n // config[0] and (iters > 1) == (config[3] == 1)
-    for call in range(3):  # slots alternate; the counter and flags advance
+    assert grid * iters == n // config[0] and (iters > 1) == (config[3] == 1)
+    for call in range(3):  # areas alternate slots; the counters and flags advance
         e, slot = call + 1, (call + 1) % 2
         xs, ws, res = _case(call, n, k, silu)
         parts = [triton_gemv.gemv(xs[r], ws[r], silu_mul=silu, config=config,
                                   residual=res if r == 0 else None) for r in range(WORLD)]
         want = _sum(parts)
         # rank 1's push, staged: its partial in rank 0's inbox and its flag per program
-        pair.region(0, slot, 1, n).copy_(parts[1][0])
+        pair.stage(0, slot, 1, parts[1][0], config)
         pair.flags[0].view(-1, WORLD)[:grid, 1] = e
         got0 = pair.ranks[0](xs[0], ws[0], config, silu_mul=silu, residual=res)
         assert torch.equal(got0, want)
-        assert torch.equal(pair.region(1, slot, 0, n), parts[0][0])  # what rank 0 pushed
+        assert torch.equal(pair.pushed(1, slot, 0, n, config), parts[0][0])  # rank 0's push
         assert all(pair.flag(1, g, 0) == e for g in range(grid))
         assert pair.flag(1, grid, 0) == 0  # programs past the grid raise nothing
-        assert int(pair.ranks[0].count) == e and int(pair.ranks[0].done) == 0
+        assert pair.ranks[0].count[:grid].eq(e).all() and pair.ranks[0].count[grid] == 0
         got1 = pair.ranks[1](xs[1], ws[1], config, silu_mul=silu)  # on rank 0's real push
         assert torch.equal(got1, want)
-        assert torch.equal(pair.region(0, slot, 1, n), parts[1][0])
-        assert int(pair.ranks[1].count) == e and int(pair.ranks[1].done) == 0
+        assert torch.equal(pair.pushed(0, slot, 1, n, config), parts[1][0])
+        assert pair.ranks[1].count[:grid].eq(e).all()
 
 
 def test_a_peer_one_call_ahead_leaves_this_calls_slot_alone():
@@ -95,16 +107,17 @@ def test_a_peer_one_call_ahead_leaves_this_calls_slot_alone():
     grid, _ = launch_grid(n, config, SMS)
     xs, ws, res = _case(7, n, k, False)
     part1 = triton_gemv.gemv(xs[1], ws[1], config=config)
-    pair.region(0, 1, 1, n).copy_(part1[0])  # call 1 in slot 1
-    pair.region(0, 0, 1, n).fill_(1000.0)  # call 2, ahead, in slot 0
+    pair.stage(0, 1, 1, part1[0], config)  # call 1 in slot 1
+    pair.stage(0, 0, 1, torch.full((n,), 1000.0, dtype=DT), config)  # call 2, ahead
     pair.flags[0].view(-1, WORLD)[:grid, 1] = 2
     got = pair.ranks[0](xs[0], ws[0], config, residual=res)
     part0 = triton_gemv.gemv(xs[0], ws[0], config=config, residual=res)
     assert torch.equal(got, _sum([part0, part1]))
 
 
-def test_launch_grid_caps_programs():
-    assert launch_grid(4096, (2, 2048, 4, 0), 132) == (512, 4)  # 2048 blocks, <= 4 per SM
-    assert launch_grid(4100, (2, 2048, 4, 0), 132) == (513, 4)
+def test_launch_grid_keeps_the_config_grid_within_its_areas():
+    assert launch_grid(4096, (2, 2048, 4, 0), 132) == (2048, 1)  # one block a program
+    assert launch_grid(4096, (1, 4096, 4, 0), 132) == (2048, 2)  # G_MAX programs at most
     assert launch_grid(4096, (8, 512, 4, 4), 132) == (512, 1)
-    assert launch_grid(64, (8, 32, 4, 0), 132) == (8, 1)
+    assert launch_grid(14336, (16, 512, 8, 1), 132) == (132, 7)
+    assert launch_grid(65536, (16, 512, 8, 1), 132) is None  # 32 blocks of 16 > AREA
