@@ -54,8 +54,8 @@ def test_spec_kernels_equal_twins_on_cuda(seed):
     offsets = torch.tensor([sum(sizes[:r]) for r in range(b)], device=DEV)
     margs = (parents, nc, offsets, sum(sizes), int(nc.max()))
     assert torch.equal(triton_ops.tree_mask(*margs), torch_ops.tree_mask(*margs))
-    # The speculative graphs' one-launch plans (TANDEM_PLAN_KERNELS=1): the fixed-shape
-    # extend's inputs and the decode rows' plan.
+    # The speculative graphs' one-launch plans (the default; TANDEM_PLAN_KERNELS=0 opts
+    # out): the fixed-shape extend's inputs and the decode rows' plan.
     eargs = (tokens, path, num, bonus, depth + 1)
     for a, w in zip(triton_ops.extend_rows(*eargs), torch_ops.extend_rows(*eargs)):
         assert torch.equal(a, w)

@@ -166,9 +166,9 @@ def test_rows_plan_kernel_equals_its_twin(rows_per_seq):
 
 
 @pytest.mark.parametrize("opt_in", [False, True])
-def test_rows_plan_dispatch_takes_triton_only_when_opted_in(opt_in, monkeypatch):
-    """On a Triton device the one-launch plan runs only with TANDEM_PLAN_KERNELS=1
-    (`ops.PLAN_KERNELS`: not yet run on a GPU); either way the result is the twin's."""
+def test_rows_plan_dispatch_takes_triton_unless_opted_out(opt_in, monkeypatch):
+    """On a Triton device the one-launch plan runs unless TANDEM_PLAN_KERNELS=0
+    (`ops.PLAN_KERNELS`); either way the result is the twin's."""
     table = torch.arange(12, dtype=torch.int32).view(3, 4)
     base = torch.tensor([0, 17, 40], dtype=torch.int64)
     calls: list[str] = []

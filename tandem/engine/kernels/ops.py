@@ -73,8 +73,9 @@ _triton_module: ModuleType | None = None
 _gemv_module: ModuleType | None = None
 _decode_module: ModuleType | None = None  # triton_decode, imported on first use
 # The one-launch bookkeeping kernels of the speculative graphs (decode_rows_plan here,
-# spec kernels.extend_rows): opt-in until they have run on a GPU.
-PLAN_KERNELS = os.environ.get("TANDEM_PLAN_KERNELS", "0") == "1"
+# spec kernels.extend_rows); TANDEM_PLAN_KERNELS=0 takes the torch twins' launches instead.
+# On an H100 (docs/perf.md session 18) the GPU tests pass with them and rounds are no slower.
+PLAN_KERNELS = os.environ.get("TANDEM_PLAN_KERNELS", "1") != "0"
 _moe_module: ModuleType | None = None
 _triton_failed = False
 
@@ -216,8 +217,7 @@ def decode_rows_plan(
     """table [B, P] int32, base [B] int64 -> (positions, key counts, K/V slots [B*R] int64,
     page-table rows [B*R, P] int32) of decode rows base[b] + j, j < R
     (`torch_ops.decode_rows_plan`); no host read either way. The one-launch Triton kernel
-    runs only with TANDEM_PLAN_KERNELS=1 until it has run on a GPU (tested through the
-    interpreter); otherwise the twin's ~7-10 small launches."""
+    runs unless TANDEM_PLAN_KERNELS=0 (then the twin's ~7-10 small launches)."""
     tri = _decode_for(base) if PLAN_KERNELS else None
     if tri is not None and table.dtype == torch.int32 and table.stride(1) == 1:
         return tri.decode_rows_plan(table, base, rows_per_seq, page_size)

@@ -54,7 +54,7 @@ def extend_rows(tokens: torch.Tensor, path: torch.Tensor, num_accepted: torch.Te
                 bonus: torch.Tensor, rows_per_seq: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token ids, feature rows [B * R], bonus rows [B]) of the fixed-shape extend; see
-    torch_ops. The Triton kernel only with TANDEM_PLAN_KERNELS=1 (not yet run on a GPU)."""
+    torch_ops. The Triton kernel unless TANDEM_PLAN_KERNELS=0."""
     tri = _triton_for(tokens) if engine_kernels.PLAN_KERNELS else None
     return (tri or torch_ops).extend_rows(tokens, path, num_accepted, bonus, rows_per_seq)
 
