@@ -11,6 +11,14 @@ read the new page tables: on CUDA by `DeviceDecodePlanner` (page tables copied o
 tandem's paged-decode kernel; TANDEM_DEVICE_DECODE=0: off), else by the backend's
 `graph_decode_planner` (host work: FlashInfer's plan).
 
+A graph's rows are tokens. With the device planner every token is a decode query over its
+own page row, so a step that prefills short prompts (with or without decode rows beside
+them) replays a graph too: of the smallest size >= its tokens, among the decode sizes and
+`prefill_rows` (sizes past the decode ones, TANDEM_PREFILL_GRAPHS=1). An eager prefill step
+launches a few hundred kernels from Python (~12 ms on SmolLM2, H100, while its GPU work is a
+fraction of that). Graphs past the decode sizes compute logits only for the rows listed in a
+fixed index buffer (`max_logit_rows` of them: one per sequence at most).
+
 With DP attention every rank replays the graph of the same size (the engine agrees on it each
 step) and the MLP's gather of the DP ranks' rows takes its counts from the size -- every TP
 lead `bs` rows, the other TP ranks none (`ParallelContext.static_dp_counts`) -- instead of
@@ -39,6 +47,20 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The padded sizes to capture for a scheduler that runs at most max_num_seqs sequences."""
     sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < max_num_seqs)
     return sizes + (max_num_seqs,)
+
+
+PREFILL_GRAPH_ROWS = 512  # the largest prefill graph (tokens)
+
+
+def prefill_graph_rows(decode_sizes: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """Graph sizes for prefill steps past the decode sizes: powers of two above the largest
+    decode size up to min(PREFILL_GRAPH_ROWS, max_tokens); () when TANDEM_PREFILL_GRAPHS is
+    not 1."""
+    if os.environ.get("TANDEM_PREFILL_GRAPHS", "0") != "1":
+        return ()
+    top = max(decode_sizes)
+    cap = min(PREFILL_GRAPH_ROWS, max_tokens)
+    return tuple(1 << k for k in range(1, 16) if top < (1 << k) <= cap)
 
 
 def padded_batch_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
@@ -74,35 +96,42 @@ class DecodeGraphRunner:
 
     def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int],
                  max_pages_per_seq: int, par: ParallelContext | None = None,
-                 device_metadata: bool | None = None) -> None:
+                 device_metadata: bool | None = None, prefill_rows: Sequence[int] = ()) -> None:
         """device_metadata: plan through `DeviceDecodePlanner` (None: on CUDA unless
-        TANDEM_DEVICE_DECODE=0), else through the backend's `graph_decode_planner`."""
+        TANDEM_DEVICE_DECODE=0), else through the backend's `graph_decode_planner`.
+        prefill_rows: sizes past `batch_sizes` for prefill steps (device metadata only)."""
         planner_factory = getattr(runner.backend, "graph_decode_planner", None)
-        if planner_factory is None:
-            raise ValueError(f"attention backend '{runner.backend.name}' cannot replay graphs")
-        self.runner = runner
-        self.batch_sizes = tuple(sorted(set(batch_sizes)))
-        max_bs = self.batch_sizes[-1]
-        self.page_size = runner.kv_pool.page_size
         device = runner.kv_pool.layer(runner.kv_group, 0).device
         if device_metadata is None:
-            device_metadata = (device.type == "cuda"
+            device_metadata = (device.type == "cuda" and planner_factory is not None
                                and os.environ.get("TANDEM_DEVICE_DECODE", "1") != "0")
+        if planner_factory is None and not device_metadata:
+            raise ValueError(f"attention backend '{runner.backend.name}' cannot replay graphs")
         self.device_metadata = device_metadata
+        self.runner = runner
+        self.max_logit_rows = max(batch_sizes)  # the decode sizes: logits of every row
+        self.page_size = runner.kv_pool.page_size
+        extra = [r for r in prefill_rows if r > self.max_logit_rows] if device_metadata else []
+        self.batch_sizes = tuple(sorted(set(batch_sizes) | set(extra)))
+        max_bs = self.batch_sizes[-1]
         self._planner = (
             DeviceDecodePlanner(max_bs, max_pages_per_seq, self.page_size, device)
             if device_metadata else planner_factory(max_bs, max_bs * max_pages_per_seq))
         self._input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
         self._positions = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
+        # rows whose logits prefill-sized graphs compute ([max_logit_rows], 0 = padding)
+        self._logit_rows = torch.zeros(self.max_logit_rows, dtype=torch.int64, device=device)
         self._graphs: dict[int, _Captured] = {}
         self._pool: Any = None
         self._par = par if par is not None and par.dp.size > 1 else None  # DP attention only
 
     def _body(self, bs: int, plan: Any) -> torch.Tensor:
-        """The captured forward -> logits [bs, V] of every row."""
+        """The captured forward -> logits [bs, V] of every row ([max_logit_rows, V] of the
+        listed rows in graphs past the decode sizes)."""
         counts = self._par.static_dp_counts(bs) if self._par is not None else None
+        rows = self._logit_rows if bs > self.max_logit_rows else None  # None: every row
         return self.runner.forward_planned(self._input_ids[:bs], self._positions[:bs], plan,
-                                           None, dp_counts=counts).logits
+                                           rows, dp_counts=counts).logits
 
     def capture(self, eager: bool = False) -> None:
         """Capture every batch size, largest first (smaller graphs reuse its pool memory).
@@ -127,25 +156,39 @@ class DecodeGraphRunner:
             torch.cuda.synchronize(device)  # SYNC: start-up only
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.attn.is_decode and batch.attn.num_seqs in self._graphs
+        """Whether a captured graph takes this (padded) batch as it is: a decode batch, or
+        with the device planner any causal one, of a captured row count, whose sampled rows
+        fit the graph's logits."""
+        attn = batch.attn
+        return (attn.num_tokens in self._graphs and attn.custom_mask is None
+                and (attn.is_decode or self.device_metadata)
+                and batch.logits_indices.numel() <= self.max_logit_rows)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Replay the graph of this (padded) decode batch -> logits [n, V] float32 for
+        """Replay the graph of this (padded) batch -> logits [n, V] float32 for
         batch.logits_indices."""
         attn = batch.attn
-        captured = self._graphs.get(attn.num_seqs)
-        if captured is None or not attn.is_decode:
+        if not self.can_run(batch):
             raise ValueError(f"no graph for a {'decode' if attn.is_decode else 'non-decode'} "
-                             f"batch of {attn.num_seqs} (captured {self.batch_sizes})")
-        bs = attn.num_seqs
+                             f"batch of {attn.num_tokens} rows (captured {self.batch_sizes})")
+        bs = attn.num_tokens
+        captured = self._graphs[bs]
         self._input_ids[:bs].copy_(batch.input_ids, non_blocking=True)
         self._positions[:bs].copy_(batch.positions, non_blocking=True)
         plan = self._planner.plan(attn)  # rewrites the captured wrapper's buffers in place
+        picked = bs > self.max_logit_rows  # the graph computes the listed rows' logits
+        if picked:
+            n = batch.logits_indices.numel()
+            self._logit_rows.zero_()  # stale entries could point past this graph's rows
+            self._logit_rows[:n].copy_(batch.logits_indices, non_blocking=True)
         if captured.graph is None:  # eager mode (CPU tests)
-            return self._body(bs, plan)[batch.logits_indices]
+            logits = self._body(bs, plan)
+            return logits[:n] if picked else logits[batch.logits_indices]
         assert getattr(plan, "wrapper", None) is getattr(captured.plan, "wrapper", None)
         assert plan.slot_ids.data_ptr() == captured.plan.slot_ids.data_ptr()
         captured.graph.replay()
+        if picked:
+            return captured.logits[:n].clone()
         return captured.logits[batch.logits_indices]  # advanced indexing: a new tensor
 
     def eager(self, batch: ForwardBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ from tandem.engine.cuda_graphs import (
     graph_batch_sizes,
     pad_decode_slices,
     padded_batch_size,
+    prefill_graph_rows,
 )
 from tandem.engine.kv_cache import KVGroupSpec, KVPool, PageAllocator
 from tandem.engine.loader import DTYPES, build_model, resolve_model
@@ -91,10 +92,12 @@ class LLMEngine:
         if (engine_cfg.cuda_graphs and self.device.type == "cuda"
                 and hasattr(self.runner.backend, "graph_decode_planner")
                 and (model.par.dp.size == 1 or self.dp_graphs_ok(engine_cfg))):
+            sizes = graph_batch_sizes(engine_cfg.max_num_seqs)
             self.graphs = DecodeGraphRunner(
-                self.runner, graph_batch_sizes(engine_cfg.max_num_seqs),
+                self.runner, sizes,
                 max_pages_per_seq=-(-self.max_model_len // engine_cfg.page_size),
-                par=model.par)
+                par=model.par, prefill_rows=prefill_graph_rows(
+                    sizes, engine_cfg.max_num_batched_tokens) if model.par.dp.size == 1 else ())
             self.graphs.capture()
         self.prefix_cache = (PrefixCache(self.allocator, engine_cfg.page_size,
                                          self.PREFIX_LOOKAHEAD)
@@ -250,7 +253,7 @@ class LLMEngine:
                             ) -> tuple[list[Request], object]:
         """The step's forward (the graph of `graph_bs` rows, or eager: None) and sampling,
         committed; no host read. Returns the sampling rows' requests and the `SampleOutput`."""
-        batch = self._build_batch(plan, graph_bs or len(plan.chunks))
+        batch = self._build_batch(plan, graph_bs or sum(len(c.token_ids) for c in plan.chunks))
         if graph_bs is not None and self.graphs is not None:
             logits = self.graphs.run(batch)
         else:
@@ -284,7 +287,8 @@ class LLMEngine:
         return outputs
 
     def _graph_batch_size(self, plan: StepPlan) -> int | None:
-        """The padded size of a CUDA graph that can run this step, or None (eager). With DP
+        """The padded size (rows: tokens) of a CUDA graph that can run this step, or None
+        (eager); a step with prompt chunks only through a device-planned graph. With DP
         attention every rank must replay the same graph (its collectives gather the same rows
         from every rank) or none: the ranks agree on the largest size any needs, and on eager
         when one of them runs a prefill chunk (SYNC: one all-reduce of a small int per step;
@@ -292,8 +296,11 @@ class LLMEngine:
         if self.graphs is None:
             return None
         sizes, dp = self.graphs.batch_sizes, self.model.par.dp
-        own = (len(plan.chunks) if all(len(c.token_ids) == 1 for c in plan.chunks)
-               else sizes[-1] + 1)
+        own = sum(len(c.token_ids) for c in plan.chunks)  # rows: a graph row is a token
+        prompts_ok = self.graphs.device_metadata and dp.size == 1  # planned on the device
+        if ((own > len(plan.chunks) and not prompts_ok)
+                or sum(c.samples for c in plan.chunks) > self.graphs.max_logit_rows):
+            own = sizes[-1] + 1
         if dp.size > 1:
             own = dp.all_reduce_max(own, self.device)
         return padded_batch_size(own, sizes) if 0 < own <= sizes[-1] else None
@@ -307,25 +314,26 @@ class LLMEngine:
             self.graphs.run(self._build_batch(StepPlan(chunks=(), preempted=()), graph_bs))
 
     def _build_batch(self, plan: StepPlan, num_rows: int) -> ForwardBatch:
-        """Rows beyond the plan's chunks (CUDA-graph padding) write only the scratch page."""
+        """The forward of `plan` over `num_rows` token rows (>= its tokens): rows beyond the
+        chunks' tokens (CUDA-graph padding) write only the scratch page."""
         slices = [SeqSlice(page_ids=c.page_ids, num_cached=c.num_cached,
                            num_new=len(c.token_ids)) for c in plan.chunks]
         # Plain blocking copies: the stream is idle here (the last step ended on its host
         # read), and on an H200 they cost less than pinned non-blocking ones (`engine/h2d`,
         # which pays off where the GPU is busy: speculative rounds) -- docs/perf.md session 9.
         # With overlap the stream is busy: the copies must not wait for it (`h2d`).
-        seqs = pad_decode_slices(slices, num_rows) if num_rows > len(slices) else slices
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
+        pad = num_rows - (ends[-1] if ends else 0)  # graph padding: one-token scratch rows
+        seqs = pad_decode_slices(slices, len(slices) + pad) if pad > 0 else slices
         logits_rows = [end - 1 for c, end in zip(plan.chunks, ends) if c.samples]
         if self.overlap:
             layout = h2d.build_layout(seqs, self.cfg.page_size, self.device)
-            input_ids = feed_input_ids(plan.chunks, num_rows - len(plan.chunks) + ends[-1],
-                                       self._inflight, self.device)
+            input_ids = feed_input_ids(plan.chunks, num_rows, self._inflight, self.device)
             logits_idx = h2d.tensor(logits_rows, torch.int64, self.device)
         else:
             layout = build_metadata(seqs, self.cfg.page_size, self.device)
             ids = [t for c in plan.chunks for t in c.token_ids]
-            ids += [0] * (num_rows - len(plan.chunks))  # padding rows (graph batches only)
+            ids += [0] * pad  # padding rows (graph batches only)
             input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
             logits_idx = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
         return ForwardBatch(input_ids=input_ids, positions=layout.positions, attn=layout.attn,

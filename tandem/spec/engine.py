@@ -214,7 +214,7 @@ class SpecEngine(HandoffSide, LLMEngine):
         return super().step()
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
-        batch = self._build_batch(plan, len(plan.chunks))  # eager: no graph padding
+        batch = self._build_batch(plan, sum(len(c.token_ids) for c in plan.chunks))  # eager
         completing = tuple(c for c in plan.chunks if c.samples and c.req_id in self.handoff_only)
         hook = self.prefill_layer_hook
         batch = ForwardBatch(input_ids=batch.input_ids, positions=batch.positions,

@@ -94,3 +94,90 @@ def test_a_request_joining_mid_decode_shares_the_buckets(monkeypatch):
     assert [out[r] for r in ids] == [list(w) for w in want]
     assert 4 in eng.graph_runs
     assert_pages_free(eng)
+
+
+# ---- prefill steps through the graphs (rows are tokens) ------------------------------------
+
+
+def test_the_planner_makes_each_prompt_token_a_causal_row_of_its_sequence():
+    planner = DeviceDecodePlanner(8, 3, 4, torch.device("cpu"))
+    real = [SeqSlice(page_ids=[5, 9], num_cached=2, num_new=3),  # positions 2, 3, 4
+            SeqSlice(page_ids=[7], num_cached=0, num_new=2),  # a new prompt
+            SeqSlice(page_ids=[3, 8], num_cached=4, num_new=1)]  # a decode row beside them
+    meta = build_metadata(real + pad_decode_slices([], 1), page_size=4).attn
+    plan = planner.plan(meta)
+    assert planner.latest_batch_size == 7
+    assert plan.kv_lens.tolist() == [3, 4, 5, 1, 2, 5, 1]  # each token sees up to itself
+    table = plan.page_table.tolist()
+    assert [r[:2] for r in table[:3]] == [[5, 9]] * 3
+    assert table[3][0] == table[4][0] == 7 and table[5][:2] == [3, 8]
+    assert table[6][0] == SCRATCH_PAGE
+    assert plan.slot_ids.tolist() == [22, 23, 36, 28, 29, 32, SCRATCH_PAGE * 4]
+    decode = planner.plan(build_metadata(pad_decode_slices(real[2:], 2), page_size=4).attn)
+    assert decode.kv_lens.data_ptr() == plan.kv_lens.data_ptr()  # the same buffers
+    assert decode.kv_lens.tolist() == [5, 1]
+    with pytest.raises(ValueError, match="causal"):
+        masked = SeqSlice(page_ids=[7], num_cached=0, num_new=2,
+                          mask=torch.tensor([[True, False], [True, True]]))
+        planner.plan(build_metadata([masked], page_size=4).attn)
+
+
+def _prefill_engine(model, monkeypatch, **cfg) -> LLMEngine:
+    """Decode graphs of 1, 2, 4 rows and prefill graphs of 8-64 rows (eager mode)."""
+    eng = LLMEngine(engine_cfg(**cfg), model)
+    eng.graphs = DecodeGraphRunner(eng.runner, (1, 2, 4),
+                                   max_pages_per_seq=-(-eng.max_model_len // eng.cfg.page_size),
+                                   device_metadata=True, prefill_rows=(8, 16, 32, 64))
+    eng.graphs.capture(eager=True)
+    assert eng.graphs.batch_sizes == (1, 2, 4, 8, 16, 32, 64)
+    runs = eng.graph_runs = []
+    run = eng.graphs.run
+    eng.graphs.run = lambda batch: runs.append(batch.attn.num_tokens) or run(batch)
+    return eng
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("num", [3, 6])  # 6 prompts sample 6 rows: past 4, their step is eager
+def test_prompt_steps_replay_graphs_and_decode_like_the_engine_without_graphs(num, overlap,
+                                                                            monkeypatch):
+    model = tiny_target("llama")
+    ps = prompts(num, seed=120 + num, lo=2, hi=19)
+    params = [greedy(n) for n in (9, 4, 13, 6, 11, 7)[:num]]
+    want = [c.output_ids for c in reference(model, ps, params)]
+    eng = _prefill_engine(model, monkeypatch, overlap_schedule=overlap)
+    assert [c.output_ids for c in eng.generate(ps, params)] == want
+    prefill_runs = [r for r in eng.graph_runs if r > 4]
+    assert bool(prefill_runs) == (num == 3), eng.graph_runs
+    assert_pages_free(eng)
+
+
+def test_a_prompt_joining_decode_rows_replays_one_mixed_graph(monkeypatch):
+    model = tiny_target("llama")
+    first, later = prompts(2, seed=130, lo=3), prompts(1, seed=131, lo=9, hi=20)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    want = [c.output_ids for c in reference(model, first + later, params)]
+    eng = _prefill_engine(model, monkeypatch)
+    ids = [eng.add_request(p, params) for p in first]
+    out: dict[str, list[int]] = {}
+    for step in range(100):
+        if step == 3:
+            ids += [eng.add_request(p, params) for p in later]
+            runs_before = len(eng.graph_runs)
+        for o in eng.step():
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+        if step == 3:  # the joining prompt's tokens and the two decode rows: one graph
+            assert eng.graph_runs[runs_before:] == [16] or eng.graph_runs[runs_before:] == [32]
+        if not eng.has_unfinished():
+            break
+    assert [out[r] for r in ids] == [list(w) for w in want]
+    assert_pages_free(eng)
+
+
+def test_prefill_graph_sizes_follow_the_switch(monkeypatch):
+    from tandem.engine.cuda_graphs import prefill_graph_rows
+
+    monkeypatch.setenv("TANDEM_PREFILL_GRAPHS", "0")
+    assert prefill_graph_rows((1, 2, 4, 8, 16), 8192) == ()
+    monkeypatch.setenv("TANDEM_PREFILL_GRAPHS", "1")
+    assert prefill_graph_rows((1, 2, 4, 8, 16), 8192) == (32, 64, 128, 256, 512)
+    assert prefill_graph_rows((1, 2, 4, 8, 16), 100) == (32, 64)

@@ -83,36 +83,56 @@ DEVICE_DECODE = DeviceDecodeBackend()
 
 
 class DeviceDecodePlanner:
-    """Plans plain decode steps for `DecodeGraphRunner` without host planning: each step puts
-    its batch's page table (gathered on the device from the metadata's page ids), key counts
-    and slots into buffers that never move, and the captured kernels read them there. Five
-    small device copies a step, instead of FlashInfer's plan (~0.15-0.3 ms of host work).
+    """Plans the steps of `DecodeGraphRunner` without host planning: each step puts its
+    rows' page tables (gathered on the device from the metadata's page ids), key counts and
+    slots into buffers that never move, and the captured kernels read them there. Five small
+    device copies a step, instead of FlashInfer's plan (~0.15-0.3 ms of host work).
 
-    Owns those buffers: table [B_max, P] int32 (columns past a row's pages hold other rows'
-    pages: never read, the kernel stops at the key count), lens [B_max] int32, slots [B_max]
+    A row is a token: a decode step's one per sequence, or a causal prefill chunk's several
+    (`plan` of any metadata without a custom mask). Each attends as a decode query over its
+    sequence's pages to its own position (its chunk's later tokens are stored but not seen),
+    so a step that prefills short prompts replays a graph too.
+
+    Owns those buffers: table [R_max, P] int32 (columns past a row's pages hold other rows'
+    pages: never read, the kernel stops at the key count), lens [R_max] int32, slots [R_max]
     int64."""
 
-    def __init__(self, max_batch_size: int, max_pages_per_seq: int, page_size: int,
+    def __init__(self, max_rows: int, max_pages_per_seq: int, page_size: int,
                  device: torch.device) -> None:
         self.num_splits = decode_splits(max_pages_per_seq * page_size)
-        self._table = torch.zeros(max_batch_size, max_pages_per_seq, dtype=torch.int32,
+        self._table = torch.zeros(max_rows, max_pages_per_seq, dtype=torch.int32,
                                   device=device)
-        self._lens = torch.ones(max_batch_size, dtype=torch.int32, device=device)
-        self._slots = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self._lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+        self._slots = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self._cols = torch.arange(max_pages_per_seq, dtype=torch.int32, device=device)  # [P]
-        self.latest_batch_size: int | None = None  # (`cuda_graphs.check_latest_plan`)
+        self.latest_batch_size: int | None = None  # rows (`cuda_graphs.check_latest_plan`)
 
     def plan(self, meta: AttentionMetadata) -> DeviceDecodePlan:
-        """The plan of decode metadata `meta` (one new token per sequence) over the fixed
-        buffers: the same tensors for every batch of a size (a graph replays on them)."""
-        bs = meta.num_seqs
-        assert meta.num_tokens == bs, "DeviceDecodePlanner: decode batches only"
+        """The plan of causal metadata `meta`, one row per token, over the fixed buffers: the
+        same tensors for every batch of a row count (a graph replays on them)."""
+        if meta.custom_mask is not None:
+            raise ValueError("DeviceDecodePlanner: causal rows only (no custom mask)")
+        rows = meta.num_tokens
+        if rows == meta.num_seqs:  # decode: row b is sequence b's one token
+            seq_of_row = None
+            self._lens[:rows].copy_(meta.kv_lens, non_blocking=True)
+        else:  # row t of sequence s at index j of its chunk: its keys end at itself
+            qo = meta.qo_indptr_cpu.long()  # [bs + 1]
+            seq = torch.repeat_interleave(torch.arange(meta.num_seqs), qo[1:] - qo[:-1])
+            lens = meta.kv_lens_cpu.long()[seq] - (qo[1:][seq] - torch.arange(rows)) + 1
+            both = torch.stack([seq, lens])  # [2, T] int64, one copy that never waits
+            if self._lens.is_cuda:
+                both = both.pin_memory().to(self._lens.device, non_blocking=True)
+            seq_of_row = both[0]
+            self._lens[:rows].copy_(both[1])
+        starts = meta.kv_page_indptr[:meta.num_seqs]
+        if seq_of_row is not None:
+            starts = starts[seq_of_row]
         last = max(meta.kv_page_ids.numel() - 1, 0)
-        index = (meta.kv_page_indptr[:bs, None] + self._cols[None, :]).clamp_(max=last)
+        index = (starts[:, None] + self._cols[None, :]).clamp_(max=last)
         torch.index_select(meta.kv_page_ids, 0, index.view(-1),
-                           out=self._table[:bs].view(-1))  # [bs * P] row b's pages first
-        self._lens[:bs].copy_(meta.kv_lens, non_blocking=True)
-        self._slots[:bs].copy_(meta.slot_ids, non_blocking=True)
-        self.latest_batch_size = bs
-        return DeviceDecodePlan(page_table=self._table[:bs], kv_lens=self._lens[:bs],
-                                slot_ids=self._slots[:bs], num_splits=self.num_splits)
+                           out=self._table[:rows].view(-1))  # [rows * P] row r's pages first
+        self._slots[:rows].copy_(meta.slot_ids, non_blocking=True)
+        self.latest_batch_size = rows
+        return DeviceDecodePlan(page_table=self._table[:rows], kv_lens=self._lens[:rows],
+                                slot_ids=self._slots[:rows], num_splits=self.num_splits)

@@ -1,0 +1,108 @@
+"""What a step that prefills arriving prompts costs, host and GPU, plain and speculative.
+
+The real-weights sweep (benchmarks/gpu_chat_sweep.sh) found each step right after a prompt
+arrived costing ~15-20 ms on SmolLM2 (a decode step: ~0.7 ms), and the speculative engines
+taking twice as many such steps as the plain one at c=4 and c=16 (their requests finish at
+staggered steps, so arrivals bunch less). This times those steps directly, on dummy bf16
+SmolLM2 weights: the plain engine and the speculative one, 1 and 8 prompts of 60 tokens
+arriving next to 0 or 15 decoding requests; wall ms per step (median), the same step's eager
+forward alone, and a cProfile of the plain 1-prompt step (host time by function).
+
+    source benchmarks/gpu_env.sh; python3 benchmarks/gpu_prompt_step.py --out $OUT   # 1 GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+import gpu_spec  # noqa: E402  (its engine builders)
+
+from tandem.engine import LLMEngine, SamplingParams  # noqa: E402
+from tandem.engine.loader import DTYPES  # noqa: E402
+from tandem.spec import DraftHeadConfig, SpecConfig, SpecEngine, dummy_head  # noqa: E402
+
+
+def sync() -> None:
+    if gpu_spec.DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Profile | None
+               ) -> float:
+    """Median wall ms of the step that takes `arriving` new 60-token prompts while `decoding`
+    requests decode (the decoding ones started earlier and are past their prompts)."""
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=4096, ignore_eos=True)
+    times = []
+    for rep in range(reps + 2):
+        for rid in list(eng.scheduler.requests):
+            eng.abort(rid)
+        eng.step()
+        for _ in range(decoding):
+            eng.add_request(torch.randint(3, 4000, (60,), generator=g).tolist(), params)
+        for _ in range(4):  # past their prompts, decoding
+            eng.step()
+        for _ in range(arriving):
+            eng.add_request(torch.randint(3, 4000, (60,), generator=g).tolist(), params)
+        sync()
+        if prof is not None and rep >= 2:
+            prof.enable()
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if prof is not None:
+            prof.disable()
+    for rid in list(eng.scheduler.requests):
+        eng.abort(rid)
+    eng.step()
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("results"))
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic")
+    args = ap.parse_args()
+    gpu_spec.DEV = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = gpu_spec.engine_cfg("smollm2-135m", "bfloat16", "flashinfer", True, 1024, 2 << 30)
+    model, _ = gpu_spec.build_target_and_head(cfg)
+    head = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle", draft_vocab_size=8192),
+                      model, DTYPES[cfg.dtype], gpu_spec.DEV, cfg.max_model_len)
+    engines = {"plain": LLMEngine(cfg, model),
+               "spec": SpecEngine(cfg, SpecConfig(num_steps=4), model, head)}
+    res: dict = {"device": torch.cuda.get_device_name() if gpu_spec.DEV.type == "cuda" else "cpu",
+                 "torch": torch.__version__}
+    profiles = io.StringIO()
+    for name, eng in engines.items():
+        for arriving, decoding in ((1, 0), (8, 0), (1, 15), (8, 8)):
+            prof = cProfile.Profile() if (arriving, decoding) == (1, 0) else None
+            ms = arrival_ms(eng, arriving, decoding, args.reps, prof)
+            res[f"{name} arrive={arriving} decoding={decoding}"] = ms
+            print(f"{name:6s} {arriving} arriving next to {decoding:2d} decoding: {ms:7.2f} ms",
+                  flush=True)
+            if prof is not None:
+                stats = pstats.Stats(prof, stream=profiles)
+                profiles.write(f"\n== {name}, 1 prompt arriving, {args.reps} steps\n")
+                stats.sort_stats("tottime").print_stats(35)
+                stats.sort_stats("cumulative").print_stats(50)
+    (args.out / "gpu_prompt_step.json").write_text(json.dumps(res, indent=1))
+    (args.out / "prompt_step_profiles.txt").write_text(profiles.getvalue())
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
