@@ -37,7 +37,7 @@ import torch
 from tandem.engine.attention.device_decode import DeviceDecodePlanner
 from tandem.engine.attention.metadata import SeqSlice, build_metadata
 from tandem.engine.parallel import ParallelContext
-from tandem.engine.runner import ForwardBatch, ModelRunner
+from tandem.engine.runner import ForwardBatch, ForwardOutput, ModelRunner
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 SCRATCH_PAGE = 0  # reserved by the PageAllocator; padding rows live here
@@ -82,7 +82,8 @@ def pad_decode_slices(slices: Sequence[SeqSlice], batch_size: int) -> list[SeqSl
 class _Captured:
     graph: torch.cuda.CUDAGraph | None  # None in eager mode (CPU tests): the body runs
     plan: Any  # the attention plan the graph was captured with (its fixed buffers)
-    logits: torch.Tensor | None  # [B, V] float32, written by every replay
+    out: ForwardOutput | None  # logits [B or max_logit_rows, V] float32, hidden [B, H] and
+    # the captured layers' streams, written by every replay
 
 
 class DecodeGraphRunner:
@@ -96,10 +97,13 @@ class DecodeGraphRunner:
 
     def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int],
                  max_pages_per_seq: int, par: ParallelContext | None = None,
-                 device_metadata: bool | None = None, prefill_rows: Sequence[int] = ()) -> None:
+                 device_metadata: bool | None = None, prefill_rows: Sequence[int] = (),
+                 capture_layers: tuple[int, ...] = ()) -> None:
         """device_metadata: plan through `DeviceDecodePlanner` (None: on CUDA unless
         TANDEM_DEVICE_DECODE=0), else through the backend's `graph_decode_planner`.
-        prefill_rows: sizes past `batch_sizes` for prefill steps (device metadata only)."""
+        prefill_rows: sizes past `batch_sizes` for prefill steps (device metadata only).
+        capture_layers: layers whose input streams every replay keeps (`run_forward`: an
+        EAGLE-3 head's features)."""
         planner_factory = getattr(runner.backend, "graph_decode_planner", None)
         device = runner.kv_pool.layer(runner.kv_group, 0).device
         if device_metadata is None:
@@ -108,11 +112,13 @@ class DecodeGraphRunner:
         if planner_factory is None and not device_metadata:
             raise ValueError(f"attention backend '{runner.backend.name}' cannot replay graphs")
         self.device_metadata = device_metadata
+        self.capture_layers = tuple(capture_layers)
         self.runner = runner
         self.max_logit_rows = max(batch_sizes)  # the decode sizes: logits of every row
         self.page_size = runner.kv_pool.page_size
         extra = [r for r in prefill_rows if r > self.max_logit_rows] if device_metadata else []
-        self.batch_sizes = tuple(sorted(set(batch_sizes) | set(extra)))
+        self.decode_sizes = tuple(sorted(set(batch_sizes)))
+        self.batch_sizes = tuple(sorted(set(batch_sizes) | set(extra)))  # rows of every graph
         max_bs = self.batch_sizes[-1]
         self._planner = (
             DeviceDecodePlanner(max_bs, max_pages_per_seq, self.page_size, device)
@@ -125,13 +131,13 @@ class DecodeGraphRunner:
         self._pool: Any = None
         self._par = par if par is not None and par.dp.size > 1 else None  # DP attention only
 
-    def _body(self, bs: int, plan: Any) -> torch.Tensor:
+    def _body(self, bs: int, plan: Any) -> ForwardOutput:
         """The captured forward -> logits [bs, V] of every row ([max_logit_rows, V] of the
-        listed rows in graphs past the decode sizes)."""
+        listed rows in graphs past the decode sizes), hidden [bs, H], captured streams."""
         counts = self._par.static_dp_counts(bs) if self._par is not None else None
         rows = self._logit_rows if bs > self.max_logit_rows else None  # None: every row
         return self.runner.forward_planned(self._input_ids[:bs], self._positions[:bs], plan,
-                                           rows, dp_counts=counts).logits
+                                           rows, self.capture_layers, dp_counts=counts)
 
     def capture(self, eager: bool = False) -> None:
         """Capture every batch size, largest first (smaller graphs reuse its pool memory).
@@ -144,14 +150,14 @@ class DecodeGraphRunner:
             plan = self._planner.plan(meta)
             self._body(bs, plan)
             if eager:
-                self._graphs[bs] = _Captured(graph=None, plan=plan, logits=None)
+                self._graphs[bs] = _Captured(graph=None, plan=plan, out=None)
                 continue
             torch.cuda.synchronize(device)  # SYNC: once per size, at start-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._body(bs, plan)
+                out = self._body(bs, plan)
             self._pool = graph.pool()
-            self._graphs[bs] = _Captured(graph=graph, plan=plan, logits=logits)
+            self._graphs[bs] = _Captured(graph=graph, plan=plan, out=out)
         if not eager:
             torch.cuda.synchronize(device)  # SYNC: start-up only
 
@@ -167,6 +173,19 @@ class DecodeGraphRunner:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay the graph of this (padded) batch -> logits [n, V] float32 for
         batch.logits_indices."""
+        return self._replay(batch)[1]
+
+    def run_forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Replay the graph of this (padded) batch -> its logits [n, V] float32 for
+        batch.logits_indices and copies of every row's hidden [T, H] and captured streams (a
+        prefill step's draft features), as `ModelRunner.forward` returns them."""
+        out, logits = self._replay(batch)
+        return ForwardOutput(logits=logits, hidden=out.hidden.clone(),
+                             aux_hidden=tuple(a.clone() for a in out.aux_hidden))
+
+    def _replay(self, batch: ForwardBatch) -> tuple[ForwardOutput, torch.Tensor]:
+        """(the graph's outputs after replaying `batch` -- valid until the next replay --,
+        the batch's logits [n, V] as a new tensor)."""
         attn = batch.attn
         if not self.can_run(batch):
             raise ValueError(f"no graph for a {'decode' if attn.is_decode else 'non-decode'} "
@@ -177,19 +196,19 @@ class DecodeGraphRunner:
         self._positions[:bs].copy_(batch.positions, non_blocking=True)
         plan = self._planner.plan(attn)  # rewrites the captured wrapper's buffers in place
         picked = bs > self.max_logit_rows  # the graph computes the listed rows' logits
+        n = batch.logits_indices.numel()
         if picked:
-            n = batch.logits_indices.numel()
             self._logit_rows.zero_()  # stale entries could point past this graph's rows
             self._logit_rows[:n].copy_(batch.logits_indices, non_blocking=True)
         if captured.graph is None:  # eager mode (CPU tests)
-            logits = self._body(bs, plan)
-            return logits[:n] if picked else logits[batch.logits_indices]
-        assert getattr(plan, "wrapper", None) is getattr(captured.plan, "wrapper", None)
-        assert plan.slot_ids.data_ptr() == captured.plan.slot_ids.data_ptr()
-        captured.graph.replay()
-        if picked:
-            return captured.logits[:n].clone()
-        return captured.logits[batch.logits_indices]  # advanced indexing: a new tensor
+            out = self._body(bs, plan)
+        else:
+            assert getattr(plan, "wrapper", None) is getattr(captured.plan, "wrapper", None)
+            assert plan.slot_ids.data_ptr() == captured.plan.slot_ids.data_ptr()
+            captured.graph.replay()
+            out = captured.out
+        # a new tensor, never a view of the graph's output (clone; advanced indexing copies)
+        return out, out.logits[:n].clone() if picked else out.logits[batch.logits_indices]
 
     def eager(self, batch: ForwardBatch) -> torch.Tensor:
         """`batch`'s forward as its replay runs it (the same planner, so the same kernels),

@@ -70,9 +70,12 @@ class LLMEngine:
     def __init__(
         self, engine_cfg: EngineConfig, model: DecoderLM, tokenizer: object | None = None,
         extra_kv_groups: Sequence[KVGroupSpec] = (), reserved_pages: int = 0,
+        graph_capture_layers: tuple[int, ...] = (),
     ) -> None:
         """reserved_pages: KV page ids kept out of the allocator for a subclass's own use
-        (pages 1 .. reserved_pages, after the scratch page 0; added to the pool's size)."""
+        (pages 1 .. reserved_pages, after the scratch page 0; added to the pool's size).
+        graph_capture_layers: layers whose streams the decode graphs keep (a subclass's
+        prompt steps read them from `DecodeGraphRunner.run_forward`)."""
         self.cfg, self.model, self.tokenizer = engine_cfg, model, tokenizer
         self.model_cfg: ModelConfig = model.cfg
         self.device = torch.device(engine_cfg.device)
@@ -97,7 +100,8 @@ class LLMEngine:
                 self.runner, sizes,
                 max_pages_per_seq=-(-self.max_model_len // engine_cfg.page_size),
                 par=model.par, prefill_rows=prefill_graph_rows(
-                    sizes, engine_cfg.max_num_batched_tokens) if model.par.dp.size == 1 else ())
+                    sizes, engine_cfg.max_num_batched_tokens) if model.par.dp.size == 1 else (),
+                capture_layers=graph_capture_layers)
             self.graphs.capture()
         self.prefix_cache = (PrefixCache(self.allocator, engine_cfg.page_size,
                                          self.PREFIX_LOOKAHEAD)

@@ -85,7 +85,7 @@ class SpecEngine(HandoffSide, LLMEngine):
         lanes = lanes_needed(spec, engine_cfg.page_size, graph_batch_sizes(
             engine_cfg.max_num_seqs)) if graphs_expected(engine_cfg, model) else 0
         super().__init__(engine_cfg, model, tokenizer, extra_kv_groups=[draft_kv_group(head)],
-                         reserved_pages=lanes)
+                         reserved_pages=lanes, graph_capture_layers=head.cfg.feature_layers)
         self.spec, self.head = spec, head
         self.draft = DraftRunner(head, self.kv_pool, self.runner.backend,
                                  max_kv_len=self.max_model_len + spec.slots_per_round)
@@ -112,7 +112,7 @@ class SpecEngine(HandoffSide, LLMEngine):
         self.tree_graphs: TreeDraftGraphs | None = None  # tree drafting (topk > 1)
         if self.graphs is not None:
             self.spec_graphs = SpecGraphRunner(
-                self.runner, self.draft, spec, spec_graph_batch_sizes(self.graphs.batch_sizes),
+                self.runner, self.draft, spec, spec_graph_batch_sizes(self.graphs.decode_sizes),
                 max_kv_len=self.max_model_len + spec.slots_per_round,
                 capture_layers=self.capture)
             self.spec_graphs.capture()
@@ -214,14 +214,22 @@ class SpecEngine(HandoffSide, LLMEngine):
         return super().step()
 
     def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
-        batch = self._build_batch(plan, sum(len(c.token_ids) for c in plan.chunks))  # eager
         completing = tuple(c for c in plan.chunks if c.samples and c.req_id in self.handoff_only)
         hook = self.prefill_layer_hook
-        batch = ForwardBatch(input_ids=batch.input_ids, positions=batch.positions,
-                             attn=batch.attn, logits_indices=batch.logits_indices,
-                             capture_layers=self.capture,
-                             after_layer=hook(completing) if hook and completing else None)
-        out = self.runner.forward(batch)
+        after_layer = hook(completing) if hook and completing else None
+        # The target forward replays a graph where one takes the prompt rows (no per-layer
+        # hook: a Python callback cannot run inside a graph), else runs eagerly.
+        num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        rows = (self._graph_batch_size(plan)
+                if after_layer is None and self.model.par.dp.size == 1 else None)
+        batch = self._build_batch(plan, rows or num_tokens)
+        if rows is not None and self.graphs is not None:
+            out = self.graphs.run_forward(batch)  # every row's hidden: padding rows last
+        else:
+            out = self.runner.forward(ForwardBatch(
+                input_ids=batch.input_ids, positions=batch.positions, attn=batch.attn,
+                logits_indices=batch.logits_indices, capture_layers=self.capture,
+                after_layer=after_layer))
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [self.scheduler.requests[c.req_id] for c in sampling]
         drawn = self.sampler.sample(out.logits, [r.params for r in reqs],
@@ -246,7 +254,7 @@ class SpecEngine(HandoffSide, LLMEngine):
             next_tokens.append(nxt)
         hidden = draft_prefill(self.draft, [c.page_ids for c in plan.chunks],
                                [c.num_cached for c in plan.chunks], next_tokens,
-                               target_features(out, self.head))
+                               target_features(out, self.head)[:num_tokens])
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
         outputs = []
         for c, end in zip(plan.chunks, ends):

@@ -181,3 +181,36 @@ def test_prefill_graph_sizes_follow_the_switch(monkeypatch):
     monkeypatch.setenv("TANDEM_PREFILL_GRAPHS", "1")
     assert prefill_graph_rows((1, 2, 4, 8, 16), 8192) == (32, 64, 128, 256, 512)
     assert prefill_graph_rows((1, 2, 4, 8, 16), 100) == (32, 64)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])  # eagle3: features from captured layers
+def test_speculative_prompt_steps_replay_graphs_and_stay_lossless(kind):
+    """A SpecEngine's prompt steps (target forward, then the draft over the same chunk) take
+    the graphs' hidden states and captured streams: greedy speculative output equals plain."""
+    from spec_helpers import tiny_head
+
+    from tandem.spec import SpecConfig, SpecEngine
+
+    model = tiny_target("llama")
+    head = tiny_head(model, kind)
+    ps = prompts(3, seed=140, lo=4, hi=19)
+    params = [greedy(n) for n in (12, 7, 15)]
+    want = [c.output_ids for c in reference(model, ps, params)]
+    eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=3), model, head)
+    eng.graphs = DecodeGraphRunner(eng.runner, (1, 2, 4),
+                                   max_pages_per_seq=-(-eng.max_model_len // eng.cfg.page_size),
+                                   device_metadata=True, prefill_rows=(8, 16, 32, 64),
+                                   capture_layers=eng.capture)
+    eng.graphs.capture(eager=True)
+    runs = []
+    run_forward = eng.graphs.run_forward
+    eng.graphs.run_forward = lambda batch: runs.append(batch.attn.num_tokens) or run_forward(batch)
+    assert [c.output_ids for c in eng.generate(ps, params)] == want
+    assert runs and all(r > 4 for r in runs), runs  # the prompt step went through a graph
+    assert_pages_free(eng)
+    # the draft saw the same features as after an eager prompt step: the same acceptance
+    eager = SpecEngine(engine_cfg(), SpecConfig(num_steps=3), model, head)
+    assert [c.output_ids for c in eager.generate(ps, params)] == want
+    for field in ("accepted_at", "num_rounds", "num_tokens"):
+        assert getattr(eng.spec_stats, field) == getattr(eager.spec_stats, field), field
+    assert sum(eng.spec_stats.accepted_at) > 0
