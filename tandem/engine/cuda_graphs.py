@@ -14,9 +14,9 @@ tandem's paged-decode kernel; TANDEM_DEVICE_DECODE=0: off), else by the backend'
 A graph's rows are tokens. With the device planner every token is a decode query over its
 own page row, so a step that prefills short prompts (with or without decode rows beside
 them) replays a graph too: of the smallest size >= its tokens, among the decode sizes and
-`prefill_rows` (sizes past the decode ones, TANDEM_PREFILL_GRAPHS=1). An eager prefill step
-launches a few hundred kernels from Python (~12 ms on SmolLM2, H100, while its GPU work is a
-fraction of that). Graphs past the decode sizes compute logits only for the rows listed in a
+`prefill_rows` (sizes past the decode ones; TANDEM_PREFILL_GRAPHS=0 turns them off). An
+eager prefill step launches a few hundred kernels from Python: ~12 ms on SmolLM2 on an H100,
+~2-3 ms replayed (docs/perf.md, session 18). Graphs past the decode sizes compute logits only for the rows listed in a
 fixed index buffer (`max_logit_rows` of them: one per sequence at most).
 
 With DP attention every rank replays the graph of the same size (the engine agrees on it each
@@ -50,13 +50,13 @@ def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 PREFILL_GRAPH_ROWS = 512  # the largest prefill graph (tokens)
+PREFILL_GRAPH_KEYS = 1 << 18  # keys a graphed step's prompt rows may read, summed over rows
 
 
 def prefill_graph_rows(decode_sizes: Sequence[int], max_tokens: int) -> tuple[int, ...]:
     """Graph sizes for prefill steps past the decode sizes: powers of two above the largest
-    decode size up to min(PREFILL_GRAPH_ROWS, max_tokens); () when TANDEM_PREFILL_GRAPHS is
-    not 1."""
-    if os.environ.get("TANDEM_PREFILL_GRAPHS", "0") != "1":
+    decode size up to min(PREFILL_GRAPH_ROWS, max_tokens); () with TANDEM_PREFILL_GRAPHS=0."""
+    if os.environ.get("TANDEM_PREFILL_GRAPHS", "1") == "0":
         return ()
     top = max(decode_sizes)
     cap = min(PREFILL_GRAPH_ROWS, max_tokens)
@@ -116,7 +116,8 @@ class DecodeGraphRunner:
         self.runner = runner
         self.max_logit_rows = max(batch_sizes)  # the decode sizes: logits of every row
         self.page_size = runner.kv_pool.page_size
-        extra = [r for r in prefill_rows if r > self.max_logit_rows] if device_metadata else []
+        extra = ([r for r in prefill_rows if r > self.max_logit_rows]  # not under DP attention
+                 if device_metadata and (par is None or par.dp.size == 1) else [])
         self.decode_sizes = tuple(sorted(set(batch_sizes)))
         self.batch_sizes = tuple(sorted(set(batch_sizes) | set(extra)))  # rows of every graph
         max_bs = self.batch_sizes[-1]
@@ -160,6 +161,20 @@ class DecodeGraphRunner:
             self._graphs[bs] = _Captured(graph=graph, plan=plan, out=out)
         if not eager:
             torch.cuda.synchronize(device)  # SYNC: start-up only
+
+    def rows_for(self, chunks: Sequence[tuple[int, int]], sampling: int, dp: bool) -> int:
+        """The rows a step of chunks (tokens, cached tokens) -- `sampling` of them sample --
+        needs in a graph; past the largest graph where none may take it: too many rows or
+        sampled rows, or prompt chunks without the device planner, under DP attention (every
+        rank then runs eagerly: ranks agree on the largest row count any needs) or reading
+        more than PREFILL_GRAPH_KEYS keys (each prompt row reads its whole prefix: a long
+        cached prefix is FlashInfer's prefill kernel's job)."""
+        rows = sum(n for n, _ in chunks)
+        keys = sum(n * cached + n * (n + 1) // 2 for n, cached in chunks if n > 1)
+        if (keys and (dp or not self.device_metadata or keys > PREFILL_GRAPH_KEYS)
+                or sampling > self.max_logit_rows):
+            return self.batch_sizes[-1] + 1
+        return rows
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Whether a captured graph takes this (padded) batch as it is: a decode batch, or

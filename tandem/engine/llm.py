@@ -74,8 +74,7 @@ class LLMEngine:
     ) -> None:
         """reserved_pages: KV page ids kept out of the allocator for a subclass's own use
         (pages 1 .. reserved_pages, after the scratch page 0; added to the pool's size).
-        graph_capture_layers: layers whose streams the decode graphs keep (a subclass's
-        prompt steps read them from `DecodeGraphRunner.run_forward`)."""
+        graph_capture_layers: layers whose streams the graphs keep (`run_forward`)."""
         self.cfg, self.model, self.tokenizer = engine_cfg, model, tokenizer
         self.model_cfg: ModelConfig = model.cfg
         self.device = torch.device(engine_cfg.device)
@@ -97,10 +96,8 @@ class LLMEngine:
                 and (model.par.dp.size == 1 or self.dp_graphs_ok(engine_cfg))):
             sizes = graph_batch_sizes(engine_cfg.max_num_seqs)
             self.graphs = DecodeGraphRunner(
-                self.runner, sizes,
-                max_pages_per_seq=-(-self.max_model_len // engine_cfg.page_size),
-                par=model.par, prefill_rows=prefill_graph_rows(
-                    sizes, engine_cfg.max_num_batched_tokens) if model.par.dp.size == 1 else (),
+                self.runner, sizes, -(-self.max_model_len // engine_cfg.page_size), model.par,
+                prefill_rows=prefill_graph_rows(sizes, engine_cfg.max_num_batched_tokens),
                 capture_layers=graph_capture_layers)
             self.graphs.capture()
         self.prefix_cache = (PrefixCache(self.allocator, engine_cfg.page_size,
@@ -109,10 +106,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, engine_cfg.page_size, engine_cfg.max_num_seqs,
                                    engine_cfg.max_num_batched_tokens, self.prefix_cache)
         self.sampler = Sampler(engine_cfg.sampling_fault, self.device, engine_cfg.seed)
-        # Overlap scheduling (engine/overlap.py): on CUDA by default, for plain steps without
-        # DP attention (`overlap_ok`; a decode worker clears it: pages that receive KV
-        # transfers must not be reused while a step is in flight); `_inflight` is the
-        # launched step not read yet.
+        # Overlap scheduling (engine/overlap.py): on CUDA, plain steps, no DP (`overlap_ok`; a
+        # decode worker clears it: pages receiving KV must not be reused while a step is in
+        # flight); `_inflight` is the launched step not read yet.
         want = (engine_cfg.overlap_schedule if engine_cfg.overlap_schedule is not None
                 else self.device.type == "cuda")
         self.overlap_ok = want and model.par.dp.size == 1
@@ -291,23 +287,17 @@ class LLMEngine:
         return outputs
 
     def _graph_batch_size(self, plan: StepPlan) -> int | None:
-        """The padded size (rows: tokens) of a CUDA graph that can run this step, or None
-        (eager); a step with prompt chunks only through a device-planned graph. With DP
-        attention every rank must replay the same graph (its collectives gather the same rows
-        from every rank) or none: the ranks agree on the largest size any needs, and on eager
-        when one of them runs a prefill chunk (SYNC: one all-reduce of a small int per step;
-        an idle rank replays the graph over padding rows alone)."""
+        """The padded rows of a CUDA graph that can run this step (`rows_for`), or None. With
+        DP attention every rank replays the same graph or none: the ranks agree on the largest
+        size any needs (SYNC: one small all-reduce a step; an idle rank replays padding)."""
         if self.graphs is None:
             return None
-        sizes, dp = self.graphs.batch_sizes, self.model.par.dp
-        own = sum(len(c.token_ids) for c in plan.chunks)  # rows: a graph row is a token
-        prompts_ok = self.graphs.device_metadata and dp.size == 1  # planned on the device
-        if ((own > len(plan.chunks) and not prompts_ok)
-                or sum(c.samples for c in plan.chunks) > self.graphs.max_logit_rows):
-            own = sizes[-1] + 1
+        dp = self.model.par.dp
+        own = self.graphs.rows_for([(len(c.token_ids), c.num_cached) for c in plan.chunks],
+                                   sum(c.samples for c in plan.chunks), dp.size > 1)
         if dp.size > 1:
             own = dp.all_reduce_max(own, self.device)
-        return padded_batch_size(own, sizes) if 0 < own <= sizes[-1] else None
+        return padded_batch_size(own, self.graphs.batch_sizes) if own else None
 
     def _dp_idle(self, graph_bs: int | None) -> None:
         """DP attention, a rank with nothing scheduled: the forward the others' collectives

@@ -214,3 +214,15 @@ def test_speculative_prompt_steps_replay_graphs_and_stay_lossless(kind):
     for field in ("accepted_at", "num_rounds", "num_tokens"):
         assert getattr(eng.spec_stats, field) == getattr(eager.spec_stats, field), field
     assert sum(eng.spec_stats.accepted_at) > 0
+
+
+def test_which_steps_a_graph_takes(monkeypatch):
+    eng = _prefill_engine(tiny_target("llama"), monkeypatch)
+    over = eng.graphs.batch_sizes[-1] + 1  # no graph
+    rows_for = eng.graphs.rows_for
+    assert rows_for([(1, 900)] * 3, 3, False) == 3  # decode rows: however long their context
+    assert rows_for([(20, 0), (1, 50)], 2, False) == 21  # a prompt beside a decode row
+    assert rows_for([(20, 0)], 1, True) == over  # prompts under DP attention: eager
+    assert rows_for([(30, 9000)], 1, False) == over  # prompt rows over a long cached prefix
+    assert rows_for([(1, 1)] * 5, 5, False) == over  # more sampled rows than logits
+    assert rows_for([(70, 0)], 1, False) == 70  # past every graph: padded_batch_size says so
