@@ -30,6 +30,9 @@ class CompatInfo:
     feature_layers: tuple[int, ...]  # target layers whose features feed the draft (EAGLE-3)
     # The model's KV heads (all ranks together); 0 = not stated, then only equal TP sizes pair.
     num_kv_heads: int = 0
+    # The draft head's KV on this rank: "sliced" like the target's (a head sharded over TP),
+    # "all" its heads (TP 1, or replicated); "" = not stated (older peers: not checked).
+    draft_kv: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
@@ -71,13 +74,27 @@ def check_compat(
         return
     diffs = local.differences(remote)
     tp_differs = local.tp_size != remote.tp_size
-    # With different TP sizes, rank pairing is a re-slicing question, not a mismatch.
-    soft = {"tp_size", "tp_rank"} if tp_differs else set()
+    # With different TP sizes, rank pairing is a re-slicing question, not a mismatch; so is
+    # the draft KV's layout (checked below).
+    soft = ({"tp_size", "tp_rank"} if tp_differs else set()) | {"draft_kv"}
     hard = [d for d in diffs if d[0] not in soft]
     if hard:
         parts = [f"{name}: {local_role}={a!r} {remote_role}={b!r}" for name, a, b in hard]
         raise TransferError(ErrorKind.HANDSHAKE,
                             "incompatible peers, refused before any request: " + "; ".join(parts))
+    # The draft's KV re-slices like the target's when both sides shard the head, or copies
+    # whole where a side holds all of it with TP 1; a replicated head on several ranks
+    # against a sharded one has no pairing (TANDEM_SHARD_DRAFT differs between the sides).
+    for a, b, a_role, b_role in ((local, remote, local_role, remote_role),
+                                 (remote, local, remote_role, local_role)):
+        if a.draft_kv == "sliced" and b.draft_kv == "all" and b.tp_size > 1:
+            raise TransferError(
+                ErrorKind.HANDSHAKE,
+                f"draft_kv: {a_role}='sliced' (tp_size {a.tp_size}) {b_role}='all' (tp_size "
+                f"{b.tp_size}): the draft head is sharded over TP on one side and replicated on "
+                "the other (set TANDEM_SHARD_DRAFT alike on both)")
+    if not tp_differs:
+        return
     # Only the TP layout differs: legal exactly when the KV heads re-slice between the sizes.
     from tandem.kvtransfer.reslice import reslice_problem
 

@@ -96,4 +96,5 @@ def compat_info(engine: SpecEngine, cfg: WorkerConfig) -> CompatInfo:
         draft_model=f"{head.kind}:{draft_id}", draft_hidden_size=head.hidden_size,
         topk=engine.spec.topk, feature_layers=head.feature_layers,
         num_kv_heads=mc.num_kv_heads,  # lets the handshake judge KV head re-slicing
+        draft_kv="sliced" if engine.head.tp.size > 1 else "all",  # the head sharded or not
     )

@@ -60,6 +60,26 @@ def test_compat_digest_and_field_named_refusal():
     assert "model" not in msg.split("request: ")[1]  # only differing fields
 
 
+def test_draft_kv_layouts_pair_where_they_re_slice():
+    """A head sharded over TP on one side and replicated over several ranks on the other has
+    no pairing (TANDEM_SHARD_DRAFT set differently): refused naming draft_kv. A side of TP 1
+    holds the whole head either way and pairs with both; older peers ("") are not judged."""
+    sliced = dict(draft_kv="sliced", num_kv_heads=4)
+    with pytest.raises(TransferError, match="draft_kv: prefill='sliced' .*decode='all'"):
+        check_compat(_compat(**sliced), _compat(draft_kv="all", num_kv_heads=4),
+                     local_role="prefill", remote_role="decode")
+    with pytest.raises(TransferError, match="draft_kv: prefill='sliced' .*decode='all'"):
+        check_compat(_compat(draft_kv="all", tp_size=4, tp_rank=1, num_kv_heads=4),
+                     _compat(**sliced), local_role="decode", remote_role="prefill")
+    for other in (_compat(draft_kv="all", tp_size=1, num_kv_heads=4),  # TP 1: whole head
+                  _compat(tp_size=4, tp_rank=1, **sliced),  # both sharded: re-sliced
+                  _compat(num_kv_heads=4)):  # an older peer
+        check_compat(_compat(**sliced), other, local_role="prefill", remote_role="decode")
+    check_compat(_compat(draft_kv="all", num_kv_heads=4), _compat(draft_kv="all", num_kv_heads=4,
+                                                                   tp_size=1),
+                 local_role="prefill", remote_role="decode")
+
+
 def test_tp_layout_checks():
     with pytest.raises(TransferError, match="tp_rank: prefill=0 decode=1"):
         check_compat(_compat(), _compat(tp_rank=1), local_role="prefill", remote_role="decode")
