@@ -27,14 +27,12 @@ SMALL_LLAMA = {  # head_dim 128 as the 8B (the same FlashInfer kernels), small e
 }
 
 
-def _rank(rank: int, port: int, model_dir: str, queue) -> None:
+def _engines(rank: int, port: int, model_dir: str, modes: tuple[str, ...]):
+    """This rank's device, joined to the 2-rank NCCL group, and one TP=2 engine per
+    all-reduce mode (dummy bf16 weights, FlashInfer, CUDA graphs). Call in inference mode."""
     import torch.distributed as dist
 
     from tandem.engine import EngineConfig, LLMEngine, ParallelContext, ParallelGroup
-    from tandem.engine import SamplingParams, SeqSlice, build_metadata
-    from tandem.engine.allreduce import METHODS, NCCL
-    from tandem.engine.cuda_graphs import pad_decode_slices
-    from tandem.engine.runner import ForwardBatch
 
     dev = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(dev)
@@ -42,13 +40,21 @@ def _rank(rank: int, port: int, model_dir: str, queue) -> None:
                             world_size=2)
     group = ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
     par = ParallelContext(tp=group, ep=group)
+    return dev, {mode: LLMEngine.from_config(EngineConfig(
+        model=model_dir, load_format="dummy", device=str(dev), dtype="bfloat16",
+        attention_backend="flashinfer", cuda_graphs=True, max_num_seqs=8,
+        max_model_len=512, kv_cache_bytes=256 << 20, all_reduce=mode), par) for mode in modes}
+
+
+def _rank(rank: int, port: int, model_dir: str, queue) -> None:
+    from tandem.engine import SamplingParams, SeqSlice, build_metadata
+    from tandem.engine.allreduce import METHODS, NCCL
+    from tandem.engine.cuda_graphs import pad_decode_slices
+    from tandem.engine.runner import ForwardBatch
+
     out: dict = {"rank": rank}
     with torch.inference_mode():
-        engines = {mode: LLMEngine.from_config(EngineConfig(
-            model=model_dir, load_format="dummy", device=str(dev), dtype="bfloat16",
-            attention_backend="flashinfer", cuda_graphs=True, max_num_seqs=8,
-            max_model_len=512, kv_cache_bytes=256 << 20, all_reduce=mode), par)
-            for mode in ("auto", "nccl")}
+        dev, engines = _engines(rank, port, model_dir, ("auto", "nccl"))
         fast = engines["auto"].model.par.tp.fast
         out["attached"] = fast is not None
         out["graphs"] = all(e.graphs is not None for e in engines.values())
@@ -90,30 +96,16 @@ def _fused_rank(rank: int, port: int, model_dir: str, queue) -> None:
     batch-1 greedy tokens against an NCCL engine's."""
     import faulthandler
 
-    import torch.distributed as dist
-
-    faulthandler.dump_traceback_later(150, exit=False)  # where a rank waits, if it hangs
-
-    from tandem.engine import EngineConfig, LLMEngine, ParallelContext, ParallelGroup
     from tandem.engine import SamplingParams, SeqSlice, build_metadata
     from tandem.engine.allreduce import FLAG_ONE_SHOT
     from tandem.engine.cuda_graphs import pad_decode_slices
     from tandem.engine.kernels import triton_gemv
     from tandem.engine.runner import ForwardBatch
 
-    dev = torch.device(f"cuda:{rank}")
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    group = ParallelGroup(rank=rank, size=2, handle=dist.group.WORLD)
-    par = ParallelContext(tp=group, ep=group)
+    faulthandler.dump_traceback_later(150, exit=False)  # where a rank waits, if it hangs
     out: dict = {"rank": rank}
-    with torch.inference_mode():
-        engines = {mode: LLMEngine.from_config(EngineConfig(
-            model=model_dir, load_format="dummy", device=str(dev), dtype="bfloat16",
-            attention_backend="flashinfer", cuda_graphs=True, max_num_seqs=8,
-            max_model_len=512, kv_cache_bytes=256 << 20, all_reduce=mode), par)
-            for mode in ("flag_one_shot", "nccl")}  # forced: every small message fused
+    with torch.inference_mode():  # flag_one_shot forced: every small message fused
+        dev, engines = _engines(rank, port, model_dir, ("flag_one_shot", "nccl"))
         fast = engines["flag_one_shot"].model.par.tp.fast
         out["fused_on"] = fast is not None and fast._gemv_ar is not None
         # the engine's batch-1 warm-up took the fused path for o_proj and down

@@ -41,6 +41,28 @@ MAX_BLOCK = 2048  # elements a program moves per iteration
 
 
 @triton.jit
+def meet_peers(flags_ptr, pid, e, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Program `pid`'s one meeting of call e: after a CTA barrier (every thread's pushes
+    before the release), raise flag [pid, RANK] to e at every peer (release, system scope),
+    wait until this rank's flags [pid, p] reach e (acquire), and a CTA barrier again (the
+    acquire before any thread reads the inbox). flags_ptr: [W] addresses of each rank's
+    [G, W] int64 flags."""
+    tl.debug_barrier()
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            peer_flags = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(peer_flags + pid * WORLD + RANK, e, sem="release", scope="sys")
+    my_flags = tl.load(flags_ptr + RANK).to(tl.pointer_type(tl.int64))
+    for p in tl.static_range(WORLD):
+        if p != RANK:
+            seen = tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire", scope="sys")
+            while seen < e:
+                seen = tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire",
+                                     scope="sys")
+    tl.debug_barrier()
+
+
+@triton.jit
 def _one_shot_kernel(
     x_ptr, out_ptr, bufs_ptr, flags_ptr, count_ptr, n, slot_elems,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
@@ -61,19 +83,7 @@ def _one_shot_kernel(
                 offs = start + i * BLOCK + tl.arange(0, BLOCK)
                 m = offs < n
                 tl.store(inbox + offs, tl.load(x_ptr + offs, mask=m), mask=m)
-    tl.debug_barrier()  # every thread's writes before the release below
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            peer_flags = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(peer_flags + pid * WORLD + RANK, e, sem="release", scope="sys")
-    my_flags = tl.load(flags_ptr + RANK).to(tl.pointer_type(tl.int64))
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            seen = tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire", scope="sys")
-            while seen < e:
-                seen = tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire",
-                                     scope="sys")
-    tl.debug_barrier()  # the acquire above before any thread reads the inbox
+    meet_peers(flags_ptr, pid, e, RANK, WORLD)
     mine = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype)) + (e % 2) * WORLD * slot_elems
     for i in range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)

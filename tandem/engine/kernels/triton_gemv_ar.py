@@ -42,6 +42,7 @@ import triton.language as tl
 
 from tandem.engine.kernels.gemv_kernels import gemv_block
 from tandem.engine.kernels.gemv_tuning import Config
+from tandem.engine.kernels.triton_allreduce import meet_peers
 
 G_MAX = 2048  # programs a call may launch (flags, counters and inbox areas per program)
 AREA = 256  # elements a program pushes per call, at most (its blocks x BLOCK_N)
@@ -72,19 +73,7 @@ def _gemv_ar_kernel(
                 inbox = tl.load(bufs_ptr + p).to(tl.pointer_type(dtype))
                 tl.store(inbox + area + RANK * AREA_ELEMS + it * BLOCK_N + offs, part,
                          mask=rmask)
-    tl.debug_barrier()  # every thread's pushes before the release below
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            peer_flags = tl.load(flags_ptr + p).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(peer_flags + pid * WORLD + RANK, e, sem="release", scope="sys")
-    my_flags = tl.load(flags_ptr + RANK).to(tl.pointer_type(tl.int64))
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            seen = tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire", scope="sys")
-            while seen < e:
-                seen = tl.atomic_add(my_flags + pid * WORLD + p, 0, sem="acquire",
-                                     scope="sys")
-    tl.debug_barrier()  # the acquire above before any thread reads the inbox
+    meet_peers(flags_ptr, pid, e, RANK, WORLD)  # the flag exchange of the flag one-shot
     mine = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype)) + area
     for it in range(ITERS):
         rows = (pid + it * grid) * BLOCK_N + offs
