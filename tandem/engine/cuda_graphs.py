@@ -190,13 +190,28 @@ class DecodeGraphRunner:
         batch.logits_indices."""
         return self._replay(batch)[1]
 
-    def run_forward(self, batch: ForwardBatch) -> ForwardOutput:
+    def run_forward(self, batch: ForwardBatch, copy: bool = True) -> ForwardOutput:
         """Replay the graph of this (padded) batch -> its logits [n, V] float32 for
-        batch.logits_indices and copies of every row's hidden [T, H] and captured streams (a
-        prefill step's draft features), as `ModelRunner.forward` returns them."""
+        batch.logits_indices and every row's hidden [T, H] and captured streams (a prefill
+        step's draft features), as `ModelRunner.forward` returns them: copies, or (copy=False)
+        the graph's own buffers, valid until its next replay."""
         out, logits = self._replay(batch)
+        if not copy:
+            return ForwardOutput(logits=logits, hidden=out.hidden, aux_hidden=out.aux_hidden)
         return ForwardOutput(logits=logits, hidden=out.hidden.clone(),
                              aux_hidden=tuple(a.clone() for a in out.aux_hidden))
+
+    @property
+    def positions(self) -> torch.Tensor:  # [R_max] int64: the rows' positions, every replay
+        return self._positions
+
+    def captured_plan(self, rows: int) -> Any:
+        """The plan the graph of `rows` rows reads (its planner's buffers: each step's)."""
+        return self._graphs[rows].plan
+
+    def captured_outputs(self, rows: int) -> ForwardOutput | None:
+        """The graph of `rows` rows' output buffers (None in eager mode)."""
+        return self._graphs[rows].out
 
     def _replay(self, batch: ForwardBatch) -> tuple[ForwardOutput, torch.Tensor]:
         """(the graph's outputs after replaying `batch` -- valid until the next replay --,

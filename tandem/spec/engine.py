@@ -39,6 +39,8 @@ from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner
 from tandem.spec.graph_memory import spec_graph_batch_sizes
 from tandem.spec.graph_set import capture_k_graphs, graphs_for, policy_ks, verify_drafts
+from tandem.spec.draft_prefill import DraftPrefillGraphs
+from tandem.spec.draft_prefill import wanted as draft_prefill_wanted
 from tandem.spec.draft_runner import DraftRunner, draft_kv_group
 from tandem.spec.extend import (
     compact_accepted_path,
@@ -124,6 +126,12 @@ class SpecEngine(HandoffSide, LLMEngine):
                 self.tree_graphs.capture()
             if policy is not None or spec.adaptive:
                 self.k_graphs = capture_k_graphs(self.spec_graphs, policy_ks(spec))
+        self.draft_prefill: DraftPrefillGraphs | None = None  # opt-in (spec/draft_prefill.py)
+        if (self.graphs is not None and self.graphs.device_metadata and draft_prefill_wanted()
+                and model.par.dp.size == 1):  # prompt steps replay graphs only without DP
+            self.draft_prefill = DraftPrefillGraphs(self.draft, self.graphs,
+                                                    self.spec_graphs.memory.pool)
+            self.draft_prefill.capture()
         # Greedy rounds in graphs queue the next round's drafting before their host read
         # (spec/ahead.py), its slots reserved a round early where pages are free.
         self.draft_ahead = DraftAhead()
@@ -218,13 +226,16 @@ class SpecEngine(HandoffSide, LLMEngine):
         hook = self.prefill_layer_hook
         after_layer = hook(completing) if hook and completing else None
         # The target forward replays a graph where one takes the prompt rows (no per-layer
-        # hook: a Python callback cannot run inside a graph), else runs eagerly.
+        # hook: a Python callback cannot run inside a graph), else runs eagerly. So does the
+        # draft's, where its graphs are on and no prompt is handed off here (a prefill
+        # worker's hook wants the target KV before the draft runs).
         num_tokens = sum(len(c.token_ids) for c in plan.chunks)
         rows = (self._graph_batch_size(plan)
                 if after_layer is None and self.model.par.dp.size == 1 else None)
         batch = self._build_batch(plan, rows or num_tokens)
-        if rows is not None and self.graphs is not None:
-            out = self.graphs.run_forward(batch)  # every row's hidden: padding rows last
+        draft_graph = rows is not None and self.draft_prefill is not None and not completing
+        if rows is not None and self.graphs is not None:  # every row's hidden, padding last
+            out = self.graphs.run_forward(batch, copy=not draft_graph)
         else:
             out = self.runner.forward(ForwardBatch(
                 input_ids=batch.input_ids, positions=batch.positions, attn=batch.attn,
@@ -235,39 +246,41 @@ class SpecEngine(HandoffSide, LLMEngine):
         drawn = self.sampler.sample(out.logits, [r.params for r in reqs],
                                     [r.generator for r in reqs], [r.req_id for r in reqs])
         self.scheduler.commit(plan)
-        # A row whose sampling failed keeps its placeholder token through the batched draft
-        # prefill below (it writes only that request's own pages) and fails after it.
+        # Draft prefill over the same chunks: pairs (f_t, x_{t+1}). A row whose sampling
+        # failed keeps its placeholder token through it (it writes only that request's own
+        # pages) and fails after it.
+        next_tokens = [list(self.scheduler.requests[c.req_id].all_ids[
+            c.num_cached + 1 : c.num_cached + len(c.token_ids) + 1]) for c in plan.chunks]
+        if draft_graph:  # queued before the host read: the sampled tokens stay on the device
+            ids = [t for c, nxt in zip(plan.chunks, next_tokens) for t in nxt + [0] * c.samples]
+            hidden = self.draft_prefill.run(rows, out, ids + [0] * (rows - len(ids)),
+                                            batch.logits_indices, drawn.tokens)
         tokens, logprobs = read_sampled(drawn)  # SYNC: one (tokens and asked-for logprobs)
         sampled = dict(zip((c.req_id for c in sampling), tokens))
         first_logprobs = dict(zip((c.req_id for c in sampling), logprobs))
         errors = dict(zip((c.req_id for c in sampling), drawn.errors))
         if self.prefill_synced_hook is not None and completing:
             self.prefill_synced_hook(completing)
-        # Draft prefill over the same chunks: pairs (f_t, x_{t+1}).
-        next_tokens = []
-        for c in plan.chunks:
-            req = self.scheduler.requests[c.req_id]
-            end = c.num_cached + len(c.token_ids)
-            nxt = list(req.all_ids[c.num_cached + 1 : end + 1])
-            if c.samples:
-                nxt.append(sampled[c.req_id])
-            next_tokens.append(nxt)
-        hidden = draft_prefill(self.draft, [c.page_ids for c in plan.chunks],
-                               [c.num_cached for c in plan.chunks], next_tokens,
-                               target_features(out, self.head)[:num_tokens])
+        if not draft_graph:
+            for c, nxt in zip(plan.chunks, next_tokens):
+                nxt += [sampled[c.req_id]] if c.samples else []
+            hidden = draft_prefill(self.draft, [c.page_ids for c in plan.chunks],
+                                   [c.num_cached for c in plan.chunks], next_tokens,
+                                   target_features(out, self.head)[:num_tokens])
+        if not sampling:  # prompt chunks that complete no prompt: no seeds yet
+            return []
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
-        outputs = []
-        for c, end in zip(plan.chunks, ends):
-            if not c.samples:
-                continue
-            req = self.scheduler.requests[c.req_id]
-            result = self._first_token_row(req, sampled[c.req_id], errors[c.req_id],
-                                           hidden[end - 1 : end], first_logprobs[c.req_id])
-            outputs.append(result)
-        return outputs
+        last = hidden[[end - 1 for c, end in zip(plan.chunks, ends) if c.samples]]  # [n, H]
+        ids, logp = self.head.topk(last, self.spec.topk)  # one launch set for every prompt
+        return [self._first_token_row(self.scheduler.requests[c.req_id], sampled[c.req_id],
+                                      errors[c.req_id], last[i : i + 1], ids[i], logp[i],
+                                      first_logprobs[c.req_id])
+                for i, c in enumerate(sampling)]
 
     def _first_token_row(self, req: Request, token: int, error: str,
                          hidden: torch.Tensor,  # [1, H] draft hidden of the prompt's last token
+                         topk_ids: torch.Tensor,  # [topk] the draft's first guesses from it
+                         topk_logp: torch.Tensor,  # [topk]
                          logprob: TokenLogprob | None = None,  # None: the request did not ask
                          ) -> RequestOutput:
         """A prompt completed in this step: its first token through the stop checks, then its
@@ -276,13 +289,12 @@ class SpecEngine(HandoffSide, LLMEngine):
         if error:
             return self._fail_request(req, error)
         try:
-            ids, logp = self.head.topk(hidden, self.spec.topk)
             result = self._append(req, token, logprob)
         except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
             log.warning("request '%s' failed after sampling", req.req_id, exc_info=exc)
             return self._fail_request(req, row_error("detokenizer/stop checks", exc))
         seed = DraftSeed(num_cached=req.num_computed, last_token=token,
-                         topk_ids=ids[0], topk_logp=logp[0], hidden=hidden[0])
+                         topk_ids=topk_ids, topk_logp=topk_logp, hidden=hidden[0])
         if req.req_id in self.handoff_only:
             self._hand_off(req, seed, result)
         elif not result.finished and not self.spec_scheduler.is_plain(req.req_id):

@@ -504,3 +504,33 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
         assert (eng.draft_ahead.used > 0) == ahead
     assert len(verified[True]) == len(verified[False])
     assert all(torch.equal(a, b) for a, b in zip(verified[True], verified[False]))
+
+
+def test_draft_prefill_graphs_seed_like_the_eager_draft_and_stay_lossless(target, monkeypatch):
+    """TANDEM_DRAFT_PREFILL_GRAPHS=1 (spec/draft_prefill.py): a prompt step's draft runs in a
+    graph over the target graph's outputs. Its seeds are the eager draft's up to bf16 (another
+    attention kernel), and greedy output is plain's up to bf16 near-ties."""
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 49152, (9 + 17 * i,), generator=g).tolist() for i in range(4)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    engines = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TANDEM_DRAFT_PREFILL_GRAPHS", flag)
+        engines[flag] = eng = SpecEngine(_cfg(True), CHAIN, *target)
+        assert (eng.draft_prefill is not None) == (flag == "1")
+        for i, p in enumerate(prompts):
+            eng.add_request(p, params, req_id=f"p{i}")
+        eng.step()  # the prompt step: every prompt completes, every request gets its seed
+    seeds = [e.spec_scheduler.seeds for e in engines.values()]
+    assert set(seeds[0]) == set(seeds[1]) == {f"p{i}" for i in range(len(prompts))}
+    for rid in seeds[0]:
+        torch.testing.assert_close(seeds[1][rid].hidden.float(), seeds[0][rid].hidden.float(),
+                                   rtol=0.05, atol=0.05)
+    for eng in engines.values():
+        for i in range(len(prompts)):
+            eng.abort(f"p{i}")
+        eng.step()
+    plain = LLMEngine(_cfg(True), target[0])
+    want = [c.output_ids for c in plain.generate(prompts, params)]
+    got = [c.output_ids for c in engines["1"].generate(prompts, params)]
+    assert_parts_only_at_near_ties(plain, prompts, got, want)

@@ -183,13 +183,16 @@ def test_prefill_graph_sizes_follow_the_switch(monkeypatch):
     assert prefill_graph_rows((1, 2, 4, 8, 16), 100) == (32, 64)
 
 
+@pytest.mark.parametrize("draft_graph", [False, True])  # the draft's prefill in graphs too
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])  # eagle3: features from captured layers
-def test_speculative_prompt_steps_replay_graphs_and_stay_lossless(kind):
+def test_speculative_prompt_steps_replay_graphs_and_stay_lossless(kind, draft_graph):
     """A SpecEngine's prompt steps (target forward, then the draft over the same chunk) take
-    the graphs' hidden states and captured streams: greedy speculative output equals plain."""
+    the graphs' hidden states and captured streams: greedy speculative output equals plain,
+    and the draft sees what it sees after an eager prompt step (the same acceptance)."""
     from spec_helpers import tiny_head
 
     from tandem.spec import SpecConfig, SpecEngine
+    from tandem.spec.draft_prefill import DraftPrefillGraphs
 
     model = tiny_target("llama")
     head = tiny_head(model, kind)
@@ -202,15 +205,39 @@ def test_speculative_prompt_steps_replay_graphs_and_stay_lossless(kind):
                                    device_metadata=True, prefill_rows=(8, 16, 32, 64),
                                    capture_layers=eng.capture)
     eng.graphs.capture(eager=True)
-    runs = []
+    runs, drafts = [], []
     run_forward = eng.graphs.run_forward
-    eng.graphs.run_forward = lambda batch: runs.append(batch.attn.num_tokens) or run_forward(batch)
+    eng.graphs.run_forward = lambda batch, **kw: (runs.append(batch.attn.num_tokens)
+                                                  or run_forward(batch, **kw))
+    if draft_graph:
+        eng.draft_prefill = DraftPrefillGraphs(eng.draft, eng.graphs, None)
+        eng.draft_prefill.capture(eager=True)
+        run_draft = eng.draft_prefill.run
+        eng.draft_prefill.run = lambda rows, *a: drafts.append(rows) or run_draft(rows, *a)
     assert [c.output_ids for c in eng.generate(ps, params)] == want
     assert runs and all(r > 4 for r in runs), runs  # the prompt step went through a graph
+    assert drafts == (runs if draft_graph else [])
     assert_pages_free(eng)
-    # the draft saw the same features as after an eager prompt step: the same acceptance
+    # the draft saw the same features and tokens as after an eager prompt step: the same
+    # seeds after the first step, the same acceptance after all
     eager = SpecEngine(engine_cfg(), SpecConfig(num_steps=3), model, head)
+    for e in (eng, eager):
+        for i, prompt in enumerate(ps):
+            e.add_request(prompt, params[i], req_id=f"s{i}")
+        e.step()
+    assert len(eager.spec_scheduler.seeds) == len(ps)  # every prompt done in one step
+    for rid, seed in eager.spec_scheduler.seeds.items():
+        got = eng.spec_scheduler.seeds[rid]
+        torch.testing.assert_close(got.hidden, seed.hidden, rtol=1e-4, atol=1e-5)
+        assert torch.equal(got.topk_ids, seed.topk_ids)
+    for e in (eng, eager):
+        for i in range(len(ps)):
+            e.abort(f"s{i}")
+        e.step()
+    eager.spec_stats = type(eager.spec_stats)()
+    eng.spec_stats = type(eng.spec_stats)()
     assert [c.output_ids for c in eager.generate(ps, params)] == want
+    assert [c.output_ids for c in eng.generate(ps, params)] == want
     for field in ("accepted_at", "num_rounds", "num_tokens"):
         assert getattr(eng.spec_stats, field) == getattr(eager.spec_stats, field), field
     assert sum(eng.spec_stats.accepted_at) > 0

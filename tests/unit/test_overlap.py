@@ -20,6 +20,7 @@ from spec_helpers import (
 
 from tandem.engine import FinishReason, LLMEngine, SamplingParams
 from tandem.engine.config import SamplingFault
+from tandem.engine.cuda_graphs import DecodeGraphRunner
 from tandem.engine.overlap import InflightStep, feed_input_ids
 from tandem.engine.request import PENDING
 from tandem.engine.scheduler import ScheduledChunk
@@ -27,9 +28,21 @@ from tandem.engine.scheduler import ScheduledChunk
 MODEL = tiny_target("llama", live=None)
 
 
-def _engine(overlap: bool, model=MODEL, **cfg) -> LLMEngine:
+def _engine(overlap: bool, model=MODEL, graphs: bool = False, **cfg) -> LLMEngine:
+    """graphs: the device-planned graph runner in eager mode (its body at every replay, the
+    same buffers and padding), decode sizes 1-8 and prompt sizes 16-64: prompt steps, decode
+    steps and steps mixing both replay "graphs", as on CUDA."""
     eng = LLMEngine(engine_cfg(overlap_schedule=overlap, **cfg), model, letter_tokenizer())
     assert eng.overlap is overlap
+    eng.graph_rows = []  # the rows of each replay
+    if graphs:
+        eng.graphs = DecodeGraphRunner(
+            eng.runner, (1, 2, 4, 8),
+            max_pages_per_seq=-(-eng.max_model_len // eng.cfg.page_size),
+            device_metadata=True, prefill_rows=(16, 32, 64))
+        eng.graphs.capture(eager=True)
+        run = eng.graphs.run
+        eng.graphs.run = lambda batch: eng.graph_rows.append(batch.attn.num_tokens) or run(batch)
     return eng
 
 
@@ -51,10 +64,13 @@ def _run(eng: LLMEngine, ps, params) -> tuple[dict, dict]:
     return reqs, streamed
 
 
-def _same(params, ps=None, **cfg) -> dict:
+def _same(params, ps=None, graphs: bool = False, **cfg) -> dict:
+    """Overlap on == off (on with graphs where asked; off without: the eager reference)."""
     ps = ps or prompts(6, seed=7, lo=2, hi=30)
     off, s_off = _run(_engine(False, **cfg), ps, params)
-    on, s_on = _run(_engine(True, **cfg), ps, params)
+    eng = _engine(True, graphs=graphs, **cfg)
+    on, s_on = _run(eng, ps, params)
+    assert any(r > 8 for r in eng.graph_rows) == graphs  # prompt rows replayed a graph
     for i in off:
         assert on[i].output_ids == off[i].output_ids, i
         assert on[i].finish_reason == off[i].finish_reason, i
@@ -64,21 +80,28 @@ def _same(params, ps=None, **cfg) -> dict:
     return off
 
 
-def test_greedy_outputs_equal_without_overlap_mixed_lengths():
-    off = _same([SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 5, 9, 17, 30)])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_greedy_outputs_equal_without_overlap_mixed_lengths(graphs):
+    off = _same([SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 5, 9, 17, 30)],
+                graphs=graphs)
     assert [len(r.output_ids) for r in off.values()] == [1, 2, 5, 9, 17, 30]
 
 
-def test_max_tokens_one_and_chunked_prefill_equal_without_overlap():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_max_tokens_one_and_chunked_prefill_equal_without_overlap(graphs):
     # 60-token prompts over a 16-token budget: prefill chunks and decodes share steps.
     ps = prompts(4, seed=3, lo=40, hi=60)
-    _same(SamplingParams(max_new_tokens=1, ignore_eos=True), ps, max_num_batched_tokens=16)
-    _same(SamplingParams(max_new_tokens=6, ignore_eos=True), ps, max_num_batched_tokens=16)
+    _same(SamplingParams(max_new_tokens=1, ignore_eos=True), ps, graphs,
+          max_num_batched_tokens=16)
+    _same(SamplingParams(max_new_tokens=6, ignore_eos=True), ps, graphs,
+          max_num_batched_tokens=16)
 
 
-def test_the_context_limit_ends_requests_at_the_same_token():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_context_limit_ends_requests_at_the_same_token(graphs):
     # max_model_len 40: prompts of up to 30 tokens are cut by the context, not max_new_tokens.
-    off = _same(SamplingParams(max_new_tokens=100, ignore_eos=True), max_model_len=40)
+    off = _same(SamplingParams(max_new_tokens=100, ignore_eos=True), graphs=graphs,
+                max_model_len=40)
     for r in off.values():
         assert r.finish_reason == FinishReason.LENGTH
         assert len(r.prompt_ids) + len(r.output_ids) == 40
@@ -114,13 +137,14 @@ def test_logprobs_and_seeded_sampling_equal_without_overlap():
     assert len(off["r0"].output_logprobs) == 8 and len(off["r2"].output_logprobs) == 5
 
 
-def test_preemption_equal_without_overlap_and_pages_back():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_preemption_equal_without_overlap_and_pages_back(graphs):
     # 24 pages of 4 tokens for 6 requests growing to ~50 tokens: the scheduler must preempt.
     ps = prompts(6, seed=21, lo=10, hi=20)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    eng = _engine(True, num_pages=24)
+    eng = _engine(True, graphs=graphs, num_pages=24)
     on, _ = _run(eng, ps, params)
-    assert eng.scheduler.num_preemptions > 0
+    assert eng.scheduler.num_preemptions > 0 and bool(eng.graph_rows) == graphs
     off, _ = _run(_engine(False, num_pages=256), ps, params)
     assert {i: r.output_ids for i, r in on.items()} == {i: r.output_ids for i, r in off.items()}
 
@@ -175,9 +199,10 @@ def test_a_stop_costs_one_wasted_row_and_a_length_limit_none():
     assert rows["r1"] == len(ps[1]) + 11  # the 12th token is sampled, never fed back
 
 
-def test_an_abort_while_a_step_is_in_flight_drops_its_row():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_an_abort_while_a_step_is_in_flight_drops_its_row(graphs):
     ps = prompts(2, seed=41, lo=3, hi=8)
-    eng = _engine(True)
+    eng = _engine(True, graphs=graphs)
     for i, p in enumerate(ps):
         eng.add_request(p, SamplingParams(max_new_tokens=10, ignore_eos=True), req_id=f"r{i}")
     kept = eng.scheduler.requests["r1"]
