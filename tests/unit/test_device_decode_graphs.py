@@ -253,3 +253,40 @@ def test_which_steps_a_graph_takes(monkeypatch):
     assert rows_for([(30, 9000)], 1, False) == over  # prompt rows over a long cached prefix
     assert rows_for([(1, 1)] * 5, 5, False) == over  # more sampled rows than logits
     assert rows_for([(70, 0)], 1, False) == 70  # past every graph: padded_batch_size says so
+
+
+@pytest.mark.parametrize("graphs", [False, True])  # True: target and draft prefill in graphs
+def test_every_prompt_of_a_step_seeds_as_if_it_were_alone(graphs):
+    """Prompts completing in one step each get the seed (draft hidden, first guesses) their
+    prompt gets alone: no row of the batched draft prefill or of the batched topk is mixed up."""
+    from spec_helpers import tiny_head
+
+    from tandem.spec import SpecConfig, SpecEngine
+    from tandem.spec.draft_prefill import DraftPrefillGraphs
+
+    model = tiny_target("llama")
+    head = tiny_head(model, "eagle")
+    ps = prompts(3, seed=150, lo=5, hi=17)
+
+    def seeds(batch: list[list[int]]) -> dict:
+        eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=3, topk=2, num_draft_tokens=4),
+                         model, head)
+        if graphs:
+            eng.graphs = DecodeGraphRunner(
+                eng.runner, (1, 2, 4), max_pages_per_seq=-(-eng.max_model_len // 4),
+                device_metadata=True, prefill_rows=(8, 16, 32, 64), capture_layers=eng.capture)
+            eng.graphs.capture(eager=True)
+            eng.draft_prefill = DraftPrefillGraphs(eng.draft, eng.graphs, None)
+            eng.draft_prefill.capture(eager=True)
+        for p in batch:
+            eng.add_request(p, greedy(5), req_id=f"r{ps.index(p)}")
+        eng.step()
+        return dict(eng.spec_scheduler.seeds)
+
+    together = seeds(ps)
+    assert len(together) == 3
+    for p in ps:
+        (rid, alone), = seeds([p]).items()
+        torch.testing.assert_close(together[rid].hidden, alone.hidden, rtol=1e-4, atol=1e-5)
+        assert torch.equal(together[rid].topk_ids, alone.topk_ids)
+        torch.testing.assert_close(together[rid].topk_logp, alone.topk_logp)
