@@ -252,7 +252,8 @@ class SpecEngine(HandoffSide, LLMEngine):
         next_tokens = [list(self.scheduler.requests[c.req_id].all_ids[
             c.num_cached + 1 : c.num_cached + len(c.token_ids) + 1]) for c in plan.chunks]
         if draft_graph:  # queued before the host read: the sampled tokens stay on the device
-            ids = [t for c, nxt in zip(plan.chunks, next_tokens) for t in nxt + [0] * c.samples]
+            ids = [t for c, nxt in zip(plan.chunks, next_tokens)  # 0: the sampled one, below
+                   for t in (nxt + [0] if c.samples else nxt)]
             hidden = self.draft_prefill.run(rows, out, ids + [0] * (rows - len(ids)),
                                             batch.logits_indices, drawn.tokens)
         tokens, logprobs = read_sampled(drawn)  # SYNC: one (tokens and asked-for logprobs)
