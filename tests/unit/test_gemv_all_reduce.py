@@ -121,3 +121,34 @@ def test_launch_grid_keeps_the_config_grid_within_its_areas():
     assert launch_grid(4096, (8, 512, 4, 4), 132) == (512, 1)
     assert launch_grid(14336, (16, 512, 8, 1), 132) == (132, 7)
     assert launch_grid(65536, (16, 512, 8, 1), 132) is None  # 32 blocks of 16 > AREA
+
+
+def test_the_flag_one_shot_kernel_sums_like_the_fused_one():
+    """The production flag one-shot (kernels/triton_allreduce.py), which shares the fused
+    kernel's flag meeting and rank-order sum, run the same way: rank 0 with rank 1's push
+    staged, then rank 1 on what rank 0 pushed; both return the rank-order sum."""
+    from tandem.engine.kernels import triton_allreduce as ar
+
+    n, slot, programs = 300, 512, ar.PROGRAMS
+    inbox = [torch.zeros(2 * WORLD * slot, dtype=DT) for _ in range(WORLD)]
+    flags = [torch.zeros(programs * WORLD, dtype=torch.int64) for _ in range(WORLD)]
+    bufs = torch.tensor([t.data_ptr() for t in inbox], dtype=torch.int64)
+    flag_ptrs = torch.tensor([t.data_ptr() for t in flags], dtype=torch.int64)
+    counts = [torch.zeros(programs, dtype=torch.int64) for _ in range(WORLD)]
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(n, generator=g).to(DT) for _ in range(WORLD)]
+    block, iters = ar.launch_shape(n)
+
+    def call(rank: int) -> torch.Tensor:
+        out = torch.empty(n, dtype=DT)
+        ar._one_shot_kernel[(programs,)](xs[rank], out, bufs, flag_ptrs, counts[rank], n, slot,
+                                         RANK=rank, WORLD=WORLD, BLOCK=block, ITERS=iters)
+        return out
+
+    inbox[0].view(2, WORLD, slot)[1, 1, :n] = xs[1]  # call 1: slot 1, rank 1's region
+    flags[0].view(-1, WORLD)[:, 1] = 1
+    want = _sum(xs)
+    assert torch.equal(call(0), want)
+    assert torch.equal(inbox[1].view(2, WORLD, slot)[1, 0, :n], xs[0])  # rank 0's push
+    assert torch.equal(call(1), want)
+    assert counts[0].eq(1).all() and counts[1].eq(1).all()

@@ -63,6 +63,22 @@ def meet_peers(flags_ptr, pid, e, RANK: tl.constexpr, WORLD: tl.constexpr):
 
 
 @triton.jit
+def sum_in_rank_order(own_ptrs, peer_ptrs, peer_stride, mask, RANK: tl.constexpr,
+                      WORLD: tl.constexpr):
+    """float32 sum of one block over the ranks, in rank order (so every rank rounds the same
+    sum the same way): this rank's values at own_ptrs, rank p's at peer_ptrs + p * peer_stride
+    (its region of this rank's inbox, read past L1: a peer wrote it)."""
+    acc = tl.zeros(own_ptrs.shape, dtype=tl.float32)
+    for p in tl.static_range(WORLD):
+        if p == RANK:
+            v = tl.load(own_ptrs, mask=mask, other=0.0)
+        else:
+            v = tl.load(peer_ptrs + p * peer_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        acc += v.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _one_shot_kernel(
     x_ptr, out_ptr, bufs_ptr, flags_ptr, count_ptr, n, slot_elems,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
@@ -88,14 +104,7 @@ def _one_shot_kernel(
     for i in range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for p in tl.static_range(WORLD):
-            if p == RANK:
-                v = tl.load(x_ptr + offs, mask=m, other=0.0)
-            else:
-                v = tl.load(mine + p * slot_elems + offs, mask=m, other=0.0,
-                            cache_modifier=".cg")
-            acc += v.to(tl.float32)
+        acc = sum_in_rank_order(x_ptr + offs, mine + offs, slot_elems, m, RANK, WORLD)
         tl.store(out_ptr + offs, acc.to(dtype), mask=m)
     tl.store(count_ptr + pid, e)
 

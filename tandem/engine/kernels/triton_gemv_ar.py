@@ -42,7 +42,7 @@ import triton.language as tl
 
 from tandem.engine.kernels.gemv_kernels import gemv_block
 from tandem.engine.kernels.gemv_tuning import Config
-from tandem.engine.kernels.triton_allreduce import meet_peers
+from tandem.engine.kernels.triton_allreduce import meet_peers, sum_in_rank_order
 
 G_MAX = 2048  # programs a call may launch (flags, counters and inbox areas per program)
 AREA = 256  # elements a program pushes per call, at most (its blocks x BLOCK_N)
@@ -78,14 +78,8 @@ def _gemv_ar_kernel(
     for it in range(ITERS):
         rows = (pid + it * grid) * BLOCK_N + offs
         rmask = rows < n_rows
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for p in tl.static_range(WORLD):
-            if p == RANK:
-                v = tl.load(out_ptr + rows, mask=rmask, other=0.0)
-            else:
-                v = tl.load(mine + p * AREA_ELEMS + it * BLOCK_N + offs, mask=rmask,
-                            other=0.0, cache_modifier=".cg")
-            acc += v.to(tl.float32)
+        acc = sum_in_rank_order(out_ptr + rows, mine + it * BLOCK_N + offs, AREA_ELEMS, rmask,
+                                RANK, WORLD)  # the flag one-shot's sum
         tl.store(out_ptr + rows, acc.to(dtype), mask=rmask)
     tl.store(count_ptr + pid, e)
 
