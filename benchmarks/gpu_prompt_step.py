@@ -38,10 +38,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Profile | None
-               ) -> float:
-    """Median wall ms of the step that takes `arriving` new 60-token prompts while `decoding`
-    requests decode (the decoding ones started earlier and are past their prompts)."""
+def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Profile | None,
+               prompt_len: int = 60) -> float:
+    """Median wall ms of the step that takes `arriving` new `prompt_len`-token prompts while
+    `decoding` requests decode (the decoding ones started earlier and are past their prompts)."""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=4096, ignore_eos=True)
     times = []
@@ -54,7 +54,7 @@ def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Prof
         for _ in range(4):  # past their prompts, decoding
             eng.step()
         for _ in range(arriving):
-            eng.add_request(torch.randint(3, 4000, (60,), generator=g).tolist(), params)
+            eng.add_request(torch.randint(3, 4000, (prompt_len,), generator=g).tolist(), params)
         sync()
         if prof is not None and rep >= 2:
             prof.enable()
@@ -75,22 +75,30 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic")
+    ap.add_argument("--model", default="smollm2-135m", help="a preset (dummy bf16 weights)")
+    ap.add_argument("--prompt-len", type=int, default=60)
+    ap.add_argument("--cases", default="1,0;8,0;1,15;8,8",
+                    help="arriving,decoding pairs, ';'-separated")
+    ap.add_argument("--engines", default="plain,spec")
     args = ap.parse_args()
     gpu_spec.DEV = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
-    cfg = gpu_spec.engine_cfg("smollm2-135m", "bfloat16", "flashinfer", True, 1024, 2 << 30)
+    kv = (8 << 30) if "8b" in args.model else (2 << 30)
+    cfg = gpu_spec.engine_cfg(args.model, "bfloat16", "flashinfer", True, 1024, kv)
     model, _ = gpu_spec.build_target_and_head(cfg)
     head = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle", draft_vocab_size=8192),
                       model, DTYPES[cfg.dtype], gpu_spec.DEV, cfg.max_model_len)
-    engines = {"plain": LLMEngine(cfg, model),
-               "spec": SpecEngine(cfg, SpecConfig(num_steps=4), model, head)}
+    makers = {"plain": lambda: LLMEngine(cfg, model),
+              "spec": lambda: SpecEngine(cfg, SpecConfig(num_steps=4), model, head)}
+    engines = {name: makers[name]() for name in args.engines.split(",")}
+    cases = [tuple(int(x) for x in c.split(",")) for c in args.cases.split(";")]
     res: dict = {"device": torch.cuda.get_device_name() if gpu_spec.DEV.type == "cuda" else "cpu",
                  "torch": torch.__version__}
     profiles = io.StringIO()
     for name, eng in engines.items():
-        for arriving, decoding in ((1, 0), (8, 0), (1, 15), (8, 8)):
+        for arriving, decoding in cases:
             prof = cProfile.Profile() if (arriving, decoding) == (1, 0) else None
-            ms = arrival_ms(eng, arriving, decoding, args.reps, prof)
+            ms = arrival_ms(eng, arriving, decoding, args.reps, prof, args.prompt_len)
             res[f"{name} arrive={arriving} decoding={decoding}"] = ms
             print(f"{name:6s} {arriving} arriving next to {decoding:2d} decoding: {ms:7.2f} ms",
                   flush=True)

@@ -1,5 +1,5 @@
-"""CUDA graphs of the draft's prefill over a prompt step's rows (opt-in:
-TANDEM_DRAFT_PREFILL_GRAPHS=1, until it has run on a GPU).
+"""CUDA graphs of the draft's prefill over a prompt step's rows (on by default with the
+target's prompt graphs; TANDEM_DRAFT_PREFILL_GRAPHS=0 turns them off).
 
 A speculative prompt step replays the target's graph of its rows (`DecodeGraphRunner`, one
 decode query per prompt token), samples, then runs the draft over the same chunk: pairs
@@ -34,7 +34,7 @@ ENV = "TANDEM_DRAFT_PREFILL_GRAPHS"
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    return os.environ.get(ENV, "1") != "0"
 
 
 class DraftPrefillGraphs:

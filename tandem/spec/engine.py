@@ -126,7 +126,7 @@ class SpecEngine(HandoffSide, LLMEngine):
                 self.tree_graphs.capture()
             if policy is not None or spec.adaptive:
                 self.k_graphs = capture_k_graphs(self.spec_graphs, policy_ks(spec))
-        self.draft_prefill: DraftPrefillGraphs | None = None  # opt-in (spec/draft_prefill.py)
+        self.draft_prefill: DraftPrefillGraphs | None = None  # spec/draft_prefill.py
         if (self.graphs is not None and self.graphs.device_metadata and draft_prefill_wanted()
                 and model.par.dp.size == 1):  # prompt steps replay graphs only without DP
             self.draft_prefill = DraftPrefillGraphs(self.draft, self.graphs,

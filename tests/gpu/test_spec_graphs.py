@@ -507,9 +507,9 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
 
 
 def test_draft_prefill_graphs_seed_like_the_eager_draft_and_stay_lossless(target, monkeypatch):
-    """TANDEM_DRAFT_PREFILL_GRAPHS=1 (spec/draft_prefill.py): a prompt step's draft runs in a
-    graph over the target graph's outputs. Its seeds are the eager draft's up to bf16 (another
-    attention kernel), and greedy output is plain's up to bf16 near-ties."""
+    """Draft prefill graphs (spec/draft_prefill.py, on by default): a prompt step's draft runs
+    in a graph over the target graph's outputs. Its seeds are the eager draft's up to bf16
+    (another attention kernel), and greedy output is plain's up to bf16 near-ties."""
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 49152, (9 + 17 * i,), generator=g).tolist() for i in range(4)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
