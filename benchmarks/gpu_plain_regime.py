@@ -2,6 +2,8 @@
 22): the same model, `LLMEngine.step` next to `SpecEngine.step` held in the plain regime, whole
 steps back to back at batch 1 / 4 / 16, with and without a profiler; then the adaptive cost
 table profiled three times in a row (how much its entries move from run to run).
+`--kernels 50`: also the GPU kernel time per step of each at batch 50 (torch.profiler): served
+at c=50 (session 18) the plain regime's steps took 1.38 ms against plain's 1.22.
 
 On the device machine (one GPU), from the repository root:
 
@@ -38,6 +40,17 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def cpu_probe_ms() -> float:
+    """A fixed piece of pure Python (best of 5): whether the host itself runs slower now."""
+    data = [list(range(i % 7)) for i in range(20000)]
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sum(len(x) for x in data)
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
 def timed(eng, batch: int, steps: int, profile: bool) -> dict:
     """Median ms of `steps` whole steps back to back over `batch` fresh requests (3 runs)."""
     params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
@@ -66,7 +79,31 @@ def timed(eng, batch: int, steps: int, profile: bool) -> dict:
     while eng.has_unfinished():
         eng.step()
     return {"ms": statistics.median(runs), "runs": runs, "overlap": eng.overlap,
-            "profile": text}
+            "profile": text, "cpu_probe_ms": cpu_probe_ms()}
+
+
+def kernel_table(eng, batch: int, steps: int) -> tuple[float, str]:
+    """GPU kernel time per step (us, torch.profiler) over `steps` steps at `batch`, and the
+    top kernels: whether the two engines' plain steps differ on the device, not the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
+    ids = [eng.add_request(list(range(10, 70)), params) for _ in range(batch)]
+    for _ in range(10):
+        eng.step()
+    sync(eng.device)
+    act = ProfilerActivity.CUDA if eng.device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[act]) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync(eng.device)
+    for i in ids:
+        eng.abort(i)
+    while eng.has_unfinished():
+        eng.step()
+    avg = prof.key_averages()
+    total = sum(e.self_device_time_total for e in avg) / steps
+    return total, avg.table(sort_by="self_device_time_total", row_limit=18)
 
 
 def main() -> None:
@@ -76,6 +113,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="also: GPU kernel time per step at this batch (torch.profiler)")
+    ap.add_argument("--skip-tables", action="store_true", help="no cost-table reprofiling")
+    ap.add_argument("--abab", action="store_true",
+                    help="time each engine twice, alternating (a drift of the host over time "
+                         "would show as the later run's cost)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "cuda"
@@ -95,7 +138,7 @@ def main() -> None:
                                                       num_steps=4, adaptive=True))
         plain = LLMEngine(cfg, spec.model, spec.tokenizer)
         tables = [json.loads(spec.spec_scheduler.policy.table.to_json())]
-        for _ in range(2):
+        for _ in range(0 if args.skip_tables else 2):
             tables.append(json.loads(cost_profile.profile(spec, repeats=5 if gpu else 2)
                                      .to_json()))
         res["tables"] = tables
@@ -104,14 +147,29 @@ def main() -> None:
         try:
             for b in [int(x) for x in args.batches.split(",")]:
                 row = {}
-                for name, eng in (("plain", plain), ("spec_plain_regime", spec)):
+                order = [("plain", plain), ("spec_plain_regime", spec)]
+                if args.abab:
+                    order += [("plain_again", plain), ("spec_plain_regime_again", spec)]
+                for name, eng in order:
                     row[name] = timed(eng, b, args.steps, profile=False)
                     row[name + "_profiled"] = timed(eng, b, args.steps // 2, profile=True)
+                print(f"batch {b}: CPU probe after each timing (ms): " + ", ".join(
+                    f"{n} {r['cpu_probe_ms']:.2f}" for n, r in row.items()), flush=True)
+                if args.abab:
+                    print(f"batch {b} again: plain {row['plain_again']['ms']:.3f}, spec in the "
+                          f"plain regime {row['spec_plain_regime_again']['ms']:.3f} ms/step",
+                          flush=True)
                 res[f"b{b}"] = row
                 print(f"batch {b}: plain {row['plain']['ms']:.3f} ms/step (overlap "
                       f"{row['plain']['overlap']}), spec in the plain regime "
                       f"{row['spec_plain_regime']['ms']:.3f} ms/step (overlap "
                       f"{row['spec_plain_regime']['overlap']})", flush=True)
+            if args.kernels:
+                for name, eng in (("plain", plain), ("spec_plain_regime", spec)):
+                    us, table = kernel_table(eng, args.kernels, 40)
+                    res[f"kernels_b{args.kernels}_{name}"] = {"us_per_step": us, "table": table}
+                    print(f"--- GPU kernels, batch {args.kernels}, {name}: {us:.1f} us/step\n"
+                          f"{table}", flush=True)
         finally:
             adaptive.AdaptivePolicy.plain_wins = held
     (args.out / "gpu_plain_regime.json").write_text(json.dumps(res, indent=1))

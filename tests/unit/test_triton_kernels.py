@@ -118,12 +118,15 @@ ROWS_CASES = [(3, 2, "plain"), (5, 8, "norm"), (2, 5, "silu_mul"), (5, 2, "norm_
 
 @pytest.mark.parametrize("shape", [(24, 64), (19, 100)])  # even blocks; ragged N and K
 @pytest.mark.parametrize(("seed", "num_rows", "variant"), ROWS_CASES)
-@pytest.mark.parametrize("config", [None, "small", "split", "unfused"])
+@pytest.mark.parametrize("config", [None, "small", "split", "fma_steps", "fma_one_step",
+                                    "unfused"])
 def test_gemv_rows_equal_the_twin_row_by_row(shape, seed, num_rows, variant, config):
     g = torch.Generator().manual_seed(seed)
     n, k = shape
     cfg = {None: None, "small": triton_gemv.RowsConfig(8, 32, 4, 2),
            "split": triton_gemv.RowsConfig(8, 32, 4, 2, split_silu=True),
+           "fma_steps": triton_gemv.FmaConfig(8, 32, 4),  # several K steps, ragged N
+           "fma_one_step": triton_gemv.FmaConfig(4, 128, 4),  # all of K in one masked step
            "unfused": triton_gemv.UNFUSED}[config]
     w = torch.randn(n, k, generator=g)
     silu = variant.startswith("silu_mul")

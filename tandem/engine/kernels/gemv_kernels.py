@@ -1,6 +1,6 @@
 """The Triton kernels behind `triton_gemv.gemv` (which picks and launches them): `gemv_kernel`
-for one row of x, `rows_kernel` for 2..8 rows (each weight tile read once for all rows), and the
-fused neighbours they share - the weight tile load, the SiLU-and-mul prologue and the residual
+for one row of x, `rows_kernel` (tensor cores) and `rows_fma_kernel` (CUDA cores) for 2..8 rows
+(each weight tile read once for all rows), and the fused neighbours they share - the weight tile load, the SiLU-and-mul prologue and the residual
 epilogue, each rounded like its torch twin (see triton_gemv's docstring for the fusions)."""
 
 from __future__ import annotations
@@ -163,6 +163,60 @@ def rows_kernel(
         out = out / tl.sqrt(tl.sum(sq, axis=1) / n_cols + eps)[None, :]
     omask = (rows < n_rows)[:, None] & mmask[None, :]
     offs = ms[None, :].to(tl.int64) * n_rows + rows[:, None]  # [BLOCK_N, M_PAD] into [M, N]
+    if RESIDUAL:
+        out = _add_residual(out, tl.load(res_ptr + offs, mask=omask, other=0.0))
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def rows_fma_kernel(
+    x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_K: tl.constexpr, EVEN: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
+    RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """What `rows_kernel` computes, on the CUDA cores: each [BLOCK_N, BLOCK_K] weight tile is
+    loaded once and multiplied against the M rows of x one after another (a one-row GEMV per
+    row, sharing the tile). For narrow weights (SmolLM2's 576-wide rows) the tensor-core
+    kernel's MMA tiles leave too few programs and too long a pipeline prologue for a ~1.7 MB
+    weight; this one keeps the one-row kernel's shape (few weight rows, all of K in one or
+    a few steps, many programs). M is a constant (the tuner keys by row count anyway); M_PAD
+    its next power of two, the accumulator's height.
+
+    Rounding: per row like `gemv_kernel` (float32 prologues, no rounding of the normed x); the
+    product is reduced at each K step (the one-row kernel reduces once, after the last), so
+    the float32 sums may differ from it in the last bits."""
+    if PDL:  # launched as a programmatic dependent (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows
+    ms = tl.arange(0, M_PAD)  # [M_PAD] x rows (M of them real)
+    row_ptr = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+    x_stride = 2 * n_cols if SILU_MUL else n_cols
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)  # out
+    sq = tl.zeros([M_PAD], dtype=tl.float32)  # each x row's sum of squares (NORM)
+    for i in range(NUM_K):  # NUM_K = cdiv(n_cols, BLOCK_K), a constant per weight shape
+        cols = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = cols < n_cols
+        w = _weight_tile(row_ptr, rows, cols, kmask, n_rows, EVEN).to(tl.float32)
+        if NORM:
+            nw = tl.load(norm_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+        for m in tl.static_range(M):
+            x = tl.load(x_ptr + m * x_stride + cols, mask=kmask, other=0.0)  # [BLOCK_K]
+            if SILU_MUL:  # row m holds [gate | up], n_cols = len(gate)
+                xf = _silu_mul(x, tl.load(x_ptr + m * x_stride + n_cols + cols, mask=kmask,
+                                          other=0.0))
+            else:
+                xf = x.to(tl.float32)
+            if NORM:
+                sq = tl.where(ms == m, sq + tl.sum(xf * xf, axis=0), sq)
+                xf = xf * nw
+            part = tl.sum(w * xf[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where((ms == m)[:, None], acc + part[None, :], acc)
+    out = acc  # [M_PAD, BLOCK_N]
+    if NORM:
+        out = out / tl.sqrt(sq / n_cols + eps)[:, None]
+    omask = (ms < M)[:, None] & (rows < n_rows)[None, :]
+    offs = ms[:, None].to(tl.int64) * n_rows + rows[None, :]  # [M_PAD, BLOCK_N] into [M, N]
     if RESIDUAL:
         out = _add_residual(out, tl.load(res_ptr + offs, mask=omask, other=0.0))
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=omask)

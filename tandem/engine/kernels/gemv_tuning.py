@@ -52,10 +52,19 @@ class RowsConfig(NamedTuple):
     split_silu: bool = False
 
 
+class FmaConfig(NamedTuple):
+    """A launch of `rows_fma_kernel`: the x rows one after another on the CUDA cores, each
+    weight tile loaded once (the one-row kernel's tile shapes: few weight rows, long K)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
 # The sentinel candidate "run the unfused sequence": cuBLAS F.linear with the Triton RMSNorm /
 # SiLU-mul kernels and a torch add, what M > 1 ran before `rows_kernel` existed.
 UNFUSED: Literal["unfused"] = "unfused"
-RowsChoice = RowsConfig | Literal["unfused"]
+RowsChoice = RowsConfig | FmaConfig | Literal["unfused"]
 # Candidates for 2..8 rows, timed like CONFIGS at the first call of each shape, variant and
 # row count. The first is the interpreter's; UNFUSED stays in so a shape where cuBLAS wins
 # keeps it. Pruned from a sweep of 44 at M = 5 on an H100 (benchmarks/gpu_micro.py --skinny
@@ -68,7 +77,12 @@ ROWS_CONFIGS: tuple[RowsChoice, ...] = (
     # For the down projection (SiLU-mul + residual), whose prologue is the one site where the
     # fused kernel lost to UNFUSED on an H100 (58.7 vs 47.6 us at M = 5, while its plain
     # product took 42.2): the plain winners with SiLU split out. Not yet timed on a GPU.
-    RowsConfig(32, 512, 4, 3, True), RowsConfig(64, 256, 4, 4, True), UNFUSED,
+    RowsConfig(32, 512, 4, 3, True), RowsConfig(64, 256, 4, 4, True),
+    # On the CUDA cores, for narrow weights (SmolLM2: on an H200 the tensor-core kernel took
+    # ~4.2 us a call at M = 5 where the one-row kernel takes ~2.8, and UNFUSED won gate_up):
+    # the tile shapes of the one-row winners there, all of K = 576 / 1536 in one step.
+    FmaConfig(4, 1024, 4), FmaConfig(4, 2048, 8), FmaConfig(16, 256, 4),
+    UNFUSED,
 )
 _best_rows: dict[tuple, RowsChoice] = {}  # ... and multi-row ones (the key adds M)
 
@@ -134,6 +148,8 @@ def tuning_file(device: torch.device) -> Path | None:
 
 
 def _encode(choice: Config | RowsChoice) -> object:
+    if isinstance(choice, FmaConfig):  # tagged: its fields could read as a one-row Config
+        return ["fma", *choice]
     return choice if isinstance(choice, str) else list(choice)
 
 

@@ -15,9 +15,10 @@ Each of these applies per row of x: with M rows, row m gets its own RMSNorm stat
 own [gate | up], and residual[m].
 
 x of one row runs `gemv_kernel` (tuned: ~98% of copy bandwidth). x of 2..8 rows runs
-`rows_kernel`, which loads each weight tile once and multiplies it against all rows (one
-read of the weight for M tokens), or, where the first-call tuning finds it faster, the
-unfused sequence (`UNFUSED`: cuBLAS + the Triton elementwise kernels), so routing M <= 8
+`rows_kernel`, which loads each weight tile once and multiplies it against all rows on the
+tensor cores (one read of the weight for M tokens), or `rows_fma_kernel`, the same on the CUDA
+cores with the one-row kernel's tile shapes (narrow weights), or, where the first-call tuning
+finds it faster, the unfused sequence (`UNFUSED`: cuBLAS + the Triton elementwise kernels), so routing M <= 8
 here is never slower per projection than what ran before. Choices are recorded per kind of GPU
 (`tuning_file`): later processes take them untimed, so restarts run the same kernels. On an
 H100 at M = 5 (benchmarks/gpu_micro.py --skinny) the kernel wins qkv+norm (21.6 vs 23.8 us),
@@ -40,13 +41,19 @@ import torch.nn.functional as F
 import triton
 
 from tandem.engine.kernels import pdl, triton_ops
-from tandem.engine.kernels.gemv_kernels import INTERPRET, gemv_kernel, rows_kernel
+from tandem.engine.kernels.gemv_kernels import (
+    INTERPRET,
+    gemv_kernel,
+    rows_fma_kernel,
+    rows_kernel,
+)
 from tandem.engine.kernels.gemv_tuning import (
     CONFIGS,
     ROWS_CONFIGS,
     TUNING_ENV,
     UNFUSED,
     Config,
+    FmaConfig,
     RowsChoice,
     RowsConfig,
     choose,
@@ -57,7 +64,8 @@ from tandem.engine.kernels.gemv_tuning import (
 )
 
 __all__ = [
-    "CONFIGS", "MAX_ROWS", "ROWS_CONFIGS", "TUNING_ENV", "UNFUSED", "Config", "RowsChoice",
+    "CONFIGS", "MAX_ROWS", "ROWS_CONFIGS", "TUNING_ENV", "UNFUSED", "Config", "FmaConfig",
+    "RowsChoice",
     "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count", "tuned_configs", "tuning_file",
     "unfused",
 ]
@@ -95,11 +103,11 @@ def gemv(
     if residual is not None:
         assert residual.shape == (x.shape[0], n_rows) and residual.is_contiguous()
     if x.shape[0] > 1:
-        assert config is None or config == UNFUSED or isinstance(config, RowsConfig), config
+        assert config in (None, UNFUSED) or isinstance(config, (RowsConfig, FmaConfig)), config
         fusion = _Fusion(norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                          residual=residual, out_dtype=out_dtype or x.dtype)
         return _gemm_rows(x, weight, fusion, config)
-    assert not isinstance(config, (RowsConfig, str)), config
+    assert not isinstance(config, (RowsConfig, FmaConfig, str)), config
     # One row: the tuned one-row kernel.
     out = torch.empty(1, n_rows, dtype=out_dtype or x.dtype, device=x.device)
     launch = _one_row_launcher(x, weight, out, norm_weight, eps, silu_mul, residual)
@@ -169,6 +177,19 @@ def _gemm_rows(
             return unfused(x, w, norm_weight=norm_weight, eps=fusion.eps,
                            silu_mul=fusion.silu_mul, residual=residual,
                            out_dtype=fusion.out_dtype)
+        if isinstance(cfg, FmaConfig):
+            rows_fma_kernel[(triton.cdiv(n_rows, cfg.block_n),)](
+                x, w, out, norm_weight if norm_weight is not None else x,
+                residual if residual is not None else out, n_rows, n_cols, w.stride(0),
+                fusion.eps, M=num_x_rows, M_PAD=triton.next_power_of_2(num_x_rows),
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                NUM_K=triton.cdiv(n_cols, cfg.block_k),
+                EVEN=(n_rows % cfg.block_n == 0 and n_cols % cfg.block_k == 0),
+                NORM=norm_weight is not None, SILU_MUL=fusion.silu_mul,
+                RESIDUAL=residual is not None, PDL=pdl.ENABLED, num_warps=cfg.num_warps,
+                **pdl.launch_options(),
+            )
+            return out
         assert isinstance(cfg, RowsConfig)
         xin, silu = x, fusion.silu_mul
         if silu and cfg.split_silu:
@@ -192,7 +213,7 @@ def _gemm_rows(
         key = (n_rows, n_cols, str(weight.dtype), norm_weight is not None, fusion.silu_mul,
                residual is not None, str(out.dtype), num_x_rows)
         candidates = tuple(c for c in ROWS_CONFIGS  # split_silu only where there is SiLU
-                           if c == UNFUSED or fusion.silu_mul or not c.split_silu)
+                           if fusion.silu_mul or not getattr(c, "split_silu", False))
         config = rows_config(key, launch, weight, candidates)
     return launch(config)
 
