@@ -46,7 +46,8 @@ from typing import Protocol
 # (spec/ahead.py) and the head shards over TP (spec/head.py): both change what a round costs.
 # 7: plain decode graphs plan on the device (engine/attention/device_decode.py), small decode
 # launches split finer, chain draft steps skip the normalizer: plain steps and rounds both.
-POLICY_VERSION = 7
+# 8: the table prices a prompt's arrival under rounds (`StepCostTable.arrival`).
+POLICY_VERSION = 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,6 +62,12 @@ class StepCostTable:
     batch_sizes: tuple[int, ...]  # ascending, >= 1
     seconds: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][max_k + 1] seconds, > 0
     plain: tuple[float, ...] = ()  # [len(batch_sizes)] seconds, > 0; or () unmeasured
+    # Seconds a prompt costs more arriving while the engine decodes by rounds than in the plain
+    # regime: a speculative prompt step runs the target's prefill, the draft's, the seeds and
+    # the others' round as two forwards and two host reads, where a plain step folds the
+    # prompt into its one decode forward (served on an H200 at c=16: 4.75 ms against 1.36).
+    # Every request pays it once. 0.0: unmeasured (a table of an older version).
+    arrival: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
@@ -76,6 +83,8 @@ class StepCostTable:
         if self.plain and (len(self.plain) != len(self.batch_sizes)
                            or any(not s > 0 for s in self.plain)):
             raise ValueError("plain: one cost > 0 per batch size, or none")
+        if not self.arrival >= 0:
+            raise ValueError(f"arrival: must be >= 0, got {self.arrival}")
 
     @property
     def max_k(self) -> int:
@@ -119,19 +128,21 @@ class StepCostTable:
         for i in range(len(plain) - 2, -1, -1):
             plain[i] = min(plain[i], plain[i + 1])
         return StepCostTable(batch_sizes=self.batch_sizes,
-                             seconds=tuple(tuple(r) for r in rows), plain=tuple(plain))
+                             seconds=tuple(tuple(r) for r in rows), plain=tuple(plain),
+                             arrival=self.arrival)
 
     def to_json(self) -> str:
         return json.dumps({"batch_sizes": list(self.batch_sizes),
                            "seconds": [list(r) for r in self.seconds],
-                           "plain": list(self.plain)})
+                           "plain": list(self.plain), "arrival": self.arrival})
 
     @staticmethod
     def from_json(text: str) -> StepCostTable:
         raw = json.loads(text)
         return StepCostTable(batch_sizes=tuple(int(b) for b in raw["batch_sizes"]),
                              seconds=tuple(tuple(float(s) for s in r) for r in raw["seconds"]),
-                             plain=tuple(float(s) for s in raw.get("plain", ())))
+                             plain=tuple(float(s) for s in raw.get("plain", ())),
+                             arrival=float(raw.get("arrival", 0.0)))
 
 
 def expected_tokens(p: Sequence[float], k: int) -> float:
@@ -244,11 +255,23 @@ class AdaptiveSettings:
     # per step of the plain regime (no request drafts): slower, so that trying speculation
     # again costs a few rounds every few hundred steps, not every few dozen
     plain_relax: float = 0.002
+    # Ties go to the plain regime: rounds must beat a plain step's time per token by this
+    # fraction. Where the two are within it (SmolLM2 at batch 1: a round of 2.05 tokens in
+    # 1.48 ms against a 0.65 ms plain step) drafting gains nothing, and each switch costs a
+    # speculative prompt step and the plain steps' overlap.
+    margin: float = 0.05
+    # Output tokens a request runs before any has finished (then: their running mean, weight
+    # `output_len_alpha` per finished request): spreads the arrival cost over tokens.
+    output_len_prior: float = 256.0
+    output_len_alpha: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "overall_alpha", "prior", "relax", "plain_relax"):
+        for name in ("alpha", "overall_alpha", "prior", "relax", "plain_relax", "margin",
+                     "output_len_alpha"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
+        if not self.output_len_prior >= 1.0:
+            raise ValueError(f"output_len_prior: must be >= 1, got {self.output_len_prior}")
 
 
 @dataclass(slots=True)
@@ -261,11 +284,14 @@ class AdaptivePolicy:
     settings: AdaptiveSettings = field(default_factory=AdaptiveSettings)
     overall: tuple[float, ...] = ()  # [max_k] engine-wide estimate
     per_request: dict[str, tuple[float, ...]] = field(default_factory=dict)  # req_id -> [max_k]
+    output_len: float = 0.0  # running mean of finished requests' output tokens (0: the prior)
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.table.max_k)
         if not self.overall:
             self.overall = self._prior()
+        if not self.output_len:
+            self.output_len = self.settings.output_len_prior
 
     def _prior(self) -> tuple[float, ...]:
         return (self.settings.prior,) * self.max_k
@@ -288,12 +314,18 @@ class AdaptivePolicy:
         Asked once per step while it holds (the plain regime, `SpecEngine.step`), which is
         also an unobserved step: the estimate relaxes toward the prior, so the engine tries
         speculation again after a while and measures it afresh."""
+        # Compared per committed token (seconds): a plain step's plain / b; a k-round's
+        # cost / (b E(k)) plus the arrival cost over the tokens a request runs (each token a
+        # round commits brings the next request's arrival 1 / output_len closer). Rounds must
+        # win by the margin.
         plain = self.table.plain_cost(batch_size)
         if plain is None:
             return False
-        best = max((expected_tokens(self.overall, k) / self.table.cost(k, batch_size)
-                    for k in range(1, self.max_k + 1)), default=0.0)
-        wins = 1.0 / plain >= best
+        per_token = self.table.arrival / self.output_len
+        rounds = min((self.table.cost(k, batch_size)
+                      / (batch_size * expected_tokens(self.overall, k)) + per_token
+                      for k in range(1, self.max_k + 1)), default=float("inf"))
+        wins = plain / batch_size <= rounds * (1.0 + self.settings.margin)
         if wins:
             self.plain_step()
         return wins
@@ -313,3 +345,9 @@ class AdaptivePolicy:
 
     def forget(self, req_id: str) -> None:
         self.per_request.pop(req_id, None)
+
+    def finished(self, num_output_tokens: int) -> None:
+        """A request ended by its stop conditions after `num_output_tokens` (aborted and
+        failed ones are not told): the running mean the arrival cost is spread over."""
+        a = self.settings.output_len_alpha
+        self.output_len = (1 - a) * self.output_len + a * max(1, num_output_tokens)

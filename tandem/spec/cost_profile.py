@@ -72,6 +72,8 @@ CACHE_ENV = "TANDEM_SPEC_COST_CACHE"  # "0": profile every start, never read or 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CPU_BATCH_SIZES = (1, 2, 4)
 _PROMPT = tuple(range(1, 9))  # profiling prompt: 8 token ids every vocabulary has
+_ARRIVING = tuple(range(1, 33))  # a prompt arriving while they decode (its price: `arrival`)
+ARRIVAL_BATCH = 8  # the batch size the arrival is priced at (the largest profiled up to it)
 
 
 def adaptive_policy(eng: SpecEngine) -> AdaptivePolicy:
@@ -119,12 +121,12 @@ def _agreed(table: StepCostTable, ranks: ParallelGroup, device: torch.device) ->
     if ranks.size == 1:
         return table
     width = table.max_k + 1
-    flat = ranks.max_over_ranks([s for row in table.seconds for s in row] + list(table.plain),
-                                device)
+    flat = ranks.max_over_ranks([s for row in table.seconds for s in row] + list(table.plain)
+                                + [table.arrival], device)
     n = len(table.batch_sizes)
     rows = tuple(tuple(flat[i * width:(i + 1) * width]) for i in range(n))
     return StepCostTable(batch_sizes=table.batch_sizes, seconds=rows,
-                         plain=tuple(flat[n * width:]))
+                         plain=tuple(flat[n * width:-1]), arrival=flat[-1])
 
 
 def cache_file(eng: SpecEngine) -> Path | None:
@@ -151,6 +153,7 @@ def profile(eng: SpecEngine, repeats: int,
     time covers all it does -- the round (drafting, verify, draft-extend), its host read, the
     commit's stop checks and detokenizing -- since a plain step overlaps that host work with
     the GPU and a round does not, pricing rounds alone made them look cheaper than they run.
+    At one batch size (`ARRIVAL_BATCH`) it also prices a prompt arriving (`_arrival`).
     Returns the measured table's monotone envelope (`StepCostTable.envelope`)."""
     if batch_sizes is None:
         batch_sizes = GPU_BATCH_SIZES if eng.device.type == "cuda" else CPU_BATCH_SIZES
@@ -158,6 +161,8 @@ def profile(eng: SpecEngine, repeats: int,
     sched = eng.spec_scheduler
     policy = sched.policy
     seconds, plain = [], []
+    arrival_at = max((b for b in sizes if b <= ARRIVAL_BATCH), default=sizes[0])
+    arrival = 0.0
     try:
         for b in sizes:
             # Seeded under a fixed k: a policy whose plain regime holds would never seed them
@@ -168,10 +173,14 @@ def profile(eng: SpecEngine, repeats: int,
                 for k in range(eng.spec.num_steps + 1):
                     sched.policy = FixedK(k)
                     row.append(_time_steps(eng, eng.step, repeats, samples))
+                by_rounds = (_arrival(eng, eng.step, repeats) if b == arrival_at
+                             else 0.0)  # (still under k = num_steps)
                 sched.policy = policy
                 for rid in req_ids:  # plain from here: the plain engine's own steps
                     sched.drop_seed(rid)
                 plain.append(_time_steps(eng, eng.plain_step, max(4, 4 * repeats), samples))
+                if b == arrival_at:
+                    arrival = max(0.0, by_rounds - _arrival(eng, eng.plain_step, repeats))
                 eng.leave_overlap()
             finally:
                 for rid in req_ids:
@@ -183,7 +192,10 @@ def profile(eng: SpecEngine, repeats: int,
         sched.policy = policy
         eng.leave_overlap()
     eng.spec_stats = SpecStats()  # the profiling rounds are no request's acceptance
-    measured = StepCostTable(batch_sizes=sizes, seconds=tuple(seconds), plain=tuple(plain))
+    log.info("spec cost: a prompt arriving costs %.2f ms more under rounds (batch %d)",
+             arrival * 1e3, arrival_at)
+    measured = StepCostTable(batch_sizes=sizes, seconds=tuple(seconds), plain=tuple(plain),
+                             arrival=arrival)
     table = measured.envelope()
     if table != measured:
         log.info("spec cost table: entries above one of more work taken down to it (noise)")
@@ -194,14 +206,18 @@ def _growth(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
     """Tokens a profiling request may gain: every k's steps (2 warm-ups + the timed ones)
     commit at most k + 1 each, then the plain steps one each."""
     k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * (2 + samples * repeats)
-    return k_steps + 2 + samples * max(4, 4 * repeats) + 1
+    arrivals = (1 + 2 * max(2, repeats)) * (eng.spec.num_steps + 2)  # `_arrival`, both ways
+    return k_steps + 2 + samples * max(4, 4 * repeats) + 1 + arrivals
 
 
 def _max_batch(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
     """Requests of the profiling prompt that fit the pool as they grow, with a round's slots
-    each."""
+    each, next to the arriving one `_arrival` adds."""
+    page = eng.cfg.page_size
     tokens = len(_PROMPT) + _growth(eng, repeats, samples) + eng.spec.slots_per_round + 2
-    return min(eng.cfg.max_num_seqs, eng.allocator.num_free // -(-tokens // eng.cfg.page_size))
+    arriving = -(-(len(_ARRIVING) + eng.spec.slots_per_round + 2) // page)  # its pages
+    return min(eng.cfg.max_num_seqs - 1,
+               (eng.allocator.num_free - arriving) // -(-tokens // page))
 
 
 def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:
@@ -211,6 +227,31 @@ def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:
     while not all(rid in eng.seeds for rid in req_ids):
         eng.step()
     return req_ids
+
+
+def _arrival(eng: SpecEngine, step: Callable[[], list], repeats: int) -> float:
+    """Seconds a step of `step` takes longer when a prompt (`_ARRIVING`) arrives in it than
+    when none does: each timed alone (drained before and after), the least of `repeats`
+    each; the arriving request is aborted after its step."""
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
+
+    def alone(arriving: bool) -> float:
+        rid = eng.add_request(_ARRIVING, params, "__spec_cost_arriving") if arriving else None
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        took = time.perf_counter() - t0
+        eng.leave_overlap()  # (reads the step in flight, if any, before the abort)
+        if rid is not None:
+            eng.abort(rid)
+        return took
+
+    alone(True)  # warm-up: a first prompt step of this shape (its graph, its plans)
+    with_prompt = min(alone(True) for _ in range(max(2, repeats)))
+    without = min(alone(False) for _ in range(max(2, repeats)))
+    return with_prompt - without
 
 
 def _time_steps(eng: SpecEngine, step: Callable[[], list], n: int, samples: int = 1) -> float:

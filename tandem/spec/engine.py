@@ -31,7 +31,7 @@ from tandem.engine.request import Request, RequestOutput
 from tandem.engine.sampling import read_sampled, row_error
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk, StepPlan
-from tandem.messages import TokenLogprob
+from tandem.messages import FinishReason, TokenLogprob
 from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
 from tandem.spec.ahead import DraftAhead, enabled_by_env
 from tandem.spec.adaptive import KPolicy
@@ -65,6 +65,7 @@ from tandem.spec.tree_graphs import (
 )
 
 log = logging.getLogger(__name__)
+_STOPPED = (FinishReason.STOP, FinishReason.LENGTH)  # a request's own end: not abort or error
 
 
 def target_features(out: ForwardOutput, head: EagleHead) -> torch.Tensor:
@@ -184,6 +185,16 @@ class SpecEngine(HandoffSide, LLMEngine):
         self.spec_scheduler.drop_seed(req.req_id)
         self.handoff_only.discard(req.req_id)
         return super()._fail_request(req, error)
+
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None
+                ) -> RequestOutput:
+        """As LLMEngine's; a request its stop conditions end tells the k policy its length
+        (`AdaptivePolicy.finished`: what the arrival cost of rounds is spread over)."""
+        out = super()._append(req, token, logprob)
+        told = getattr(self.spec_scheduler.policy, "finished", None)
+        if out.finished and told is not None and out.finish_reason in _STOPPED:
+            told(len(req.output_ids))
+        return out
 
     # Disaggregation (add_prefill_request, take_handoffs, free_pages, admit_prefilled):
     # spec/handoff_side.py.

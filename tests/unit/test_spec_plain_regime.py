@@ -9,6 +9,7 @@ back."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -26,7 +27,12 @@ from spec_helpers import (
 
 from tandem.engine import SamplingParams
 from tandem.spec import SpecConfig, SpecEngine
-from tandem.spec.adaptive import AdaptivePolicy, AdaptiveSettings, RoundPlan, StepCostTable
+from tandem.spec.adaptive import (
+    AdaptivePolicy,
+    AdaptiveSettings,
+    RoundPlan,
+    StepCostTable,
+)
 
 # A round of k drafts costs 1 + 0.1 k at 1 row; a plain step 0.5 (cheap: a launch-bound small
 # model with overlap) or 0.9 at 1 row, 3.0 at 64 rows.
@@ -282,4 +288,102 @@ def test_plain_requests_keep_overlapped_plain_steps_after_the_policy_turns():
     assert policy.asked[1] is False and eng.spec_stats.num_rounds > 0  # the newcomer drafted
     want = reference(model, first + later + last, greedy(20))
     assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
+    assert_pages_free(eng)
+
+# ---- what an arriving prompt costs under rounds, and the margin ----------------------------
+
+
+def test_the_arrival_cost_of_rounds_turns_the_choice_plain():
+    """Each request pays a dearer prompt step when the engine decodes by rounds
+    (`StepCostTable.arrival`), spread over the tokens a request runs. Rounds that beat plain
+    steps per token lose once that is counted, the more so the shorter the requests."""
+    rounds = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(0.9, 3.0))
+    settings = AdaptiveSettings(margin=0.0, output_len_prior=100.0)
+    assert not AdaptivePolicy(table=rounds, max_k=3, settings=settings).plain_wins(1)
+    # at the prior, a 3-round: 1.3 s / 2.176 tokens = 0.597 s a token, plain 0.9 s: rounds win
+    # by 0.30 s a token, which an arrival cost of 0.31 s a token (31 s over 100 tokens) undoes
+    dear = dataclasses.replace(rounds, arrival=31.0)
+    pol = AdaptivePolicy(table=dear, max_k=3, settings=settings)
+    assert pol.plain_wins(1)
+    long = AdaptivePolicy(table=dear, max_k=3, settings=dataclasses.replace(
+        settings, output_len_prior=1000.0))
+    assert not long.plain_wins(1)  # 0.031 s a token over 1000-token requests: rounds win
+    for _ in range(200):  # requests turn out short: the mean moves toward 10 tokens
+        long.finished(10)
+    assert long.output_len == pytest.approx(10.0, rel=0.01)
+    assert long.plain_wins(1)
+
+
+def test_near_ties_go_to_the_plain_regime():
+    """Rounds must beat a plain step's time per token by `margin`."""
+    # at the prior a 3-round costs 0.597 s a token; a plain step of 0.62 s is 3.8% dearer
+    t = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(0.62, 3.0))
+    assert not AdaptivePolicy(table=t, max_k=3,
+                              settings=AdaptiveSettings(margin=0.0)).plain_wins(1)
+    assert AdaptivePolicy(table=t, max_k=3, settings=AdaptiveSettings(margin=0.05)).plain_wins(1)
+    assert not AdaptivePolicy(table=t, max_k=3,
+                              settings=AdaptiveSettings(margin=0.03)).plain_wins(1)
+    with pytest.raises(ValueError, match="margin"):
+        AdaptiveSettings(margin=-0.1)
+    with pytest.raises(ValueError, match="output_len_prior"):
+        AdaptiveSettings(output_len_prior=0.0)
+
+
+def test_the_arrival_cost_round_trips_and_is_checked():
+    t = dataclasses.replace(table((0.5, 3.0)), arrival=0.004)
+    assert StepCostTable.from_json(t.to_json()) == t
+    assert t.envelope().arrival == 0.004
+    old = '{"batch_sizes": [1], "seconds": [[1.0, 1.1]], "plain": [0.5]}'  # before "arrival"
+    assert StepCostTable.from_json(old).arrival == 0.0
+    with pytest.raises(ValueError, match="arrival"):
+        dataclasses.replace(t, arrival=-1.0)
+
+
+def test_the_engine_tells_the_policy_how_long_requests_ran():
+    """Requests that end by their stop conditions report their output length to the policy
+    (`AdaptivePolicy.finished`); aborted ones do not."""
+
+    told: list[int] = []
+
+    class Told(AdaptivePolicy):
+        def finished(self, num_output_tokens: int) -> None:
+            told.append(num_output_tokens)
+
+    model = tiny_target("llama")
+    pol = Told(table=table((0.9, 3.0)), max_k=2)
+    eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=2), model, tiny_head(model, "eagle"),
+                     policy=pol)
+    ps = prompts(3, seed=5)
+    got = eng.generate(ps, [greedy(n) for n in (4, 7, 9)])
+    assert sorted(told) == sorted(len(c.output_ids) for c in got) == [4, 7, 9]
+    rid = eng.add_request(ps[0], greedy(50))
+    eng.step()
+    eng.step()
+    eng.abort(rid)
+    assert len(told) == 3
+    assert_pages_free(eng)
+
+
+def test_profiling_prices_an_arrival_as_rounds_minus_plain_steps(monkeypatch):
+    """cost_profile.profile: `arrival` is what a prompt adds to a step under rounds less what
+    it adds to a plain step, at one batch size, never below 0; every page back after."""
+    import tandem.spec.cost_profile as cost_profile
+
+    model = tiny_target("llama")
+    eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=2), model, tiny_head(model, "eagle"))
+    priced: list[str] = []
+
+    def fake(e, step, repeats):
+        priced.append(step.__name__)
+        return 0.007 if step.__name__ == "step" else 0.002
+
+    monkeypatch.setattr(cost_profile, "_arrival", fake)
+    t = cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2))
+    assert priced == ["step", "plain_step"] and t.arrival == pytest.approx(0.005)
+    monkeypatch.setattr(cost_profile, "_arrival",
+                        lambda e, step, r: 0.001 if step.__name__ == "step" else 0.002)
+    assert cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2)).arrival == 0.0
+    monkeypatch.undo()
+    real = cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2))  # the real timing
+    assert real.arrival >= 0.0 and not eng.scheduler.requests
     assert_pages_free(eng)
