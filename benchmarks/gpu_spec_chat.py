@@ -201,7 +201,8 @@ def main() -> None:
                 cfg, dataclasses.replace(spec, adaptive=True))
             table = engines["adaptive"].spec_scheduler.policy.table
             res["adaptive_table"] = json.loads(table.to_json())
-            print("adaptive cost table (ms): batch: k = 0..K | plain step", flush=True)
+            print(f"adaptive cost table (ms): batch: k = 0..K | plain step; a prompt arriving "
+                  f"under rounds costs {table.arrival * 1e3:.2f} ms more", flush=True)
             for b, row, p in itertools.zip_longest(table.batch_sizes, table.seconds,
                                                    table.plain):
                 print(f"  {b:4d}: {' '.join(f'{x * 1e3:6.3f}' for x in row)} | "
