@@ -161,7 +161,10 @@ def profile(eng: SpecEngine, repeats: int,
     sched = eng.spec_scheduler
     policy = sched.policy
     seconds, plain = [], []
-    arrival_at = max((b for b in sizes if b <= ARRIVAL_BATCH), default=sizes[0])
+    # the arriving request needs a free sequence slot next to the batch (and the pages that
+    # the larger batches leave free)
+    room = min(ARRIVAL_BATCH, eng.cfg.max_num_seqs - 1, sizes[-1] - 1 if len(sizes) > 1 else 0)
+    arrival_at = max((b for b in sizes if b <= room), default=None)
     arrival = 0.0
     try:
         for b in sizes:
@@ -192,7 +195,7 @@ def profile(eng: SpecEngine, repeats: int,
         sched.policy = policy
         eng.leave_overlap()
     eng.spec_stats = SpecStats()  # the profiling rounds are no request's acceptance
-    log.info("spec cost: a prompt arriving costs %.2f ms more under rounds (batch %d)",
+    log.info("spec cost: a prompt arriving costs %.2f ms more under rounds (batch %s)",
              arrival * 1e3, arrival_at)
     measured = StepCostTable(batch_sizes=sizes, seconds=tuple(seconds), plain=tuple(plain),
                              arrival=arrival)
@@ -212,12 +215,9 @@ def _growth(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
 
 def _max_batch(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
     """Requests of the profiling prompt that fit the pool as they grow, with a round's slots
-    each, next to the arriving one `_arrival` adds."""
-    page = eng.cfg.page_size
+    each. (`_arrival` adds one more request only at a batch size with room for it.)"""
     tokens = len(_PROMPT) + _growth(eng, repeats, samples) + eng.spec.slots_per_round + 2
-    arriving = -(-(len(_ARRIVING) + eng.spec.slots_per_round + 2) // page)  # its pages
-    return min(eng.cfg.max_num_seqs - 1,
-               (eng.allocator.num_free - arriving) // -(-tokens // page))
+    return min(eng.cfg.max_num_seqs, eng.allocator.num_free // -(-tokens // eng.cfg.page_size))
 
 
 def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:

@@ -386,4 +386,9 @@ def test_profiling_prices_an_arrival_as_rounds_minus_plain_steps(monkeypatch):
     monkeypatch.undo()
     real = cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2))  # the real timing
     assert real.arrival >= 0.0 and not eng.scheduler.requests
+    # the arriving request takes a slot only below the largest size: that one stays profiled
     assert_pages_free(eng)
+    four = SpecEngine(engine_cfg(max_num_seqs=4), SpecConfig(num_steps=2), model,
+                      tiny_head(model, "eagle"))
+    assert cost_profile.profile(four, repeats=1, batch_sizes=(1, 4)).batch_sizes == (1, 4)
+    assert_pages_free(four)
