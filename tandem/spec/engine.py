@@ -191,9 +191,10 @@ class SpecEngine(HandoffSide, LLMEngine):
         """As LLMEngine's; a request its stop conditions end tells the k policy its length
         (`AdaptivePolicy.finished`: what the arrival cost of rounds is spread over)."""
         out = super()._append(req, token, logprob)
-        told = getattr(self.spec_scheduler.policy, "finished", None)
-        if out.finished and told is not None and out.finish_reason in _STOPPED:
-            told(len(req.output_ids))
+        if out.finished and out.finish_reason in _STOPPED:
+            told = getattr(self.spec_scheduler.policy, "finished", None)
+            if told is not None:
+                told(len(req.output_ids))
         return out
 
     # Disaggregation (add_prefill_request, take_handoffs, free_pages, admit_prefilled):

@@ -1,7 +1,8 @@
 """The Triton kernels behind `triton_gemv.gemv` (which picks and launches them): `gemv_kernel`
 for one row of x, `rows_kernel` (tensor cores) and `rows_fma_kernel` (CUDA cores) for 2..8 rows
-(each weight tile read once for all rows), and the fused neighbours they share - the weight tile load, the SiLU-and-mul prologue and the residual
-epilogue, each rounded like its torch twin (see triton_gemv's docstring for the fusions)."""
+(each weight tile read once for all rows), and the fused neighbours they share - the weight
+tile load, the SiLU-and-mul prologue and the residual epilogue, each rounded like its torch
+twin (see triton_gemv's docstring for the fusions)."""
 
 from __future__ import annotations
 

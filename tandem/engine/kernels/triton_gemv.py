@@ -18,13 +18,14 @@ x of one row runs `gemv_kernel` (tuned: ~98% of copy bandwidth). x of 2..8 rows 
 `rows_kernel`, which loads each weight tile once and multiplies it against all rows on the
 tensor cores (one read of the weight for M tokens), or `rows_fma_kernel`, the same on the CUDA
 cores with the one-row kernel's tile shapes (narrow weights), or, where the first-call tuning
-finds it faster, the unfused sequence (`UNFUSED`: cuBLAS + the Triton elementwise kernels), so routing M <= 8
-here is never slower per projection than what ran before. Choices are recorded per kind of GPU
-(`tuning_file`): later processes take them untimed, so restarts run the same kernels. On an
-H100 at M = 5 (benchmarks/gpu_micro.py --skinny) the kernel wins qkv+norm (21.6 vs 23.8 us),
-o_proj+residual (14.4 vs 17.5), gate_up+norm (83.1 vs 85.2) and the LM head (347 vs 378);
-UNFUSED wins down with SiLU-mul + residual (47.6 vs 58.7: the per-program SiLU prologue over 8
-padded rows costs more than the launch it saves).
+finds it faster, the unfused sequence (`UNFUSED`: cuBLAS + the Triton elementwise kernels),
+so routing M <= 8 here is never slower per projection than what ran before. Choices are
+recorded per kind of GPU (`tuning_file`): later processes take them untimed, so restarts run
+the same kernels. On an H100 at M = 5 (benchmarks/gpu_micro.py --skinny) the kernel wins
+qkv+norm (21.6 vs 23.8 us), o_proj+residual (14.4 vs 17.5), gate_up+norm (83.1 vs 85.2) and
+the LM head (347 vs 378); UNFUSED wins down with SiLU-mul + residual (47.6 vs 58.7: the
+per-program SiLU prologue over 8 padded rows costs more than the launch it saves). On an H200
+the tuner picks `rows_fma_kernel` for SmolLM2's 576-wide sites at M = 2-5 and for no 8B site.
 
 This module checks the arguments, routes by row count and launches; the kernels are in
 gemv_kernels.py, the candidates and the choice among them (timing, the record) in
@@ -65,9 +66,8 @@ from tandem.engine.kernels.gemv_tuning import (
 
 __all__ = [
     "CONFIGS", "MAX_ROWS", "ROWS_CONFIGS", "TUNING_ENV", "UNFUSED", "Config", "FmaConfig",
-    "RowsChoice",
-    "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count", "tuned_configs", "tuning_file",
-    "unfused",
+    "RowsChoice", "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count", "tuned_configs",
+    "tuning_file", "unfused",
 ]
 
 MAX_ROWS = 8  # x rows the multi-row kernel takes (its M_PAD)
