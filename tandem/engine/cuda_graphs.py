@@ -16,8 +16,9 @@ own page row, so a step that prefills short prompts (with or without decode rows
 them) replays a graph too: of the smallest size >= its tokens, among the decode sizes and
 `prefill_rows` (sizes past the decode ones; TANDEM_PREFILL_GRAPHS=0 turns them off). An
 eager prefill step launches a few hundred kernels from Python: ~12 ms on SmolLM2 on an H100,
-~2-3 ms replayed (docs/perf.md, session 18). Graphs past the decode sizes compute logits only for the rows listed in a
-fixed index buffer (`max_logit_rows` of them: one per sequence at most).
+~2-3 ms replayed (docs/perf.md, session 18). Graphs past the decode sizes compute logits only
+for the rows listed in a fixed index buffer (`max_logit_rows` of them: one per sequence at
+most).
 
 With DP attention every rank replays the graph of the same size (the engine agrees on it each
 step) and the MLP's gather of the DP ranks' rows takes its counts from the size -- every TP

@@ -229,11 +229,16 @@ def _seeded_requests(eng: SpecEngine, n: int) -> list[str]:
     return req_ids
 
 
+def _syncer(eng: SpecEngine) -> Callable[[], None]:
+    """What waits for the engine's device (SYNC: profiling only)."""
+    return torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+
+
 def _arrival(eng: SpecEngine, step: Callable[[], list], repeats: int) -> float:
     """Seconds a step of `step` takes longer when a prompt (`_ARRIVING`) arrives in it than
     when none does: each timed alone (drained before and after), the least of `repeats`
     each; the arriving request is aborted after its step."""
-    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    sync = _syncer(eng)
     params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
 
     def alone(arriving: bool) -> float:
@@ -259,7 +264,7 @@ def _time_steps(eng: SpecEngine, step: Callable[[], list], n: int, samples: int 
     after two warm-up calls. The least, not the median: what disturbs a run (a first use's
     compilation or capture, a collection, another process) only ever adds time. (On an H100
     a single run of 5 priced a batch-1 round of one draft at 2.95 ms and one of four at 1.99.)"""
-    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    sync = _syncer(eng)
     for _ in range(2):
         step()
     sync()
