@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -119,6 +121,27 @@ def step_summary(steps: list[tuple[float, int, bool]]) -> dict:
             "other": part(r for r in steps if not r[2])}
 
 
+class GcMeter:
+    """Python's garbage collections while it is installed (gc.callbacks): count per
+    generation and milliseconds, read and reset per run."""
+
+    def __init__(self) -> None:
+        self.counts, self.ms, self._t0 = [0, 0, 0], 0.0, 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+
+    def take(self) -> dict:
+        out = {"collections": list(self.counts), "ms": round(self.ms, 3)}
+        self.counts, self.ms = [0, 0, 0], 0.0
+        return out
+
+
 def stats_delta(eng: SpecEngine, before: tuple[int, int, list[int]]) -> dict:
     st = eng.spec_stats
     rounds = st.num_rounds - before[0]
@@ -171,8 +194,17 @@ def main() -> None:
                     help="runs of each engine per level, interleaved; the median is reported")
     ap.add_argument("--skip-batch1", action="store_true",
                     help="no per-token decode timing one prompt at a time (eager is slow)")
+    ap.add_argument("--pin-cpus", default="",
+                    help="run on these CPUs only (os.sched_setaffinity), e.g. 2,3: the host "
+                         "step time drifts run to run in one process")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the warm-up: start-up's objects leave the "
+                         "collector's generations")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.pin_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.pin_cpus.split(",")})
+    meter = GcMeter()
     gpu = args.device == "cuda"
     backend = args.attention_backend or ("flashinfer" if gpu else "torch")
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -213,6 +245,12 @@ def main() -> None:
         params = SamplingParams(max_new_tokens=args.max_new_tokens)
         for name in names:  # warm-up: Triton tuning, FlashInfer modules
             closed_loop(engines[name], prompts[:4], params, 4)  # (outputs, wall, times) unused
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+        res["env"].update(pin_cpus=args.pin_cpus, gc_freeze=args.gc_freeze,
+                          gc_frozen=gc.get_freeze_count(), gc_tracked=len(gc.get_objects()))
+        meter.take()
         # Interleaved: every measurement runs each engine in turn (the order rotated on each
         # repeat), so a drift of the machine (clocks, a busy host) touches every engine alike;
         # each engine reports its median repeat (its runs are kept beside it).
@@ -235,6 +273,7 @@ def main() -> None:
                                "wall_s": wall, **times}
                     if is_spec:
                         lvl["acceptance"] = stats_delta(eng, before)
+                    lvl["gc"] = meter.take()
                     lvl["outputs"] = outs
                     rows[name].setdefault(phase, []).append(lvl)
             for name in names:  # the median run (the lower one of an even count) stands
@@ -243,6 +282,7 @@ def main() -> None:
                 res[f"{name}_outputs_{'batch1' if phase == 'b1' else phase}"] = \
                     mid.pop("outputs")
                 mid["runs"] = [r["tokens_per_s"] for r in runs]
+                mid["runs_gc"] = [r["gc"] for r in runs]
                 rows[name][phase] = mid
             print(phase, json.dumps({n: round(rows[n][phase]["tokens_per_s"], 1)
                                      for n in names}), flush=True)
@@ -307,6 +347,11 @@ def main() -> None:
     print("TTFT p50 ms (add -> first token) per level: " + "; ".join(
         f"{name} " + " ".join(f"{1e3 * (res[name][f'c{c}']['ttft_p50_s'] or 0):.1f}"
                               for c in levels) for name in names))
+    print("garbage collections per level (gen 0/1/2 count, ms; the median run): " + "; ".join(
+        f"{name} " + " ".join(
+            "{}/{}/{} {:.1f}".format(*res[name][f'c{c}']['gc']['collections'],
+                                     res[name][f'c{c}']['gc']['ms']) for c in levels)
+        for name in names))
     for name, sm in summary.items():
         taus = " ".join(f"c={c}: {res[name][f'c{c}']['acceptance']['tau']:.2f}" for c in levels)
         same = " ".join(f"c={c}: {sm[f'c{c}']['identical_answers']}" for c in levels)

