@@ -195,8 +195,10 @@ def main() -> None:
     ap.add_argument("--skip-batch1", action="store_true",
                     help="no per-token decode timing one prompt at a time (eager is slow)")
     ap.add_argument("--pin-cpus", default="",
-                    help="run on these CPUs only (os.sched_setaffinity), e.g. 2,3: the host "
-                         "step time drifts run to run in one process")
+                    help="run on these CPUs only (os.sched_setaffinity), e.g. 2-5 as 2,3,4,5: "
+                         "the host step time drifts run to run in one process. Not one CPU: "
+                         "pinned to one (session 20, H200) plain batch-1 decode took 1.12 "
+                         "ms/token against 0.66 unpinned")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after the warm-up: start-up's objects leave the "
                          "collector's generations")

@@ -9,7 +9,10 @@
 #                and let the target answer NUM_PROMPTS prompts less those EXTRA answered
 #                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train);
 #                SELF_PROMPTS=N: also N prompts the target writes itself (--self-prompts)
-#   PHASE=train  train the head (resumable from ckpt.pt; run again to go on), on this run's
+#   PHASE=train  train the head (resumable from ckpt.pt; run again to go on; the head is written
+#                only at the end, so size the data to the call: session 20 on an H200 took
+#                ~0.57 s a step alone and ~1 s each with three side by side, against 0.11 s
+#                in session 8 -- train_log.jsonl now says where a step's time goes), on this run's
 #                answers plus EXTRA (earlier answers, e.g.
 #                "benchmarks/data/smollm2-answers-a.jsonl.gz
 #                benchmarks/data/smollm2-answers-b.jsonl.gz")

@@ -243,6 +243,16 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
     )
 
 
+_LOG_EVERY = 25  # steps between lines of train_log.jsonl
+
+
+def _clock(device: torch.device, sync: bool) -> float:
+    """perf_counter, after the device's queued work when `sync` (CUDA runs asynchronously)."""
+    if sync and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
     from safetensors.torch import save_file
 
@@ -356,14 +366,19 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
         from tqdm import tqdm
 
         bar = tqdm(total=total_steps, initial=step, unit="step", desc="train-eagle")
-    started = time.perf_counter()
+    started = window = time.perf_counter()
     num_tokens = 0
     while step < total_steps:
+        # The steps that log also time their parts (synchronised on CUDA): where a step's time
+        # goes, the target's forward or the head's training.
+        timed = (step + 1) % _LOG_EVERY == 0 or step + 1 == total_steps
+        t0 = _clock(engine.device, timed)
         epoch, idx = divmod(step, steps_per_epoch)
         order = list(range(len(samples)))
         random.Random(cfg.seed + epoch).shuffle(order)
         batch = [samples[i] for i in order[idx * cfg.batch_size : (idx + 1) * cfg.batch_size]]
         tb = target_batch(engine, batch, head, cfg.max_seq_len)
+        t1 = _clock(engine.device, timed)
         lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * 0.5 * (
             1 + math.cos(math.pi * step / total_steps))
         for g in opt.param_groups:
@@ -386,10 +401,16 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=",".join(f"{a:.2f}" for a in accs))
-        if step % 25 == 0 or step == total_steps:
-            with (out / "train_log.jsonl").open("a") as f:  # loss and per-step top-1 accuracy
+        if timed:  # loss, per-step top-1 accuracy, seconds per step since the last log
+            t2 = _clock(engine.device, True)
+            done = step % _LOG_EVERY or _LOG_EVERY
+            with (out / "train_log.jsonl").open("a") as f:
                 f.write(json.dumps({"step": step, "loss": round(loss.item(), 4),
-                                    "acc": [round(a, 4) for a in accs]}) + "\n")
+                                    "acc": [round(a, 4) for a in accs],
+                                    "step_s": round((t2 - window) / done, 4),
+                                    "target_s": round(t1 - t0, 4),
+                                    "head_s": round(t2 - t1, 4)}) + "\n")
+            window = time.perf_counter()
         if step % cfg.save_every == 0 or step == total_steps:
             torch.save({"head": {k: v for k, v in head.state_dict().items()
                                  if not k.startswith("target_")},

@@ -31,6 +31,10 @@ def test_train_exports_a_loadable_subset_head_and_resumes(smollm2_dir, tmp_path)
     assert len(samples) == 3 and all(0 < len(s.answer_ids) <= 6 for s in samples)
     raw = json.loads((head_dir / "config.json").read_text())
     assert raw["draft_vocab_size"] == 512 and raw["tandem_training"]["steps"] == 1
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1]  # the last step logs, with where its time went
+    assert log[0]["target_s"] > 0 and log[0]["head_s"] > 0
+    assert log[0]["step_s"] + 2e-4 >= log[0]["target_s"] + log[0]["head_s"]  # (rounded to 1e-4)
     head = load_head(head_dir, eng.model, torch.float32, torch.device("cpu"), 128)
     assert head.subset_vocab and head.draft_rows.shape == (512, eng.model_cfg.hidden_size)
     answered = {t for s in samples for t in s.answer_ids}
