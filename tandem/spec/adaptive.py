@@ -236,7 +236,9 @@ class KPolicy(Protocol):
     # A policy may also offer `plain_wins(batch_size) -> bool` (AdaptivePolicy does): whether
     # plain engine steps beat every round at that batch size. `SpecScheduler.plain_regime`
     # asks it; a policy without it never runs the plain regime. And `plain_step() -> None`,
-    # told of each plain-regime step the scheduler runs without asking.
+    # told of each plain-regime step the scheduler runs without asking, and `served(
+    # batch_size, seconds, num_drafts | None) -> None`, told what each step without prompt
+    # work took.
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,10 +278,13 @@ class AdaptiveSettings:
     # `output_len_alpha` per finished request): spreads the arrival cost over tokens.
     output_len_prior: float = 256.0
     output_len_alpha: float = 0.05
+    # EWMA weight of one served step in its regime's scale (`AdaptivePolicy.served`): what
+    # steps take in service over what the start-up profile priced them at.
+    served_alpha: float = 0.02
 
     def __post_init__(self) -> None:
         for name in ("alpha", "overall_alpha", "prior", "relax", "plain_relax", "margin",
-                     "output_len_alpha"):
+                     "output_len_alpha", "served_alpha"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         if not self.output_len_prior >= 1.0:
@@ -297,6 +302,9 @@ class AdaptivePolicy:
     overall: tuple[float, ...] = ()  # [max_k] engine-wide estimate
     per_request: dict[str, tuple[float, ...]] = field(default_factory=dict)  # req_id -> [max_k]
     output_len: float = 0.0  # running mean of finished requests' output tokens (0: the prior)
+    # Served over profiled seconds, per regime (`served`): the plain regime's steps and rounds
+    plain_scale: float = 1.0
+    round_scale: float = 1.0
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.table.max_k)
@@ -333,8 +341,9 @@ class AdaptivePolicy:
         plain = self.table.plain_cost(batch_size)
         if plain is None:
             return False
+        plain *= self.plain_scale
         per_token = self.table.arrival / self.output_len
-        rounds = min((self.table.cost(k, batch_size)
+        rounds = min((self.round_scale * self.table.cost(k, batch_size)
                       / (batch_size * expected_tokens(self.overall, k)) + per_token
                       for k in range(1, self.max_k + 1)), default=float("inf"))
         wins = plain / batch_size <= rounds * (1.0 + self.settings.margin)
@@ -347,6 +356,27 @@ class AdaptivePolicy:
         engine runs plain steps without asking `plain_wins`): unobserved, so the engine-wide
         estimate relaxes toward the prior and a later request drafts again."""
         self.overall = relax(self.overall, self._prior(), self.settings.plain_relax)
+
+    def served(self, batch_size: int, seconds: float, num_drafts: int | None) -> None:
+        """A step without prompt work took `seconds` in service: a plain-regime step
+        (`num_drafts` None) or one round of `num_drafts` over `batch_size` requests. Its ratio
+        to the table's price moves that regime's scale, which `plain_wins` applies. The
+        profile runs at start-up, on a few steps of one prompt; in service the same steps may
+        take otherwise (on an H200: plain batch-1 steps profiled 0.77 ms, served 0.66; rounds
+        1.46 ms and 1.31): the regimes' ratio errs by ~5%, all of a tie at batch 1. One ratio
+        counts within [2/3, 3/2]: a collection or a first capture does not swing the scale."""
+        if num_drafts is None:
+            priced = self.table.plain_cost(batch_size)
+        else:
+            priced = self.table.cost(min(num_drafts, self.table.max_k), batch_size)
+        if not priced or not seconds > 0:
+            return
+        ratio = min(1.5, max(2 / 3, seconds / priced))
+        a = self.settings.served_alpha
+        if num_drafts is None:
+            self.plain_scale = (1 - a) * self.plain_scale + a * ratio
+        else:
+            self.round_scale = (1 - a) * self.round_scale + a * ratio
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         own = self.per_request.get(req_id, self.overall)  # (before this round counts in it)

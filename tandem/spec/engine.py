@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 import torch
@@ -206,8 +207,13 @@ class SpecEngine(HandoffSide, LLMEngine):
     def step(self) -> list[RequestOutput]:
         spec_sched = self.spec_scheduler
         spec_sched.drop_unrunnable()
+        t0, steady = time.perf_counter(), spec_sched.steady()  # (the policy hears its time)
         if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):
-            return self.plain_step()
+            outputs = self.plain_step()
+            if steady:
+                spec_sched.served(len(self.scheduler.running), time.perf_counter() - t0, None)
+            return outputs
+        steady &= self._inflight is None
         outputs = self.leave_overlap()
         plan = self.scheduler.schedule(exclude=frozenset(spec_sched.seeds))
         if plan.chunks and all(spec_sched.is_plain(c.req_id) and len(c.token_ids) == 1
@@ -225,6 +231,9 @@ class SpecEngine(HandoffSide, LLMEngine):
             for rows, inp in rounds:  # a step's only round may draft the next one ahead
                 result, nxt = self._spec_round(inp, ahead=len(rounds) == 1)
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
+            if steady and not plan.chunks and len(rounds) == 1:
+                spec_sched.served(len(rounds[0][0]), time.perf_counter() - t0,
+                                  rounds[0][1].num_drafts)
         return outputs
 
     def plain_step(self) -> list[RequestOutput]:

@@ -93,6 +93,18 @@ class SpecScheduler:
             self.drop_seed(rid)
         return True
 
+    def steady(self) -> bool:
+        """Whether the step about to run does decode work only (no prompt queued or being
+        prefilled): the steps the cost table prices, whose served time `served` reports."""
+        s = self.scheduler
+        return not s.waiting and all(r.num_tokens - r.num_computed <= 1 for r in s.running)
+
+    def served(self, batch_size: int, seconds: float, num_drafts: int | None) -> None:
+        """Tell the policy what a steady step took (`AdaptivePolicy.served`)."""
+        told = getattr(self.policy, "served", None)
+        if told is not None and batch_size > 0:
+            told(batch_size, seconds, num_drafts)
+
     def drop_unrunnable(self) -> None:
         """Before a step, drop the seeds no round may use:
         - a preempted request lost its KV: it is prefilled again and gets a new seed;

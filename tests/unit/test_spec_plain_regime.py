@@ -103,6 +103,30 @@ def test_the_engine_wide_estimate_moves_slower_than_a_request_s():
         AdaptiveSettings(overall_alpha=1.5)
 
 
+def test_served_step_times_rescale_what_each_regime_costs():
+    """The start-up profile may price both regimes off what they take in service (on an
+    H200: plain batch-1 steps 0.77 ms profiled, 0.66 served; rounds 1.46 and 1.31). Served
+    steps rescale each regime's prices, so the choice follows what the steps take now; one
+    wild time (a collection, a first capture) barely moves a scale."""
+    # at 1 row: a k=3 round of 2.176 tokens in 1.3 s = 0.597 s a token (x 1.05: 0.627)
+    # against a 0.65 s plain step: rounds win, narrowly
+    pol = AdaptivePolicy(table=table((0.65, 3.0)), max_k=3)
+    assert not pol.plain_wins(1)
+    pol.served(1, 100.0, None)  # one wild time: the scale moves by alpha x 0.5 at most
+    assert pol.plain_scale == pytest.approx(1.0 + 0.02 * 0.5)
+    for _ in range(200):  # plain steps served at 0.5 s, not 0.65
+        pol.served(1, 0.5, None)
+    assert pol.plain_scale == pytest.approx(0.5 / 0.65, rel=0.02)
+    assert pol.plain_wins(1)
+    # rounds served slower than priced: the same turn from the other side
+    other = AdaptivePolicy(table=table((0.65, 3.0)), max_k=3)
+    for _ in range(200):
+        other.served(1, 1.3 * 1.2, 3)
+    assert other.round_scale == pytest.approx(1.2, rel=0.02) and other.plain_wins(1)
+    with pytest.raises(ValueError, match="served_alpha"):
+        AdaptiveSettings(served_alpha=2.0)
+
+
 def test_the_plain_cost_round_trips_and_is_checked():
     t = table((0.5, 3.0))
     assert StepCostTable.from_json(t.to_json()) == t
@@ -192,6 +216,44 @@ def test_greedy_equals_plain_across_regime_switches(bs, overlap):
     assert True in policy.asked and policy.unasked > 0
     want = reference(model, first + later + last, greedy(30))
     assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
+    assert_pages_free(eng)
+
+
+def test_the_engine_tells_the_policy_what_steady_steps_took():
+    """Each step without prompt work reports its time, its batch and its regime (k, or None
+    for a plain-regime step); a step that prefills reports nothing (the table prices
+    arrivals apart)."""
+    class Timed(ForcedRegime):
+        def __init__(self, regime):
+            super().__init__(regime)
+            self.served_steps: list[tuple[int, int | None, float]] = []
+
+        def served(self, batch_size, seconds, num_drafts):
+            self.served_steps.append((batch_size, num_drafts, seconds))
+
+    model = tiny_target("llama")
+    policy = Timed(REGIME)
+    eng = SpecEngine(engine_cfg(overlap_schedule=True), SPEC, model, tiny_head(model, "eagle"),
+                     policy=policy)
+    for p in prompts(2, seed=5):
+        eng.add_request(p, greedy(20))
+    arrived, arrivals = True, 0  # steps that prefill a prompt: the first, and step 8's
+    for step in itertools.count():
+        if not eng.has_unfinished():
+            break
+        if step == 8:  # the first two decode plain by now: it arrives in the plain regime
+            eng.add_request(prompts(1, seed=6)[0], greedy(20))
+            arrived = True
+        before = len(policy.served_steps)
+        eng.step()
+        added = policy.served_steps[before:]
+        assert len(added) <= 1 and not (arrived and added)
+        arrivals += arrived
+        arrived = False
+    kinds = {(b, k) for b, k, _ in policy.served_steps}
+    assert (2, 3) in kinds and (3, None) in kinds  # rounds of k = 3, then plain steps
+    assert arrivals == 2
+    assert all(sec > 0 for _, _, sec in policy.served_steps)
     assert_pages_free(eng)
 
 
