@@ -207,7 +207,10 @@ class SpecEngine(HandoffSide, LLMEngine):
     def step(self) -> list[RequestOutput]:
         spec_sched = self.spec_scheduler
         spec_sched.drop_unrunnable()
-        t0, steady = time.perf_counter(), spec_sched.steady()  # (the policy hears its time)
+        # The policy hears what steady steps take; not on a worker of several ranks, whose
+        # ranks must choose alike and would each time their own steps.
+        t0 = time.perf_counter()
+        steady = spec_sched.steady() and self.model.par.every_rank.size == 1
         if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):
             outputs = self.plain_step()
             if steady:

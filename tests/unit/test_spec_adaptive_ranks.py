@@ -3,7 +3,8 @@ steps together (collectives in each forward), so every rank must choose the same
 same regime each step -- from one cost table. The ranks profile together when any of them lacks
 a cached table (here rank 0 has one, rank 1 not: without the agreement rank 1 would profile
 alone and wait forever in its first collective) and take each cost's largest over ranks; the
-tables end equal, and greedy output equals one rank's."""
+tables end equal, and greedy output equals one rank's. Served step times (each rank's own)
+do not rescale the prices there."""
 
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ def _rank(rank: int, port: int, dirs, cache_root: str, out) -> None:
     eng = _engine(dirs, ParallelContext(tp=group, ep=group))
     got = eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert eng.allocator.num_free == eng.allocator.num_usable
-    out.put((rank, eng.spec_scheduler.policy.table.to_json(), [c.output_ids for c in got]))
+    pol = eng.spec_scheduler.policy  # served times are a rank's own: never heard here
+    assert pol.plain_scale == pol.round_scale == 1.0
+    out.put((rank, pol.table.to_json(), [c.output_ids for c in got]))
     dist.destroy_process_group()
 
 
