@@ -224,6 +224,17 @@ def plan_round(table: StepCostTable, estimates: Sequence[Sequence[float]], max_k
     return best
 
 
+def _scale(own: tuple[float, float], other: tuple[float, float]) -> float:
+    """A regime's served / priced: its EWMA (sum, weight), the missing weight taken at the
+    other regime's mean (else 1.0). A regime the engine does not run is never timed; much
+    of what sets the prices off (the profile's cold start, the host's drift) touches both
+    alike, so its scale follows the other's until it runs. (Otherwise rounds that served
+    faster than priced would look cheaper against a plain step priced high, and the plain
+    regime, never entered, would never correct it.)"""
+    fill = other[0] / other[1] if other[1] > 0 else 1.0
+    return own[0] + (1.0 - own[1]) * fill
+
+
 class KPolicy(Protocol):
     """What `SpecScheduler` asks of a policy (the adaptive one, or a test's forced one)."""
 
@@ -302,9 +313,10 @@ class AdaptivePolicy:
     overall: tuple[float, ...] = ()  # [max_k] engine-wide estimate
     per_request: dict[str, tuple[float, ...]] = field(default_factory=dict)  # req_id -> [max_k]
     output_len: float = 0.0  # running mean of finished requests' output tokens (0: the prior)
-    # Served over profiled seconds, per regime (`served`): the plain regime's steps and rounds
-    plain_scale: float = 1.0
-    round_scale: float = 1.0
+    # Served over profiled seconds (`served`), per regime -- the plain regime's steps, rounds --
+    # as EWMA sums: sum of weighted ratios, sum of weights (0: nothing served yet)
+    served_plain: tuple[float, float] = (0.0, 0.0)
+    served_rounds: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.table.max_k)
@@ -373,10 +385,22 @@ class AdaptivePolicy:
             return
         ratio = min(1.5, max(2 / 3, seconds / priced))
         a = self.settings.served_alpha
+        s, w = self.served_plain if num_drafts is None else self.served_rounds
+        moved = ((1 - a) * s + a * ratio, (1 - a) * w + a)
         if num_drafts is None:
-            self.plain_scale = (1 - a) * self.plain_scale + a * ratio
+            self.served_plain = moved
         else:
-            self.round_scale = (1 - a) * self.round_scale + a * ratio
+            self.served_rounds = moved
+
+    @property
+    def plain_scale(self) -> float:
+        """What plain-regime steps take over their price: their own served ratio, filled in
+        by the rounds' while little of it is served (`_scale`)."""
+        return _scale(self.served_plain, self.served_rounds)
+
+    @property
+    def round_scale(self) -> float:
+        return _scale(self.served_rounds, self.served_plain)
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         own = self.per_request.get(req_id, self.overall)  # (before this round counts in it)

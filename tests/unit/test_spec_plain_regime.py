@@ -114,15 +114,36 @@ def test_served_step_times_rescale_what_each_regime_costs():
     assert not pol.plain_wins(1)
     pol.served(1, 100.0, None)  # one wild time: the scale moves by alpha x 0.5 at most
     assert pol.plain_scale == pytest.approx(1.0 + 0.02 * 0.5)
-    for _ in range(200):  # plain steps served at 0.5 s, not 0.65
+    for _ in range(200):  # plain steps served at 0.5 s, not 0.65; rounds at their price
         pol.served(1, 0.5, None)
+        pol.served(1, 1.3, 3)
     assert pol.plain_scale == pytest.approx(0.5 / 0.65, rel=0.02)
+    assert pol.round_scale == pytest.approx(1.0, rel=0.02)
     assert pol.plain_wins(1)
-    # rounds served slower than priced: the same turn from the other side
+    # rounds served 20% over their price, plain steps at theirs: the same turn
     other = AdaptivePolicy(table=table((0.65, 3.0)), max_k=3)
     for _ in range(200):
         other.served(1, 1.3 * 1.2, 3)
+        other.served(1, 0.65, None)
     assert other.round_scale == pytest.approx(1.2, rel=0.02) and other.plain_wins(1)
+
+
+def test_a_regime_never_served_takes_the_other_s_scale():
+    """Rounds served 10% under their price say little of plain steps, which do not run:
+    the prices of both scale alike until plain steps are served too. Scaling rounds alone
+    would tilt every tie toward them, and the plain regime, never entered, would never
+    correct it (on an H200 the profile priced plain steps 16% over service, rounds 11%)."""
+    pol = AdaptivePolicy(table=table((0.62, 3.0)), max_k=3)
+    assert pol.plain_wins(1)  # 0.62 s a token plain; 1.3 / 2.176 x 1.05 = 0.627 by rounds
+    for _ in range(300):
+        pol.served(1, 1.3 * 0.9, 3)
+    assert pol.round_scale == pytest.approx(0.9, rel=0.01)
+    assert pol.plain_scale == pytest.approx(0.9, rel=0.01)
+    assert pol.plain_wins(1)  # the same tie, both sides 10% cheaper
+    for _ in range(300):  # plain steps served 20% under their price: now theirs
+        pol.served(1, 0.62 * 0.8, None)
+    assert pol.plain_scale == pytest.approx(0.8, rel=0.01)
+    assert pol.round_scale == pytest.approx(0.9, rel=0.01)
     with pytest.raises(ValueError, match="served_alpha"):
         AdaptiveSettings(served_alpha=2.0)
 
