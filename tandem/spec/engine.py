@@ -209,12 +209,12 @@ class SpecEngine(HandoffSide, LLMEngine):
         spec_sched.drop_unrunnable()
         # The policy hears what steady steps take; not on a worker of several ranks, whose
         # ranks must choose alike and would each time their own steps.
-        t0 = time.perf_counter()
+        t0, batch = time.perf_counter(), len(self.scheduler.running)
         steady = spec_sched.steady() and self.model.par.every_rank.size == 1
         if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):
             outputs = self.plain_step()
             if steady:
-                spec_sched.served(len(self.scheduler.running), time.perf_counter() - t0, None)
+                spec_sched.served(batch, time.perf_counter() - t0, None)
             return outputs
         steady &= self._inflight is None
         outputs = self.leave_overlap()
