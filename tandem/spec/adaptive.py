@@ -244,8 +244,8 @@ class KPolicy(Protocol):
 
     def forget(self, req_id: str) -> None: ...
 
-    # A policy may also offer `plain_wins(batch_size) -> bool` (AdaptivePolicy does): whether
-    # plain engine steps beat every round at that batch size. `SpecScheduler.plain_regime`
+    # A policy may also offer `plain_wins(batch_size, req_ids) -> bool` (AdaptivePolicy
+    # does): whether plain engine steps beat every round at that batch size. `SpecScheduler.plain_regime`
     # asks it; a policy without it never runs the plain regime. And `plain_step() -> None`,
     # told of each plain-regime step the scheduler runs without asking, and `served(
     # batch_size, seconds, num_drafts | None) -> None`, told what each step without prompt
@@ -340,9 +340,10 @@ class AdaptivePolicy:
             self.overall = relax(self.overall, self._prior(), rate)
         return plan
 
-    def plain_wins(self, batch_size: int) -> bool:
+    def plain_wins(self, batch_size: int, req_ids: Sequence[str] = ()) -> bool:
         """Whether `batch_size` requests decode faster as plain engine steps (no draft model,
-        overlapped where the engine can) than by the best round at the engine-wide estimate.
+        overlapped where the engine can) than by the best round at the engine-wide estimate,
+        or than by the k = 0 round the requests `req_ids` would run by their own estimates.
         Asked once per step while it holds (the plain regime, `SpecEngine.step`), which is
         also an unobserved step: the estimate relaxes toward the prior, so the engine tries
         speculation again after a while and measures it afresh."""
@@ -359,6 +360,15 @@ class AdaptivePolicy:
                       / (batch_size * expected_tokens(self.overall, k)) + per_token
                       for k in range(1, self.max_k + 1)), default=float("inf"))
         wins = plain / batch_size <= rounds * (1.0 + self.settings.margin)
+        if not wins and req_ids:
+            # The requests' own estimates (`req_ids`, the engine-wide one for a request not
+            # seen yet) may have no row draft: the step would be a k = 0 round, which still
+            # draft-extends and reads the host before the next launch -- dearer than a plain
+            # step (H200, batch 1: 1.01 ms against 0.77), and served as the c=1 steps of a
+            # request whose drafts had failed.
+            ests = [self.per_request.get(r, self.overall) for r in req_ids[:batch_size]]
+            idle = plan_round(self.table, ests, self.max_k).num_drafts == 0
+            wins = idle and plain <= self.round_scale * self.table.cost(0, batch_size)
         if wins:
             self.plain_step()
         return wins

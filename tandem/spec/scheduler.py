@@ -86,7 +86,7 @@ class SpecScheduler:
             step = getattr(self.policy, "plain_step", None)
             if step is not None:  # but a plain step all the same
                 step()
-        elif not wins(min(len(held), self.scheduler.max_num_seqs)):
+        elif not wins(min(len(held), self.scheduler.max_num_seqs), tuple(held)):
             return False
         for rid in held - self._plain:  # new since the last step: plain too
             self._plain.add(rid)

@@ -60,6 +60,24 @@ def test_plain_wins_where_a_plain_step_beats_the_best_round():
     assert not AdaptivePolicy(table=table(()), max_k=3).plain_wins(64)
 
 
+def test_a_request_whose_own_drafts_fail_turns_plain_not_to_k0_rounds():
+    """Where a request's own estimate has no row draft, its step would be a k = 0 round (a
+    draft-extend and a host read before the next launch): a plain step costs less, so the
+    regime turns plain even while the engine-wide estimate still favours rounds."""
+    pol = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3)
+    assert not pol.plain_wins(1, ["a"])  # prior 0.6: rounds pay
+    for _ in range(30):  # a's drafts never land: its own p_1 0.03, the engine-wide 0.33
+        pol.observe("a", 3, 0)
+    assert pol.plan(["a"], True).num_drafts == 0
+    assert not pol.plain_wins(1)  # the engine-wide estimate: rounds still pay
+    assert pol.plain_wins(1, ["a"])  # a's own: a k = 0 round (1.0 s) against 0.9 s plain
+    # where a plain step would cost more than the k = 0 round, the round stays
+    dear = AdaptivePolicy(table=table((1.05, 3.0)), max_k=3)
+    for _ in range(30):
+        dear.observe("a", 3, 0)
+    assert not dear.plain_wins(1, ["a"])
+
+
 def test_the_plain_regime_relaxes_the_estimate_toward_the_prior_slowly():
     pol = AdaptivePolicy(table=table((0.7, 3.0)), max_k=3,
                          settings=AdaptiveSettings(plain_relax=0.01))
@@ -175,8 +193,8 @@ class ForcedRegime:
     def plain_step(self) -> None:
         self.unasked += 1
 
-    def plain_wins(self, batch_size: int) -> bool:
-        assert batch_size >= 1
+    def plain_wins(self, batch_size: int, req_ids=()) -> bool:
+        assert 1 <= batch_size <= len(req_ids)  # the requests held, whose estimates count
         self.asked.append(next(self.regime))
         return self.asked[-1]
 
