@@ -78,7 +78,11 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     ttft, decode = [], []
-    steps: list[tuple[float, int, bool]] = []  # (seconds, requests held, a prompt arrived)
+    # (seconds, requests held, a prompt arrived, kind: "plain" for the plain engine or the
+    # plain regime, "round" where drafts were verified, "k0" for a speculative step that
+    # verified none -- a k = 0 round)
+    steps: list[tuple[float, int, bool, str]] = []
+    spec = isinstance(eng, SpecEngine)
     t0 = time.perf_counter()
     while waiting or running:
         arrived = False
@@ -88,9 +92,16 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
             running[rid], toks[rid], added[rid] = i, [], time.perf_counter()
             arrived = True
         held = len(eng.scheduler.requests)
+        rounds = eng.spec_stats.num_rounds if spec else 0
         s0 = time.perf_counter()
         outputs = eng.step()
-        steps.append((time.perf_counter() - s0, held, arrived))
+        took = time.perf_counter() - s0
+        kind = "plain"
+        if spec and eng.spec_stats.num_rounds > rounds:
+            kind = "round"
+        elif spec and not any(eng.spec_scheduler.is_plain(r) for r in eng.scheduler.requests):
+            kind = "k0"
+        steps.append((took, held, arrived, kind))
         for o in outputs:
             if o.req_id in running:
                 now = time.perf_counter()
@@ -107,9 +118,10 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
     return outs, time.perf_counter() - t0, times
 
 
-def step_summary(steps: list[tuple[float, int, bool]]) -> dict:
+def step_summary(steps: list[tuple[float, int, bool, str]]) -> dict:
     """Where a closed loop's time went: its steps, those right after a prompt arrived (whose
-    step prefills it) and the others, each with count, mean ms and mean requests held."""
+    step prefills it) and the others, each with count, mean ms and mean requests held; the
+    others also by kind (plain, round, k0: see `closed_loop`)."""
     def part(rows) -> dict:
         rows = list(rows)
         n = len(rows)
@@ -117,8 +129,11 @@ def step_summary(steps: list[tuple[float, int, bool]]) -> dict:
                 "total_s": sum(r[0] for r in rows),
                 "mean_held": sum(r[1] for r in rows) / n if n else 0.0}
 
+    other = [r for r in steps if not r[2]]
     return {"all": part(steps), "arrival": part(r for r in steps if r[2]),
-            "other": part(r for r in steps if not r[2])}
+            "other": part(other),
+            "other_by_kind": {k: part(r for r in other if r[3] == k)
+                              for k in sorted({r[3] for r in other})}}
 
 
 class GcMeter:
@@ -338,8 +353,12 @@ def main() -> None:
         print(f"{name:<9} {b1} " + " ".join(cells))
     def steps_cell(st: dict) -> str:
         a, o = st["arrival"], st["other"]
+        kinds = "".join(f" {k} {v['steps']}x{v['mean_ms']:.2f}"
+                        for k, v in st.get("other_by_kind", {}).items()) if len(
+            st.get("other_by_kind", {})) > 1 else ""
         return (f"{a['steps']}x{a['mean_ms']:.2f}ms@{a['mean_held']:.1f} | "
-                f"{o['steps']}x{o['mean_ms']:.2f}ms@{o['mean_held']:.1f}")
+                f"{o['steps']}x{o['mean_ms']:.2f}ms@{o['mean_held']:.1f}" + (
+                    f" ({kinds.strip()})" if kinds else ""))
 
     print("steps per level (after a prompt arrived | the others: count x mean ms @ requests "
           "held):")
