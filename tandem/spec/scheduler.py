@@ -95,9 +95,11 @@ class SpecScheduler:
 
     def steady(self) -> bool:
         """Whether the step about to run does decode work only (no prompt queued or being
-        prefilled): the steps the cost table prices, whose served time `served` reports."""
+        prefilled): the steps the cost table prices, whose served time `served` reports.
+        False without a policy that hears it (no walk over the batch on every step)."""
         s = self.scheduler
-        return not s.waiting and all(r.num_tokens - r.num_computed <= 1 for r in s.running)
+        return (getattr(self.policy, "served", None) is not None and not s.waiting
+                and all(r.num_tokens - r.num_computed <= 1 for r in s.running))
 
     def served(self, batch_size: int, seconds: float, num_drafts: int | None) -> None:
         """Tell the policy what a steady step took (`AdaptivePolicy.served`)."""
