@@ -5,14 +5,17 @@
 #   PHASE=r0     copy the GGUF's first 22 MB to /tmp/gc and unpack FlashInfer (carry
 #                .devbundle-fi .gpucache/r0)
 #   PHASE=r1     copy its next 38 MB (carry .gpucache/r1)
+#   PHASE=import join the GGUF and import it (carry .gpucache/r2 .gpucache/py; md5 checked);
+#                PHASE=gen does the same first when it has not been done
 #   PHASE=gen    join the GGUF (carry .gpucache/r2 .gpucache/py; md5 checked), import it,
 #                and let the target answer NUM_PROMPTS prompts less those EXTRA answered
 #                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train);
 #                SELF_PROMPTS=N: also N prompts the target writes itself (--self-prompts)
 #   PHASE=train  train the head (resumable from ckpt.pt; run again to go on; the head is written
-#                only at the end, so size the data to the call: session 20 on an H200 took
-#                ~0.57 s a step alone and ~1 s each with three side by side, against 0.11 s
-#                in session 8 -- train_log.jsonl now says where a step's time goes), on this run's
+#                only at the end: TRAIN_SECONDS=S bounds the loop, which then plans its steps
+#                after the first 20 and ends its schedule in time; session 20 on an H200 took
+#                ~0.57 s a step on the long answers of benchmarks/data, against 0.11 s in
+#                session 8 on short ones; train_log.jsonl says where a step's time goes), on this run's
 #                answers plus EXTRA (earlier answers, e.g.
 #                "benchmarks/data/smollm2-answers-a.jsonl.gz
 #                benchmarks/data/smollm2-answers-b.jsonl.gz")
@@ -46,13 +49,13 @@ TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${M
   --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress ${INIT:+--init-head $INIT}
   ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SOFT:+--soft-labels}
   ${FEAT:+--feature-weight $FEAT} ${LAYERS:+--num-layers $LAYERS}
-  ${STYLE:+--self-prompt-style $STYLE}"
+  ${STYLE:+--self-prompt-style $STYLE} ${TRAIN_SECONDS:+--max-train-seconds $TRAIN_SECONDS}"
 # Earlier answers: trained on next to this run's, and their prompts are not answered again.
 EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
 # VOCAB: answer files counted for the draft vocabulary only (--vocab-samples).
 for e in ${VOCAB:-}; do EXTRA_ARGS="$EXTRA_ARGS --vocab-samples $e"; done
-case "${PHASE:?set PHASE to r0, r1, gen, train or eval}" in
+case "${PHASE:?set PHASE to r0, r1, import, gen, train or eval}" in
 r0)
   source benchmarks/gpu_env.sh
   cp .gpucache/r0 /tmp/gc/
@@ -61,7 +64,7 @@ r0)
 r1)
   cp .gpucache/r1 /tmp/gc/
   ;;
-gen)
+import|gen)
   if [ ! -d /tmp/gc/smollm2 ]; then
     mkdir -p /tmp/gc/py && cp -r .gpucache/py/. /tmp/gc/py/  # later calls need not carry it
     cat /tmp/gc/r0 /tmp/gc/r1 .gpucache/r2 > /tmp/gc/smollm2.gguf
@@ -72,6 +75,7 @@ from pathlib import Path
 from tandem.engine.model_import import import_gguf
 import_gguf(Path('/tmp/gc/smollm2.gguf'), Path('/tmp/gc/smollm2'))"
   fi
+  if [ "$PHASE" = import ]; then exit 0; fi
   # Continuous batching over 1024 running requests; answers are appended per chunk.
   timeout "${GEN_TIMEOUT:-540}" python3 -m tandem.cli train-eagle $TRAIN_ARGS $ENGINE $EXTRA_ARGS \
     --generate-only --gen-batch-size ${GEN_BATCH:-256} --max-num-seqs ${GEN_BATCH:-256} --kv-cache-mib 16000 \
@@ -86,6 +90,14 @@ train)
     --max-num-seqs 256 --kv-cache-mib 16000 --max-num-batched-tokens 16384 \
     || echo "training stopped (run PHASE=train again to go on)"
   tail -n 3 $WORK/train_log.jsonl || true
+  # The head and its log come back (files at most 16 MiB each: the weights in parts).
+  if [ -f $WORK/head/model.safetensors ]; then
+    TOUT="$OUT/${NAME:-$KIND}"
+    mkdir -p "$TOUT"
+    cp $WORK/head/config.json "$TOUT/head_config.json"
+    cp $WORK/train_log.jsonl "$TOUT/"
+    split -b 10000000 -d $WORK/head/model.safetensors "$TOUT/head.part_"
+  fi
   ;;
 eval)
   # bf16 on the GPU is a quick look; the README's numbers are float32 on the CPU (eval-eagle).

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -163,12 +165,24 @@ def run(args: argparse.Namespace) -> int:
               f"{', token auth' if server_cfg.auth_token else ''}){_http_line(fronts)}{tracing}. "
               "Ctrl-C stops.", flush=True)
 
-    try:
+    if tp is None:
         return _serve(router, server_cfg, ready, fronts)
+    rc = 1
+    try:
+        rc = _serve(router, server_cfg, ready, fronts)
     finally:
-        if tp is not None:
-            router.dispatcher.stop_loops()  # no step after this
-            tp.close()
+        router.dispatcher.stop_loops()  # no step after this
+        if not tp.close():  # a rank died: end here, before any finaliser meets its group
+            _exit_now(rc)
+    return rc
+
+
+def _exit_now(rc: int) -> None:
+    """End the process with `rc` at once, flushing the logs and standard streams first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _serve_disaggregated(args: argparse.Namespace, server_cfg: ServerConfig,

@@ -64,6 +64,11 @@ def add_parser(subparsers) -> None:
                    help="open: user turns started empty or with one opening word (long, varied "
                         "requests); short: started with a question phrase ('What is', 'How "
                         "does', ...) and kept under 120 characters. Default: %(default)s")
+    p.add_argument("--max-train-seconds", type=float, default=None, metavar="S",
+                   help="Bound the training loop to about S seconds: after 20 steps the run "
+                        "plans the steps it can afford (at most --epochs' worth) and ends its "
+                        "learning-rate schedule there, so the head is written in time. "
+                        "Default: no bound")
     p.add_argument("--generate-only", action="store_true",
                    help="Only let the target answer the prompts (resumable), then stop")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
@@ -76,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.engine import LLMEngine
-    from tandem.spec.train import TrainConfig, answer_prompts, train
+    from tandem.spec.train import TrainConfig, train
+    from tandem.spec.train_answers import answer_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         init_head=args.init_head, self_prompts=args.self_prompts,
         soft_labels=args.soft_labels, feature_weight=args.feature_weight,
         num_layers=args.num_layers, self_prompt_style=args.self_prompt_style,
-        vocab_samples=tuple(args.vocab_samples),
+        vocab_samples=tuple(args.vocab_samples), max_seconds=args.max_train_seconds,
     )
     engine = LLMEngine.from_config(engine_config_from_args(args))
     if engine.tokenizer is None:

@@ -70,6 +70,7 @@ class LockstepEngine:
         self._lock = threading.Lock()  # guards _calls, _closed and the broadcast order
         self._calls: list[AddRequest | Abort] = []
         self._closed = False
+        self.broken = False  # a tick failed: a rank died, the group cannot be torn down
         self._last = time.monotonic()  # when the last tick went out
         self._heartbeat_s = heartbeat_s
         self._stop_beat = threading.Event()
@@ -116,7 +117,11 @@ class LockstepEngine:
     def _send(self, step: bool, stop: bool = False) -> None:
         # under _lock
         calls, self._calls = tuple(self._calls), []
-        self._sync.broadcast(Tick(calls, step, stop))
+        try:
+            self._sync.broadcast(Tick(calls, step, stop))
+        except BaseException:
+            self.broken = True
+            raise
         self._last = time.monotonic()
 
     def _heartbeat(self) -> None:

@@ -63,15 +63,23 @@ class TPEngine:
     engine: LockstepEngine
     procs: list
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """After the loop driving `engine` stopped: release the followers, wait for them."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """After the loop driving `engine` stopped: release the followers, wait for them, leave
+        the process group. Returns False where a rank died: the group is then left as it is,
+        since tearing down a gloo group whose peer is gone can abort the process
+        (std::terminate from its threads), and the caller should end the process with
+        `os._exit` so that no finaliser tears it down either."""
         self.engine.close()
         for p in self.procs:
             p.join(timeout_s)
             if p.is_alive():
                 log.warning("tp rank process %d did not stop; killing it", p.pid)
                 p.kill()
+        if self.engine.broken:
+            log.warning("a TP rank died: its process group is not torn down")
+            return False
         leave_group()
+        return True
 
 
 def launch(engine_cfg: EngineConfig, spec: SpecConfig | None, tp: int) -> TPEngine:

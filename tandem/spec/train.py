@@ -27,75 +27,15 @@ import torch
 
 from tandem.engine import ForwardBatch, LLMEngine, SeqSlice, build_metadata
 from tandem.spec.head import EagleHead
-from tandem.spec.head_config import (DraftHeadConfig, DraftHeadError, HeadKind, detect_kind,
+from tandem.spec.head_config import (DraftHeadConfig, DraftHeadError, detect_kind,
                                      read_head_checkpoint)
-from tandem.spec.train_data import (Sample, SelfPromptConfig, build_prompts, generate_samples,
-                                     read_samples, self_prompts, unanswered)
+from tandem.spec.train_answers import answer_prompts, extra_samples, read_all
+from tandem.spec.train_config import TrainConfig
+from tandem.spec.train_data import Sample, read_samples
 from tandem.spec.ttt import target_log_probs, ttt_forward, ttt_loss
 from tandem.spec.vocab import frequent_tokens, restrict_head_vocab
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainConfig:
-    out_dir: str
-    kind: HeadKind = "eagle3"
-    draft_vocab_size: int = 8192
-    num_prompts: int = 2000
-    max_new_tokens: int = 256
-    gen_batch_size: int = 32
-    max_seq_len: int = 512
-    batch_size: int = 8
-    epochs: int = 2
-    lr: float = 5e-4
-    warmup_steps: int = 50
-    ttt_steps: int = 3
-    save_every: int = 100
-    seed: int = 0
-    # Sample files answered earlier (e.g. by another prompt set), trained on next to this
-    # run's own answers; never regenerated.
-    extra_samples: tuple[str, ...] = ()
-    # A trained head directory (same kind and shape) to start from instead of a random init,
-    # e.g. to train the shipped head further on more data or epochs; None: random init.
-    init_head: str | None = None
-    # Prompts the target writes itself (train_data.self_prompts), answered next to the built
-    # ones: the most varied chat the machine can offer. 0: none.
-    self_prompts: int = 0
-    # Train against the target's whole next-token distribution (EAGLE's loss) instead of its
-    # greedy token alone.
-    soft_labels: bool = False
-    # More answered samples whose tokens count toward the draft vocabulary only (not trained
-    # on): a stage trained on a narrow set keeps the vocabulary of every set the head serves.
-    vocab_samples: tuple[str, ...] = ()
-    # Style of the self-written prompts (train_data.SelfPromptConfig): "open" or "short".
-    self_prompt_style: str = "open"
-    # EAGLE-1/2 heads: weight of the smooth-L1 term between each step's hidden and the
-    # target's next feature (EAGLE-1 trains with both); 0: token loss alone.
-    feature_weight: float = 0.0
-    # Decoder layers of an EAGLE-1/2 head. Starting from a head with fewer (--init-head), the
-    # new layers copy its last layer with their output projections zeroed: the grown head
-    # computes exactly what the old one did, and training goes on from there.
-    num_layers: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "batch_size", "epochs", "ttt_steps",
-                     "draft_vocab_size", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.kind not in ("eagle", "eagle3"):
-            raise ValueError(f"kind: '{self.kind}' is not one of eagle, eagle3")
-        if self.num_layers < 1 or (self.kind == "eagle3" and self.num_layers != 1):
-            raise ValueError(f"num_layers: {self.num_layers} is not supported for a {self.kind} "
-                             f"head (EAGLE-1/2: 1 or more; EAGLE-3: 1)")
-        if self.feature_weight < 0:
-            raise ValueError(f"feature_weight: must be >= 0, got {self.feature_weight}")
-        if self.feature_weight > 0 and self.kind != "eagle":
-            raise ValueError("feature_weight: only an EAGLE-1/2 head's hidden is a target "
-                             "feature; an EAGLE-3 head trains on tokens alone")
-        SelfPromptConfig.of_style(self.self_prompt_style)  # checks the style's name
-        if self.self_prompts < 0:
-            raise ValueError(f"self_prompts: must be >= 0, got {self.self_prompts}")
 
 
 def init_head(engine: LLMEngine, cfg: TrainConfig, vocab_ids: torch.Tensor | None) -> EagleHead:
@@ -244,6 +184,15 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
 
 
 _LOG_EVERY = 25  # steps between lines of train_log.jsonl
+_PLAN_AFTER = 20  # steps timed before a run with max_seconds plans its length
+
+
+def planned_steps(total: int, step: int, elapsed_s: float, steps_done: int,
+                  max_seconds: float) -> int:
+    """The steps a run can afford: `total` at most, `step` at least (already taken), at the
+    pace of its last `steps_done` steps (`elapsed_s` seconds since the loop started)."""
+    pace = elapsed_s / max(steps_done, 1)
+    return max(step, min(total, step + int((max_seconds - elapsed_s) / pace)))
 
 
 def _clock(device: torch.device, sync: bool) -> float:
@@ -265,71 +214,19 @@ def export_head(head: EagleHead, out_dir: Path, meta: dict) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def extra_samples(cfg: TrainConfig) -> list[Sample]:
-    """The samples of `cfg.extra_samples` (answered earlier, e.g. by another prompt set)."""
-    return _read_all(cfg.extra_samples, "extra_samples")
-
-
-def _read_all(files: tuple[str, ...], field: str) -> list[Sample]:
-    for f in files:
-        if not Path(f).is_file():
-            raise FileNotFoundError(f"{field}: {f} does not exist")
-    return [s for f in files for s in read_samples(Path(f))]
-
-
-def answer_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True,
-                   earlier: list[Sample] | None = None) -> Path:
-    """Step 1 alone: the target answers `num_prompts` prompts (resumable), less those the
-    extra sample files (`earlier`, read here when not given) answered already (same ids).
-    Returns the file."""
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data_path = out / "samples.jsonl"
-    prompts = build_prompts(cfg.num_prompts, cfg.seed) + written_prompts(engine, cfg, progress)
-    earlier = extra_samples(cfg) if earlier is None else earlier
-    if earlier:
-        prompts = unanswered(engine.tokenizer, prompts, earlier)
-        log.info("%d prompts not answered in --extra-samples", len(prompts))
-    for _ in generate_samples(engine, prompts, data_path, cfg.max_new_tokens,
-                              cfg.gen_batch_size, progress):
-        pass
-    return data_path
-
-
-def written_prompts(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> list[str]:
-    """`cfg.self_prompts` prompts the target wrote itself, kept in OUT/self_prompts.jsonl
-    (resumable: a run that stopped goes on from the prompts already kept)."""
-    if cfg.self_prompts == 0:
-        return []
-    path = Path(cfg.out_dir) / "self_prompts.jsonl"
-    kept = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    if len(kept) >= cfg.self_prompts:
-        return kept[: cfg.self_prompts]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.self_prompts, initial=len(kept), unit="prompt", desc="self-prompts")
-    # A resumed run draws from another seed: the prompts already kept are not drawn again.
-    seed = cfg.seed * 7919 + len(kept)
-    known = set(kept)
-    for batch in self_prompts(engine, cfg.self_prompts - len(kept), seed,
-                              SelfPromptConfig.of_style(cfg.self_prompt_style),
-                              batch_size=max(cfg.gen_batch_size, 64)):
-        batch = [p for p in batch if p not in known]
-        known.update(batch)
-        with path.open("a") as f:
-            f.writelines(json.dumps(p) + "\n" for p in batch)
-        kept += batch
-        if bar is not None:
-            bar.update(len(batch))
-    if bar is not None:
-        bar.close()
-    log.info("%d self-written prompts in %s", len(kept), path)
-    return kept
-
-
 def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
+    """Answer the prompts (resumable), train the head on them and write it. Returns the
+    head's directory. On CUDA the head's float32 matmuls run as TF32 (the target's forward
+    is in its own dtype): full-vocabulary logits in float32 dominate a step otherwise."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return _train(engine, cfg, progress)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _train(engine: LLMEngine, cfg: TrainConfig, progress: bool) -> Path:
     out = Path(cfg.out_dir)
     earlier = extra_samples(cfg)
     data_path = answer_prompts(engine, cfg, progress, earlier)
@@ -337,7 +234,7 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
     samples = [s for s in samples if len(s.answer_ids) >= 2]
     log.info("training on %d samples (%d answer tokens)", len(samples),
              sum(len(s.answer_ids) for s in samples))
-    vocab_from = samples + _read_all(cfg.vocab_samples, "vocab_samples")
+    vocab_from = samples + read_all(cfg.vocab_samples, "vocab_samples")
     vocab_ids = (frequent_tokens(vocab_from, cfg.draft_vocab_size, engine.model_cfg.vocab_size)
                  if cfg.kind == "eagle3" else None)
     head = init_head(engine, cfg, vocab_ids)
@@ -367,15 +264,16 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
 
         bar = tqdm(total=total_steps, initial=step, unit="step", desc="train-eagle")
     started = window = time.perf_counter()
-    num_tokens = 0
+    num_tokens, first, order_epoch, order = 0, step, -1, []
     while step < total_steps:
         # The steps that log also time their parts (synchronised on CUDA): where a step's time
         # goes, the target's forward or the head's training.
         timed = (step + 1) % _LOG_EVERY == 0 or step + 1 == total_steps
         t0 = _clock(engine.device, timed)
         epoch, idx = divmod(step, steps_per_epoch)
-        order = list(range(len(samples)))
-        random.Random(cfg.seed + epoch).shuffle(order)
+        if epoch != order_epoch:
+            order_epoch, order = epoch, list(range(len(samples)))
+            random.Random(cfg.seed + epoch).shuffle(order)
         batch = [samples[i] for i in order[idx * cfg.batch_size : (idx + 1) * cfg.batch_size]]
         tb = target_batch(engine, batch, head, cfg.max_seq_len)
         t1 = _clock(engine.device, timed)
@@ -398,6 +296,14 @@ def train(engine: LLMEngine, cfg: TrainConfig, progress: bool = True) -> Path:
         opt.step()
         step += 1
         num_tokens += int(tb.mask.sum())
+        if cfg.max_seconds is not None and step - first == _PLAN_AFTER:
+            elapsed = _clock(engine.device, True) - started
+            total_steps = planned_steps(total_steps, step, elapsed, step - first,
+                                        cfg.max_seconds)
+            log.info("%.2f s a step: training %d steps in all (max_seconds %.0f)",
+                     elapsed / (step - first), total_steps, cfg.max_seconds)
+            if bar is not None:
+                bar.total = total_steps
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=",".join(f"{a:.2f}" for a in accs))

@@ -172,3 +172,42 @@ def test_each_local_rank_takes_its_own_gpu():
     assert rank_config(cpu, 1) is cpu
     for device in ("cuda", "cuda:0"):
         assert rank_config(EngineConfig(model="x", device=device), 2).device == "cuda:2"
+
+
+def test_a_dead_rank_leaves_the_group_untouched(monkeypatch):
+    """A tick that fails (a rank died) marks the engine broken; closing then skips the group's
+    teardown, which can abort the process on a gloo group whose peer is gone, and says so."""
+    from tandem.colocated_node import tp_processes
+    from tandem.colocated_node.lockstep import LockstepEngine
+
+    class DeadPeer:
+        rank, size = 0, 2
+
+        def broadcast(self, obj):
+            raise RuntimeError("Connection reset by peer")
+
+    left = []
+    monkeypatch.setattr(tp_processes, "leave_group", lambda: left.append(True))
+    front = LockstepEngine(object(), DeadPeer(), heartbeat_s=60)
+    with pytest.raises(RuntimeError, match="reset"):
+        front.step()
+    assert front.broken
+    assert tp_processes.TPEngine(engine=front, procs=[]).close() is False
+    assert left == []
+
+
+def test_a_clean_close_leaves_the_group(monkeypatch):
+    from tandem.colocated_node import tp_processes
+    from tandem.colocated_node.lockstep import LockstepEngine
+
+    class Peer:
+        rank, size = 0, 2
+
+        def broadcast(self, obj):
+            pass
+
+    left = []
+    monkeypatch.setattr(tp_processes, "leave_group", lambda: left.append(True))
+    front = LockstepEngine(object(), Peer(), heartbeat_s=60)
+    assert tp_processes.TPEngine(engine=front, procs=[]).close() is True
+    assert not front.broken and left == [True]

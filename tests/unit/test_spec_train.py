@@ -115,7 +115,7 @@ def test_self_written_prompts_are_user_turns_kept_filtered_and_resumable(smollm2
     """--self-prompts: the target, given the chat template up to a user turn's text, writes
     prompts; only those it ended itself (end of turn) and that pass `keep_self_prompt` are kept,
     distinct, in OUT/self_prompts.jsonl, and a second run reuses them instead of sampling."""
-    from tandem.spec.train import written_prompts
+    from tandem.spec.train_answers import written_prompts
     from tandem.spec.train_data import _user_turn_prefix, keep_self_prompt
 
     torch.set_num_threads(1)
@@ -159,7 +159,7 @@ def test_target_batch_scores_each_label_with_the_targets_own_distribution(smollm
                                              num_pages=256, max_num_batched_tokens=512))
     cfg = TrainConfig(out_dir=str(tmp_path), kind="eagle", num_prompts=3, max_new_tokens=8,
                       gen_batch_size=3)
-    from tandem.spec.train import answer_prompts
+    from tandem.spec.train_answers import answer_prompts
 
     samples = read_samples(answer_prompts(eng, cfg, progress=False))
     head = init_head(eng, cfg, None)
@@ -236,3 +236,31 @@ def test_vocab_samples_count_toward_the_draft_vocabulary_only(smollm2_dir, tmp_p
         train(eng, TrainConfig(out_dir=str(tmp_path / "b"),
                                vocab_samples=(str(tmp_path / "nope.jsonl"),), **base),
               progress=False)
+
+
+def test_planned_steps_fit_the_budget_at_the_measured_pace():
+    from tandem.spec.train import planned_steps
+
+    # 20 steps in 10 s (0.5 s each), 100 s allowed: 90 s left buy 180 more steps.
+    assert planned_steps(1000, 20, 10.0, 20, 100.0) == 200
+    assert planned_steps(150, 20, 10.0, 20, 100.0) == 150  # never past the epochs' steps
+    assert planned_steps(1000, 20, 120.0, 20, 100.0) == 20  # over budget: stop where it is
+
+
+def test_max_seconds_ends_the_schedule_early_and_writes_the_head(smollm2_dir, tmp_path,
+                                                                  monkeypatch):
+    """With a budget the first steps cannot beat, the run plans no more steps than it took,
+    ends there and still writes the head (its meta says how many steps it took)."""
+    from tandem.spec import train as train_mod
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(train_mod, "_PLAN_AFTER", 1)
+    eng = LLMEngine.from_config(EngineConfig(model=str(smollm2_dir), dtype="float32",
+                                             num_pages=256, max_num_batched_tokens=512))
+    cfg = TrainConfig(out_dir=str(tmp_path), kind="eagle", draft_vocab_size=512, num_prompts=3,
+                      max_new_tokens=4, gen_batch_size=3, max_seq_len=64, batch_size=1,
+                      epochs=1, save_every=100, max_seconds=1e-6)
+    head_dir = train(eng, cfg, progress=False)
+    assert json.loads((head_dir / "config.json").read_text())["tandem_training"]["steps"] == 1
+    with pytest.raises(ValueError, match="max_seconds"):
+        TrainConfig(out_dir=str(tmp_path), max_seconds=0)
