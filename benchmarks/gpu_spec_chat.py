@@ -130,10 +130,15 @@ def step_summary(steps: list[tuple[float, int, bool, str]]) -> dict:
                 "mean_held": sum(r[1] for r in rows) / n if n else 0.0}
 
     other = [r for r in steps if not r[2]]
-    return {"all": part(steps), "arrival": part(r for r in steps if r[2]),
+    arrival = [r for r in steps if r[2]]
+    # Arrivals by kind too: "plain" is a prompt step of the plain engine or regime, "round" or
+    # "k0" the speculative prompt step (target and draft prefill), the dearer one.
+    return {"all": part(steps), "arrival": part(arrival),
             "other": part(other),
             "other_by_kind": {k: part(r for r in other if r[3] == k)
-                              for k in sorted({r[3] for r in other})}}
+                              for k in sorted({r[3] for r in other})},
+            "arrival_by_kind": {k: part(r for r in arrival if r[3] == k)
+                                for k in sorted({r[3] for r in arrival})}}
 
 
 class GcMeter:
@@ -351,14 +356,17 @@ def main() -> None:
                 cell += f" {summary[name][f'c{c}']['tokens_per_s_ratio']:.2f}x"
             cells.append(f"{cell:>12}")
         print(f"{name:<9} {b1} " + " ".join(cells))
+    def by_kind(st: dict, key: str) -> str:
+        kinds = st.get(key, {})
+        text = " ".join(f"{k} {v['steps']}x{v['mean_ms']:.2f}" for k, v in kinds.items())
+        return f" ({text})" if len(kinds) > 1 else ""
+
     def steps_cell(st: dict) -> str:
         a, o = st["arrival"], st["other"]
-        kinds = "".join(f" {k} {v['steps']}x{v['mean_ms']:.2f}"
-                        for k, v in st.get("other_by_kind", {}).items()) if len(
-            st.get("other_by_kind", {})) > 1 else ""
-        return (f"{a['steps']}x{a['mean_ms']:.2f}ms@{a['mean_held']:.1f} | "
-                f"{o['steps']}x{o['mean_ms']:.2f}ms@{o['mean_held']:.1f}" + (
-                    f" ({kinds.strip()})" if kinds else ""))
+        return (f"{a['steps']}x{a['mean_ms']:.2f}ms@{a['mean_held']:.1f}"
+                f"{by_kind(st, 'arrival_by_kind')} | "
+                f"{o['steps']}x{o['mean_ms']:.2f}ms@{o['mean_held']:.1f}"
+                f"{by_kind(st, 'other_by_kind')}")
 
     print("steps per level (after a prompt arrived | the others: count x mean ms @ requests "
           "held):")
