@@ -183,7 +183,10 @@ def profile(eng: SpecEngine, repeats: int,
                     sched.drop_seed(rid)
                 plain.append(_time_steps(eng, eng.plain_step, max(4, 4 * repeats), samples))
                 if b == arrival_at:
-                    arrival = max(0.0, by_rounds - _arrival(eng, eng.plain_step, repeats))
+                    by_plain = _arrival(eng, eng.plain_step, repeats)
+                    arrival = max(0.0, by_rounds - by_plain)
+                    log.info("spec cost, batch %d: a prompt arriving adds %.2f ms to a round, "
+                             "%.2f ms to a plain step", b, by_rounds * 1e3, by_plain * 1e3)
                 eng.leave_overlap()
             finally:
                 for rid in req_ids:
