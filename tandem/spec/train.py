@@ -138,6 +138,7 @@ class TargetBatch:
     labels: torch.Tensor  # [B, T] int64: x_{t+2}, what draft position t proposes
     mask: torch.Tensor  # [B, T] bool: positions whose label is part of the answer
     next_hidden: torch.Tensor  # [B, T, H]: the target's final-normed hidden at t+1 (scores x_{t+2})
+    answer_start: torch.Tensor  # [B] int64: the first t whose label is an answer token
 
 
 @torch.no_grad()
@@ -180,10 +181,30 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
         labels=torch.where(has_label, flat[(at + 2).clamp(max=len(flat) - 1)], 0),
         mask=mask,
         next_hidden=hidden[nxt] * has_token[..., None],
+        answer_start=(plen - 2).clamp(min=0),
     )
 
 
 _LOG_EVERY = 25  # steps between lines of train_log.jsonl
+# Answer positions logged apart (`acc_early`): chat answers are mostly this short, and a
+# head's top-1 there is well below its mean over long answers (benchmarks/head_gap.py: the
+# shipped head 0.56-0.62 over the first 128, 0.70-0.75 past them).
+_EARLY = 128
+
+
+@torch.no_grad()
+def early_accuracy(head: EagleHead, outs: list[torch.Tensor], tb: TargetBatch,
+                   t2d: torch.Tensor | None) -> list[float]:
+    """Top-1 accuracy of each unrolled step over the first `_EARLY` answer positions."""
+    t = torch.arange(tb.mask.shape[1], device=tb.mask.device)[None, :]  # [1, T]
+    early = tb.mask & (t - tb.answer_start[:, None] < _EARLY)  # [B, T]
+    labels = tb.labels if t2d is None else t2d[tb.labels]
+    accs = []
+    for s, h in enumerate(outs):
+        valid = early & (t >= s) & (labels >= 0)
+        hits = head.log_probs(h[valid]).argmax(-1) == labels[valid] if valid.any() else None
+        accs.append(0.0 if hits is None else float(hits.float().mean()))
+    return accs
 _PLAN_AFTER = 20  # steps timed before a run with max_seconds plans its length
 
 
@@ -313,6 +334,8 @@ def _train(engine: LLMEngine, cfg: TrainConfig, progress: bool) -> Path:
             with (out / "train_log.jsonl").open("a") as f:
                 f.write(json.dumps({"step": step, "loss": round(loss.item(), 4),
                                     "acc": [round(a, 4) for a in accs],
+                                    "acc_early": [round(a, 4) for a in
+                                                  early_accuracy(head, outs, tb, t2d)],
                                     "step_s": round((t2 - window) / done, 4),
                                     "target_s": round(t1 - t0, 4),
                                     "head_s": round(t2 - t1, 4)}) + "\n")

@@ -34,6 +34,7 @@ def test_train_exports_a_loadable_subset_head_and_resumes(smollm2_dir, tmp_path)
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1]  # the last step logs, with where its time went
     assert log[0]["target_s"] > 0 and log[0]["head_s"] > 0
+    assert len(log[0]["acc_early"]) == cfg.ttt_steps  # the first answer positions, apart
     assert log[0]["step_s"] + 2e-4 >= log[0]["target_s"] + log[0]["head_s"]  # (rounded to 1e-4)
     head = load_head(head_dir, eng.model, torch.float32, torch.device("cpu"), 128)
     assert head.subset_vocab and head.draft_rows.shape == (512, eng.model_cfg.hidden_size)
@@ -264,3 +265,27 @@ def test_max_seconds_ends_the_schedule_early_and_writes_the_head(smollm2_dir, tm
     assert json.loads((head_dir / "config.json").read_text())["tandem_training"]["steps"] == 1
     with pytest.raises(ValueError, match="max_seconds"):
         TrainConfig(out_dir=str(tmp_path), max_seconds=0)
+
+
+def test_early_accuracy_counts_the_first_answer_positions_only(monkeypatch):
+    """Answer positions 0 and 1 (t = 2, 3) are early with _EARLY = 2: hits there count, the
+    misses later do not, nor does the prompt; step s starts at t >= s."""
+    from tandem.spec import train as train_mod
+
+    monkeypatch.setattr(train_mod, "_EARLY", 2)
+
+    class OneHot:
+        def log_probs(self, h):
+            return h
+
+    labels = torch.tensor([[0, 1, 2, 3, 0, 1]])
+    good = torch.nn.functional.one_hot(labels, 4).float()  # [1, 6, 4]: right everywhere
+    out = good.clone()
+    out[0, 4:] = torch.nn.functional.one_hot(torch.tensor([2, 2]), 4).float()  # wrong late
+    out[0, :2] = 0  # the prompt: no hit (not counted either way)
+    tb = train_mod.TargetBatch(tokens=labels, features=good, labels=labels,
+                               mask=torch.arange(6)[None, :] >= 2, next_hidden=good,
+                               answer_start=torch.tensor([2]))
+    assert train_mod.early_accuracy(OneHot(), [out, out], tb, None) == [1.0, 1.0]
+    monkeypatch.setattr(train_mod, "_EARLY", 4)
+    assert train_mod.early_accuracy(OneHot(), [out], tb, None) == [0.5]
