@@ -41,11 +41,14 @@ KIND=${KIND:-eagle}
 # NAME: the run's working directory (/tmp/gc/train_NAME), so several runs can train side by side
 # on one GPU (e.g. two `PHASE=train ... &` in one call); INIT: a trained head to start from;
 # SOFT=1: soft labels (the target's distribution); FEAT=W: EAGLE-1's feature term at weight W;
-# LAYERS=N: an N-layer head (grown from INIT's layers, see --num-layers).
+# LAYERS=N: an N-layer head (grown from INIT's layers, see --num-layers); MAX_LEN: tokens of
+# prompt + answer trained on (default 640; chat answers are decoded mostly within their first
+# 128 tokens, where the shipped head is weakest -- benchmarks/head_gap.py -- and a shorter cut
+# both weights them more and makes a step cheaper).
 WORK=/tmp/gc/train_${NAME:-$KIND}
 ENGINE="--model /tmp/gc/smollm2 --device ${DEVICE:-cuda} --attention-backend ${ATTN:-torch} --dtype bfloat16"
 TRAIN_ARGS="--out $WORK --num-prompts ${NUM_PROMPTS:-12000} --max-new-tokens ${MAX_NEW:-256}
-  --max-seq-len 640 --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
+  --max-seq-len ${MAX_LEN:-640} --batch-size ${BATCH:-16} --epochs ${EPOCHS:-2} --lr ${LR:-1e-3} --ttt-steps 3
   --kind $KIND --draft-vocab-size 8192 --save-every 50 --no-progress ${INIT:+--init-head $INIT}
   ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SOFT:+--soft-labels}
   ${FEAT:+--feature-weight $FEAT} ${LAYERS:+--num-layers $LAYERS}
