@@ -57,7 +57,10 @@ def restrict_head_vocab(head_dir: Path, ids: torch.Tensor, out_dir: Path) -> Pat
         raise ValueError("ids: must be a non-empty, strictly increasing list of target ids")
     if vocab and int(ids[-1]) >= vocab:
         raise ValueError(f"ids: {int(ids[-1])} is outside the vocabulary of {vocab}")
-    state["d2t"] = ids - torch.arange(len(ids))
+    if vocab and len(ids) == vocab:  # every id: the whole vocabulary, no restriction
+        state.pop("d2t", None)
+    else:
+        state["d2t"] = ids - torch.arange(len(ids))
     raw["draft_vocab_size"] = len(ids)
     out_dir.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file

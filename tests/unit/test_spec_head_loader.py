@@ -418,6 +418,16 @@ def test_top1_paths_agree_with_the_log_softmax_top_k(tmp_path, target, subset):
     assert torch.allclose(got_logp, want_logp, atol=1e-5)
 
 
+def test_a_subset_of_every_token_is_the_full_head(tmp_path, target):
+    """`draft-vocab --size` equal to the vocabulary writes a head the loader takes as the
+    full one (no d2t), drafting what the full head drafts."""
+    full = load(_full_dir(tmp_path), target)
+    every = load(_subset_head_dir(tmp_path, list(range(VOCAB))), target)
+    assert not every.subset_vocab
+    hidden = torch.randn(4, H, generator=torch.Generator().manual_seed(7))
+    assert torch.allclose(every.log_probs(hidden), full.log_probs(hidden))
+
+
 def _full_dir(tmp_path):
     cfg, sd = eagle_checkpoint()
     d = tmp_path / "full_only"
