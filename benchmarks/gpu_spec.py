@@ -81,6 +81,12 @@ RESULTS: dict = {"notes": [
 CHAIN = SpecConfig(num_steps=4)
 TREE = SpecConfig(num_steps=4, topk=4, num_draft_tokens=16)
 TREE8 = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)
+# Wider and deeper trees, run only when --configs names them (`<name>_dv<N>k`): float32 tau of
+# the shipped SmolLM2 head over a 16k draft vocabulary on the 50 chat prompts (session 21,
+# CPU): 16 nodes of topk 8 2.88 (topk 4: 2.82), 32 nodes 3.12, 48 nodes over 6 steps 3.34.
+WIDE_TREES = {"tree16t8": SpecConfig(num_steps=4, topk=8, num_draft_tokens=16),
+              "tree32t8": SpecConfig(num_steps=4, topk=8, num_draft_tokens=32),
+              "tree48s6": SpecConfig(num_steps=6, topk=8, num_draft_tokens=48)}
 
 
 def log(*args: object) -> None:
@@ -628,8 +634,10 @@ def bench_model(model_name: str, ctx: int, iters: int, kv_bytes: int, batches: t
         runs.append((f"chain4_dv{dv // 1024}k", CHAIN, sub))
         runs.append((f"tree_dv{dv // 1024}k", TREE, sub))  # 4 x 4, 16 nodes
         runs.append((f"tree8_dv{dv // 1024}k", TREE8, sub))  # 4 x 2, 8 nodes
+        runs += [(f"{n}_dv{dv // 1024}k", spec, sub) for n, spec in WIDE_TREES.items()]
     for name, spec, head in runs:
-        if CONFIGS is not None and name not in CONFIGS:
+        wide = name.split("_")[0] in WIDE_TREES
+        if (CONFIGS is None and wide) or (CONFIGS is not None and name not in CONFIGS):
             continue
         prompts = _prompts(4, model.cfg.vocab_size, 8, 60, seed=2)
 
