@@ -53,8 +53,7 @@ def accuracy(engine, head, samples, draft_ids, steps: int, batch: int, max_len: 
         tb = target_batch(engine, chunk, head, max_len)
         outs = ttt_forward(head, tb.tokens, tb.features, steps)
         t = torch.arange(tb.mask.shape[1])[None, :].expand_as(tb.mask)
-        plen = torch.tensor([len(s.prompt_ids) for s in chunk])[:, None]
-        answer_pos = t - (plen - 2)  # 0: the first label that is an answer token
+        answer_pos = t - tb.answer_start[:, None]  # 0: the first label that is an answer token
         for s, h in enumerate(outs):
             valid = tb.mask & (t >= s)
             logp = head.log_probs(h[valid])  # [n, V]

@@ -173,7 +173,8 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
     has_label = t[None, :] < (lens - 2)[:, None]  # x_{t+2} exists
     plen = torch.tensor(plens, device=dev)
     # Draft position t predicts x_{t+2}; train where that token is part of the answer.
-    mask = has_label & (t[None, :] >= (plen - 2).clamp(min=0)[:, None])
+    start = (plen - 2).clamp(min=0)  # [B]
+    mask = has_label & (t[None, :] >= start[:, None])
     nxt = (at + 1).clamp(max=len(flat) - 1)
     return TargetBatch(
         tokens=torch.where(has_token, flat[nxt], 0),
@@ -181,7 +182,7 @@ def target_batch(engine: LLMEngine, samples: list[Sample], head: EagleHead, max_
         labels=torch.where(has_label, flat[(at + 2).clamp(max=len(flat) - 1)], 0),
         mask=mask,
         next_hidden=hidden[nxt] * has_token[..., None],
-        answer_start=(plen - 2).clamp(min=0),
+        answer_start=start,
     )
 
 
