@@ -15,8 +15,8 @@
 #                only at the end: TRAIN_SECONDS=S bounds the loop, which then plans its steps
 #                after the first 20 and ends its schedule in time; session 20 on an H200 took
 #                ~0.57 s a step on the long answers of benchmarks/data, against 0.11 s in
-#                session 8 on short ones; train_log.jsonl says where a step's time goes), on this run's
-#                answers plus EXTRA (earlier answers, e.g.
+#                session 8 on short ones; train_log.jsonl says where a step's time goes),
+#                on this run's answers plus EXTRA (earlier answers, e.g.
 #                "benchmarks/data/smollm2-answers-a.jsonl.gz
 #                benchmarks/data/smollm2-answers-b.jsonl.gz")
 #   PHASE=eval   tau per position on the held-out prompts (EVAL_DTYPES, default bf16; EVAL50=1

@@ -178,7 +178,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _exit_now(rc: int) -> None:
-    """End the process with `rc` at once, flushing the logs and standard streams first."""
+    """End the process with `rc` at once, flushing the logs and standard streams first. An
+    exception on its way out (called from a `finally`) is printed: `os._exit` would drop it."""
+    if sys.exc_info()[1] is not None:
+        import traceback
+
+        traceback.print_exc()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

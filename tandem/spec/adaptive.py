@@ -245,11 +245,11 @@ class KPolicy(Protocol):
     def forget(self, req_id: str) -> None: ...
 
     # A policy may also offer `plain_wins(batch_size, req_ids) -> bool` (AdaptivePolicy
-    # does): whether plain engine steps beat every round at that batch size. `SpecScheduler.plain_regime`
-    # asks it; a policy without it never runs the plain regime. And `plain_step() -> None`,
-    # told of each plain-regime step the scheduler runs without asking, and `served(
-    # batch_size, seconds, num_drafts | None) -> None`, told what each step without prompt
-    # work took.
+    # does): whether plain engine steps beat every round at that batch size.
+    # `SpecScheduler.plain_regime` asks it; a policy without it never runs the plain regime.
+    # And `plain_step() -> None`, told of each plain-regime step the scheduler runs without
+    # asking, and `served(batch_size, seconds, num_drafts | None) -> None`, told what each
+    # step without prompt work took.
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,3 +211,21 @@ def test_a_clean_close_leaves_the_group(monkeypatch):
     front = LockstepEngine(object(), Peer(), heartbeat_s=60)
     assert tp_processes.TPEngine(engine=front, procs=[]).close() is True
     assert not front.broken and left == [True]
+
+
+def test_the_dead_rank_exit_prints_the_exception_on_its_way_out(monkeypatch, capsys):
+    """`tandem serve --tp` ends with `os._exit` where a rank died; an exception leaving the
+    serve loop then would vanish with the process, so it is printed first."""
+    from tandem.cli import serve
+
+    codes = []
+    monkeypatch.setattr(serve.os, "_exit", codes.append)
+    monkeypatch.setattr(serve.logging, "shutdown", lambda: None)  # pytest's handlers stay
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("the serve loop broke")
+        finally:
+            serve._exit_now(1)
+    assert codes == [1] and "the serve loop broke" in capsys.readouterr().err
+    serve._exit_now(0)  # nothing on its way out: nothing printed
+    assert codes == [1, 0] and capsys.readouterr().err == ""
