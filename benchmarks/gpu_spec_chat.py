@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tandem.spec import SpecConfig, SpecEngine  # noqa: E402
+from tandem.spec.adaptive import AdaptivePolicy  # noqa: E402
 from tandem.spec.evaluate import parting_gap  # noqa: E402
 from tandem.spec.shipped import SHIPPED_HEADS  # noqa: E402
 from tandem.tokenizer import ChatMessage  # noqa: E402
@@ -63,6 +64,18 @@ def one_at_a_time(eng: LLMEngine, prompts: list[list[int]], params: SamplingPara
             decode_s += last - first
             decode_tokens += len(toks) - 1
     return outs, decode_s, decode_tokens
+
+
+def policy_state(eng: LLMEngine) -> dict | None:
+    """The adaptive policy's state (None for other engines): the engine-wide acceptance
+    estimate, the served/priced scales of both regimes and the mean output length -- what
+    `plain_wins` decides from."""
+    pol = getattr(getattr(eng, "spec_scheduler", None), "policy", None)
+    if not isinstance(pol, AdaptivePolicy):
+        return None
+    return {"overall": [round(p, 3) for p in pol.overall],
+            "plain_scale": round(pol.plain_scale, 3), "round_scale": round(pol.round_scale, 3),
+            "output_len": round(pol.output_len, 1)}
 
 
 def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams,
@@ -285,6 +298,7 @@ def main() -> None:
                     eng = engines[name]
                     is_spec = isinstance(eng, SpecEngine)
                     before = snapshot(eng) if is_spec else None
+                    state0 = policy_state(eng)
                     if phase == "b1":
                         outs, dec_s, dec_n = one_at_a_time(eng, prompts, params)
                         lvl = {"decode_ms_per_token": 1e3 * dec_s / dec_n, "tokens": dec_n,
@@ -295,6 +309,8 @@ def main() -> None:
                                "wall_s": wall, **times}
                     if is_spec:
                         lvl["acceptance"] = stats_delta(eng, before)
+                    if state0 is not None:  # what the adaptive policy decided from, and learnt
+                        lvl["policy"] = {"before": state0, "after": policy_state(eng)}
                     lvl["gc"] = meter.take()
                     lvl["outputs"] = outs
                     rows[name].setdefault(phase, []).append(lvl)
@@ -308,6 +324,10 @@ def main() -> None:
                 rows[name][phase] = mid
             print(phase, json.dumps({n: round(rows[n][phase]["tokens_per_s"], 1)
                                      for n in names}), flush=True)
+            for name in names:
+                if "policy" in rows[name][phase]:
+                    print(f"  {name} policy, the median run's start -> end: "
+                          f"{rows[name][phase]['policy']}", flush=True)
         for name in names:
             row = rows[name]
             if "b1" in row:

@@ -48,7 +48,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="default: the bundled SmolLM2")
     ap.add_argument("--draft-model", default=str(SHIPPED_HEADS["default"]))
     ap.add_argument("--prompts-file", default=str(ROOT / "tandem/assets/chat-prompts-50.txt"))
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", default="4",
+                    help="comma list: levels run one after another on the same engine (as "
+                         "gpu_spec_chat.py's sweep does), e.g. 1,4")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
@@ -87,14 +89,20 @@ def main() -> int:
                      if q.strip()][: args.num_prompts]
         prompts = [eng.tokenizer.encode_chat([ChatMessage(role="user", content=q)])
                    for q in questions]
-        _, _, times = closed_loop(eng, prompts, SamplingParams(max_new_tokens=args.max_new_tokens),
-                                  args.concurrency)
-    st = times["steps"]
-    for part in ("arrival", "other"):
-        kinds = st[f"{part}_by_kind"]
-        print(f"{part}: " + ", ".join(f"{k} {v['steps']}" for k, v in kinds.items()))
-    print(f"step paths: {dict(collections.Counter(paths))}")
-    print("".join(paths))
+        for level in (int(c) for c in args.concurrency.split(",")):
+            paths.clear()
+            _, _, times = closed_loop(eng, prompts,
+                                      SamplingParams(max_new_tokens=args.max_new_tokens), level)
+            pol = eng.spec_scheduler.policy
+            st = times["steps"]
+            print(f"== c={level}")
+            for part in ("arrival", "other"):
+                kinds = st[f"{part}_by_kind"]
+                print(f"{part}: " + ", ".join(f"{k} {v['steps']}" for k, v in kinds.items()))
+            print(f"step paths: {dict(collections.Counter(paths))}")
+            print("".join(paths))
+            print("after: engine-wide estimate " + " ".join(f"{p:.3f}" for p in pol.overall)
+                  + f", output_len {pol.output_len:.1f}")
     return 0
 
 

@@ -340,26 +340,37 @@ class AdaptivePolicy:
             self.overall = relax(self.overall, self._prior(), rate)
         return plan
 
-    def plain_wins(self, batch_size: int, req_ids: Sequence[str] = ()) -> bool:
+    def plain_wins(self, batch_size: int, req_ids: Sequence[str] = (),
+                   settled: bool = False) -> bool:
         """Whether `batch_size` requests decode faster as plain engine steps (no draft model,
         overlapped where the engine can) than by the best round at the engine-wide estimate,
         or than by the k = 0 round the requests `req_ids` would run by their own estimates.
         Asked once per step while it holds (the plain regime, `SpecEngine.step`), which is
         also an unobserved step: the estimate relaxes toward the prior, so the engine tries
-        speculation again after a while and measures it afresh."""
+        speculation again after a while and measures it afresh.
+
+        `settled`: every request held already decodes by rounds (its arrival paid). Turning
+        plain then is for good for all of them, and is decided on an estimate that moves with
+        every round: on a GPU where rounds won by ~10% (SmolLM2, the two-layer head, batch 1)
+        a few unlucky first rounds flipped requests to plain, 20-70% of the tokens. So there
+        ties stay with rounds: plain must win by `margin`, and no arrival is priced (the next
+        one is decided when it comes)."""
         # Compared per committed token (seconds): a plain step's plain / b; a k-round's
         # cost / (b E(k)) plus the arrival cost over the tokens a request runs (each token a
         # round commits brings the next request's arrival 1 / output_len closer). Rounds must
-        # win by the margin.
+        # win by the margin; settled, plain must.
         plain = self.table.plain_cost(batch_size)
         if plain is None:
             return False
         plain *= self.plain_scale
-        per_token = self.table.arrival / self.output_len
+        per_token = 0.0 if settled else self.table.arrival / self.output_len
         rounds = min((self.round_scale * self.table.cost(k, batch_size)
                       / (batch_size * expected_tokens(self.overall, k)) + per_token
                       for k in range(1, self.max_k + 1)), default=float("inf"))
-        wins = plain / batch_size <= rounds * (1.0 + self.settings.margin)
+        if settled:
+            wins = plain / batch_size * (1.0 + self.settings.margin) <= rounds
+        else:
+            wins = plain / batch_size <= rounds * (1.0 + self.settings.margin)
         if not wins and req_ids:
             # The requests' own estimates (`req_ids`, the engine-wide one for a request not
             # seen yet) may have no row draft: the step would be a k = 0 round, which still

@@ -77,7 +77,10 @@ class SpecScheduler:
         and two host reads a step -- 0.55x plain at c=16 on an H100, session 17, when new
         requests drafted next to old plain ones). The policy hears of each such step
         (`plain_step`: its estimate relaxes toward the prior, or an engine that turned plain
-        once would never draft again) and is asked again once the plain requests are gone."""
+        once would never draft again) and is asked again once the plain requests are gone.
+        While every request held decodes by rounds (each has its seed: no arrival in this
+        step) the policy is asked as `settled`: plain must then win outright, since the turn
+        is for good for requests already drafting."""
         wins = getattr(self.policy, "plain_wins", None)
         held = self.scheduler.requests.keys()
         if not allowed or wins is None or not held:
@@ -86,7 +89,8 @@ class SpecScheduler:
             step = getattr(self.policy, "plain_step", None)
             if step is not None:  # but a plain step all the same
                 step()
-        elif not wins(min(len(held), self.scheduler.max_num_seqs), tuple(held)):
+        elif not wins(min(len(held), self.scheduler.max_num_seqs), tuple(held),
+                      settled=held <= self._seeds.keys()):
             return False
         for rid in held - self._plain:  # new since the last step: plain too
             self._plain.add(rid)

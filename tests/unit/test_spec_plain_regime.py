@@ -188,13 +188,15 @@ class ForcedRegime:
     def __init__(self, regime: tuple[bool, ...], k: int = 3) -> None:
         self.regime, self.k = itertools.cycle(regime), k
         self.asked: list[bool] = []
+        self.settled: list[bool] = []  # per ask: every request held was decoding by rounds
         self.unasked = 0  # plain-regime steps the engine ran without asking
 
     def plain_step(self) -> None:
         self.unasked += 1
 
-    def plain_wins(self, batch_size: int, req_ids=()) -> bool:
+    def plain_wins(self, batch_size: int, req_ids=(), settled=False) -> bool:
         assert 1 <= batch_size <= len(req_ids)  # the requests held, whose estimates count
+        self.settled.append(settled)
         self.asked.append(next(self.regime))
         return self.asked[-1]
 
@@ -413,6 +415,46 @@ def test_the_arrival_cost_of_rounds_turns_the_choice_plain():
         long.finished(10)
     assert long.output_len == pytest.approx(10.0, rel=0.01)
     assert long.plain_wins(1)
+
+
+def test_requests_already_drafting_keep_rounds_through_a_near_tie():
+    """`settled` (every request held decodes by rounds, its arrival paid): turning plain is for
+    good for requests already drafting, so plain must win by the margin, and the arrival cost
+    -- already paid -- is not priced."""
+    # at the prior a 3-round costs 1.3 / 2.176 = 0.597 s a token
+    for plain, unsettled, settled in ((0.62, True, False),   # rounds ahead by 3.8%: a tie
+                                      (0.56, True, False),   # plain ahead by 6.2% < margin 7%
+                                      (0.55, True, True)):   # plain ahead by 8.6%
+        t = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(plain, 3.0))
+        settings = AdaptiveSettings(margin=0.07)
+        assert AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(1) == unsettled
+        assert AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(
+            1, settled=True) == settled
+    # an arrival priced at 0.31 s a token turns a new request plain, not one drafting already
+    t = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(0.9, 3.0), arrival=31.0)
+    settings = AdaptiveSettings(margin=0.0, output_len_prior=100.0)
+    assert AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(1)
+    assert not AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(1, settled=True)
+
+
+def test_the_engine_asks_settled_only_while_every_request_drafts():
+    """`SpecScheduler.plain_regime` asks the policy as settled exactly on the steps where every
+    request held has its draft seed: not on a step with a request to prefill (an arrival)."""
+    model = tiny_target("llama")
+    policy = ForcedRegime((False,))
+    eng = SpecEngine(engine_cfg(), SPEC, model, tiny_head(model, "eagle"), policy=policy)
+    eng.add_request(prompts(1, seed=81)[0], greedy(12))
+    want = []
+    for step in range(8):
+        if step == 4:
+            eng.add_request(prompts(1, seed=82)[0], greedy(12))
+        want.append(set(eng.scheduler.requests) <= set(eng.seeds))
+        eng.step()
+    assert policy.settled == want
+    assert want == [False, True, True, True, False, True, True, True]
+    while eng.has_unfinished():
+        eng.step()
+    assert_pages_free(eng)
 
 
 def test_near_ties_go_to_the_plain_regime():
