@@ -81,7 +81,9 @@ def _rank(rank: int, world: int, port: int, out) -> None:
     try:
         par = ParallelContext(tp=ParallelGroup(rank=rank, size=world, handle=dist.group.WORLD))
         try:
-            out.put((rank, _logits(par, fuse=False), _logits(par, fuse=True)))
+            # numpy arrays pickle by value: a tensor in the queue is shared through a socket of
+            # this process, gone if it exits before the parent reads (FileNotFoundError in CI)
+            out.put((rank, _logits(par, fuse=False).numpy(), _logits(par, fuse=True).numpy()))
         except Exception as exc:  # reported, not left to the parent's timeout
             out.put((rank, f"{type(exc).__name__}: {exc}", None))
             raise
@@ -107,6 +109,7 @@ def test_fused_tp_equals_layered_tp_and_one_rank(world):
     [p.join(60) for p in procs]
     for rank, (layered, fused) in got.items():
         assert fused is not None, f"rank {rank}: {layered}"
+        layered, fused = torch.from_numpy(layered), torch.from_numpy(fused)
         torch.testing.assert_close(layered, single_layered, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fused, single_layered, atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"rank {rank}, fused TP={world}: {m}")
