@@ -63,6 +63,15 @@ def tree_engine(target):
     return SpecEngine(_cfg(True), TREE, *target)
 
 
+@pytest.fixture(scope="module")
+def two_layer_engine(target):
+    """A chain engine whose head has two decoder layers, as the shipped SmolLM2 head does."""
+    model = target[0]
+    head = dummy_head(DraftHeadConfig.like_target(model.cfg, num_layers=2), model,
+                      DTYPES["bfloat16"], DEV, 1024)
+    return SpecEngine(_cfg(True), CHAIN, model, head)
+
+
 def _input(eng: SpecEngine, bs: int, seed: int) -> tuple[list[str], DraftInput]:
     g = torch.Generator().manual_seed(seed)
     ids = [eng.add_request(torch.randint(3, 49152, (int(n),), generator=g).tolist(),
@@ -93,6 +102,26 @@ def test_spec_graph_propose_equals_eager(chain_engine, bs):
     got = eng.spec_graphs.propose(inp).tokens
     assert torch.equal(got, want)
     _abort(eng, ids)
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_two_layer_head_graph_drafting_and_output_equal_eager(two_layer_engine, target, bs):
+    """Each draft step of a two-layer head runs both layers, each over its own draft KV
+    layer, inside the drafting graph: the graph proposes what eager drafting does, and the
+    engine's greedy output stays plain's up to bf16 near-ties."""
+    eng = two_layer_engine
+    assert eng.draft.head.cfg.num_layers == 2 and eng.spec_graphs is not None
+    ids, inp = _input(eng, bs, seed=30 + bs)
+    want = propose(eng.draft, inp, eng.spec).tokens
+    assert torch.equal(eng.spec_graphs.propose(inp).tokens, want)
+    _abort(eng, ids)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 49152, (7 + 13 * i,), generator=g).tolist() for i in range(bs)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = LLMEngine(_cfg(True), target[0])
+    want_out = [c.output_ids for c in plain.generate(prompts, params)]
+    got = [c.output_ids for c in eng.generate(prompts, params)]
+    assert_parts_only_at_near_ties(plain, prompts, got, want_out)
 
 
 @pytest.mark.parametrize("bs", [3, 4])  # 3 runs in the graph of 4
