@@ -75,7 +75,10 @@ def policy_state(eng: LLMEngine) -> dict | None:
         return None
     return {"overall": [round(p, 3) for p in pol.overall],
             "plain_scale": round(pol.plain_scale, 3), "round_scale": round(pol.round_scale, 3),
-            "output_len": round(pol.output_len, 1)}
+            "output_len": round(pol.output_len, 1),
+            # draftings queued ahead that the next round used / had to drop (a change of k,
+            # of the batch, or a plain step in between drops it: spec/ahead.py)
+            "ahead_used": eng.draft_ahead.used, "ahead_dropped": eng.draft_ahead.dropped}
 
 
 def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams,

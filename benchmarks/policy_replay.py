@@ -79,8 +79,12 @@ def main() -> int:
             paths.append("S")
             return prefill_step(plan)
 
+        ks: list[int] = []  # each round's k: on a GPU a change of k drops the drafting queued
+        # ahead for the old k (spec/ahead.py), a cost the profile (fixed k) never timed
+
         def traced_round(inp, ahead=False):
             paths.append("R")
+            ks.append(inp.num_drafts)
             return spec_round(inp, ahead)
 
         eng.plain_step, eng._prefill_step, eng._spec_round = (traced_plain, traced_prefill,
@@ -91,6 +95,7 @@ def main() -> int:
                    for q in questions]
         for level in (int(c) for c in args.concurrency.split(",")):
             paths.clear()
+            ks.clear()
             _, _, times = closed_loop(eng, prompts,
                                       SamplingParams(max_new_tokens=args.max_new_tokens), level)
             pol = eng.spec_scheduler.policy
@@ -100,6 +105,9 @@ def main() -> int:
                 kinds = st[f"{part}_by_kind"]
                 print(f"{part}: " + ", ".join(f"{k} {v['steps']}" for k, v in kinds.items()))
             print(f"step paths: {dict(collections.Counter(paths))}")
+            switches = sum(a != b for a, b in zip(ks, ks[1:]))
+            print(f"rounds by k: {dict(sorted(collections.Counter(ks).items()))}, "
+                  f"k changed between consecutive rounds {switches} times")
             print("".join(paths))
             print("after: engine-wide estimate " + " ".join(f"{p:.3f}" for p in pol.overall)
                   + f", output_len {pol.output_len:.1f}")

@@ -12,7 +12,7 @@ at k commits sum_r E_r(k) tokens, so the step's rate is
 
     rate(k) = sum_r E_r(k) / cost(k, batch),   k = 0 .. max_k    (E(0) = 1: a plain step)
 
-and the policy takes the argmax (ties: the smaller k).
+and the policy takes the argmax (ties: the smaller k; the last step's k within a margin).
 
 Per request: drafting pays for request r only when E_r(k) >= cost(k, batch) / cost(0, batch)
 (its break-even: a drafting row's share of the round must buy at least what a plain row's
@@ -292,10 +292,14 @@ class AdaptiveSettings:
     # EWMA weight of one served step in its regime's scale (`AdaptivePolicy.served`): what
     # steps take in service over what the start-up profile priced them at.
     served_alpha: float = 0.02
+    # Keep the last step's k unless another beats it by this fraction: a change of k drops
+    # the drafting queued ahead for the old k (spec/ahead.py; ~0.3 ms of a 1.3 ms SmolLM2
+    # round, H200), unpriced by the fixed-k profile, for rates that differ by 1-2% near the top.
+    k_switch_margin: float = 0.03
 
     def __post_init__(self) -> None:
         for name in ("alpha", "overall_alpha", "prior", "relax", "plain_relax", "margin",
-                     "output_len_alpha", "served_alpha"):
+                     "output_len_alpha", "served_alpha", "k_switch_margin"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         if not self.output_len_prior >= 1.0:
@@ -317,6 +321,7 @@ class AdaptivePolicy:
     # as EWMA sums: sum of weighted ratios, sum of weights (0: nothing served yet)
     served_plain: tuple[float, float] = (0.0, 0.0)
     served_rounds: tuple[float, float] = (0.0, 0.0)
+    last_k: int = 0  # the last plan's k where every row drafted (0: none, or a split)
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.table.max_k)
@@ -329,9 +334,17 @@ class AdaptivePolicy:
         return (self.settings.prior,) * self.max_k
 
     def plan(self, req_ids: Sequence[str], allow_split: bool) -> RoundPlan:
-        """The step's plan; rows that will not draft relax toward the prior (not observed)."""
+        """The step's plan (the last step's k unless another wins by `k_switch_margin`); rows
+        that will not draft relax toward the prior (not observed)."""
         ests = [self.per_request.setdefault(r, self.overall) for r in req_ids]
         plan = plan_round(self.table, ests, self.max_k, allow_split)
+        last, bs = self.last_k, len(req_ids)
+        if 0 < last <= self.max_k and plan.num_drafts not in (0, last) and not plan.splits:
+            def per_s(k: int) -> float:
+                return sum(expected_tokens(p, k) for p in ests) / self.table.cost(k, bs)
+            if per_s(plan.num_drafts) < per_s(last) * (1.0 + self.settings.k_switch_margin):
+                plan = RoundPlan(num_drafts=last, drafting=(True,) * bs)
+        self.last_k = 0 if plan.splits else plan.num_drafts
         rate = self.settings.relax
         for rid, drafts in zip(req_ids, plan.drafting):
             if not drafts or plan.num_drafts == 0:
@@ -349,16 +362,13 @@ class AdaptivePolicy:
         also an unobserved step: the estimate relaxes toward the prior, so the engine tries
         speculation again after a while and measures it afresh.
 
-        `settled`: every request held already decodes by rounds (its arrival paid). Turning
-        plain then is for good for all of them, and is decided on an estimate that moves with
-        every round: on a GPU where rounds won by ~10% (SmolLM2, the two-layer head, batch 1)
-        a few unlucky first rounds flipped requests to plain, 20-70% of the tokens. So there
-        ties stay with rounds: plain must win by `margin`, and no arrival is priced (the next
-        one is decided when it comes)."""
-        # Compared per committed token (seconds): a plain step's plain / b; a k-round's
-        # cost / (b E(k)) plus the arrival cost over the tokens a request runs (each token a
-        # round commits brings the next request's arrival 1 / output_len closer). Rounds must
-        # win by the margin; settled, plain must.
+        `settled` (every request held drafts, its arrival paid): turning plain is for good for
+        all of them, on an estimate that moves every round (H200, two-layer head, batch 1:
+        rounds won by ~10%, yet unlucky first rounds turned 20-70% of tokens plain). So ties
+        stay with rounds: plain must win by `margin`, and no arrival is priced."""
+        # Per committed token (seconds): a plain step's plain / b; a k-round's cost / (b E(k))
+        # plus the arrival cost over the tokens a request runs (each token a round commits
+        # brings the next arrival 1 / output_len closer). Rounds win by the margin; settled, plain.
         plain = self.table.plain_cost(batch_size)
         if plain is None:
             return False

@@ -122,6 +122,25 @@ def test_plan_splits_off_requests_below_break_even_only_where_it_pays():
     assert not plan_round(TABLE, [good, bad], 3).splits
 
 
+def test_the_policy_keeps_its_k_unless_another_wins_by_the_switch_margin():
+    """A change of k drops the drafting queued ahead for the old k (spec/ahead.py), so the
+    last step's k stands unless another beats it by `k_switch_margin`."""
+    p = (0.6, 0.6, 0.6)  # at 1 row: k = 2 gives 1.96 / 1.2 = 1.633 a second, k = 3 1.674
+    assert plan_round(TABLE, [p], 3).num_drafts == 3
+    kept = AdaptivePolicy(table=TABLE, max_k=3, overall=p, last_k=2)
+    assert kept.plan(["a"], True).num_drafts == 2  # 2.5% better: not worth the switch
+    assert kept.last_k == 2
+    free = AdaptivePolicy(table=TABLE, max_k=3, overall=p, last_k=2,
+                          settings=AdaptiveSettings(k_switch_margin=0.0))
+    assert free.plan(["a"], True).num_drafts == 3 and free.last_k == 3
+    good = AdaptivePolicy(table=TABLE, max_k=3, overall=(0.9, 0.9, 0.9), last_k=2)
+    assert good.plan(["a"], True).num_drafts == 3  # 2.645 against 2.258: switch
+    bad = AdaptivePolicy(table=TABLE, max_k=3, overall=(0.05, 0.05, 0.05), last_k=3)
+    assert bad.plan(["a"], True).num_drafts == 0 and bad.last_k == 0  # k = 0 is never held off
+    with pytest.raises(ValueError, match="k_switch_margin"):
+        AdaptiveSettings(k_switch_margin=-0.01)
+
+
 def test_policy_learns_per_request_and_a_muted_request_comes_back():
     pol = AdaptivePolicy(table=TABLE, max_k=3, settings=AdaptiveSettings(alpha=0.5, relax=0.01))
     assert pol.plan(["a"], True).num_drafts == 3  # prior 0.6: drafting pays
