@@ -201,14 +201,17 @@ class RoundPlan:
 
 
 def plan_round(table: StepCostTable, estimates: Sequence[Sequence[float]], max_k: int,
-               allow_split: bool = True) -> RoundPlan:
+               allow_split: bool = True, keep_k: int = 0, keep_margin: float = 0.0) -> RoundPlan:
     """The plan of highest expected tokens per second for a batch whose rows have
-    `estimates` (per-position acceptance, each at least max_k long)."""
+    `estimates` (per-position acceptance, each at least max_k long); an unsplit round at
+    `keep_k` stands against another unsplit round of k > 0 unless that wins by `keep_margin`."""
     bs, max_k = len(estimates), min(max_k, table.max_k)
     best, best_rate = RoundPlan(num_drafts=0, drafting=(False,) * bs), bs / table.cost(0, bs)
+    kept_rate = 0.0  # keep_k's unsplit rate (0: keep_k not among the k tried)
     for k in range(1, max_k + 1):
         gains = [expected_tokens(p, k) for p in estimates]
         rate = sum(gains) / table.cost(k, bs)
+        kept_rate = rate if k == keep_k else kept_rate
         if rate > best_rate:
             best, best_rate = RoundPlan(num_drafts=k, drafting=(True,) * bs), rate
         if not allow_split:
@@ -221,6 +224,9 @@ def plan_round(table: StepCostTable, estimates: Sequence[Sequence[float]], max_k
             rate = split_tokens / (table.cost(k, n) + table.cost(0, bs - n))
             if rate > best_rate:
                 best, best_rate = RoundPlan(num_drafts=k, drafting=pays), rate
+    if (kept_rate and best.num_drafts not in (0, keep_k) and not best.splits
+            and best_rate < kept_rate * (1.0 + keep_margin)):
+        return RoundPlan(num_drafts=keep_k, drafting=(True,) * bs)
     return best
 
 
@@ -244,7 +250,7 @@ class KPolicy(Protocol):
 
     def forget(self, req_id: str) -> None: ...
 
-    # A policy may also offer `plain_wins(batch_size, req_ids) -> bool` (AdaptivePolicy
+    # A policy may also offer `plain_wins(batch_size, req_ids, settled) -> bool` (AdaptivePolicy
     # does): whether plain engine steps beat every round at that batch size.
     # `SpecScheduler.plain_regime` asks it; a policy without it never runs the plain regime.
     # And `plain_step() -> None`, told of each plain-regime step the scheduler runs without
@@ -337,13 +343,8 @@ class AdaptivePolicy:
         """The step's plan (the last step's k unless another wins by `k_switch_margin`); rows
         that will not draft relax toward the prior (not observed)."""
         ests = [self.per_request.setdefault(r, self.overall) for r in req_ids]
-        plan = plan_round(self.table, ests, self.max_k, allow_split)
-        last, bs = self.last_k, len(req_ids)
-        if 0 < last <= self.max_k and plan.num_drafts not in (0, last) and not plan.splits:
-            def per_s(k: int) -> float:
-                return sum(expected_tokens(p, k) for p in ests) / self.table.cost(k, bs)
-            if per_s(plan.num_drafts) < per_s(last) * (1.0 + self.settings.k_switch_margin):
-                plan = RoundPlan(num_drafts=last, drafting=(True,) * bs)
+        plan = plan_round(self.table, ests, self.max_k, allow_split, keep_k=self.last_k,
+                          keep_margin=self.settings.k_switch_margin)
         self.last_k = 0 if plan.splits else plan.num_drafts
         rate = self.settings.relax
         for rid, drafts in zip(req_ids, plan.drafting):
@@ -362,10 +363,9 @@ class AdaptivePolicy:
         also an unobserved step: the estimate relaxes toward the prior, so the engine tries
         speculation again after a while and measures it afresh.
 
-        `settled` (every request held drafts, its arrival paid): turning plain is for good for
-        all of them, on an estimate that moves every round (H200, two-layer head, batch 1:
-        rounds won by ~10%, yet unlucky first rounds turned 20-70% of tokens plain). So ties
-        stay with rounds: plain must win by `margin`, and no arrival is priced."""
+        `settled` (every request held drafts, its arrival paid): turning plain is for good, on
+        an estimate that moves every round (H200, batch 1: rounds won by ~10%, yet unlucky first
+        rounds turned 20-70% of tokens plain), so plain must win by `margin`, arrival unpriced."""
         # Per committed token (seconds): a plain step's plain / b; a k-round's cost / (b E(k))
         # plus the arrival cost over the tokens a request runs (each token a round commits
         # brings the next arrival 1 / output_len closer). Rounds win by the margin; settled, plain.

@@ -127,6 +127,8 @@ def test_the_policy_keeps_its_k_unless_another_wins_by_the_switch_margin():
     last step's k stands unless another beats it by `k_switch_margin`."""
     p = (0.6, 0.6, 0.6)  # at 1 row: k = 2 gives 1.96 / 1.2 = 1.633 a second, k = 3 1.674
     assert plan_round(TABLE, [p], 3).num_drafts == 3
+    assert plan_round(TABLE, [p], 3, keep_k=2, keep_margin=0.03).num_drafts == 2
+    assert plan_round(TABLE, [p], 3, keep_k=2, keep_margin=0.02).num_drafts == 3
     kept = AdaptivePolicy(table=TABLE, max_k=3, overall=p, last_k=2)
     assert kept.plan(["a"], True).num_drafts == 2  # 2.5% better: not worth the switch
     assert kept.last_k == 2
