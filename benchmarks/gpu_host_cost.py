@@ -68,9 +68,9 @@ def main() -> None:
         layout = verify_layout(verify, eng.cfg.page_size, gpu_spec.DEV, rows=rows)
         calls = {
             "step (whole round)": eng.step,
-            "draft graph replay": lambda: g.replay_propose_only(rows),
-            "verify graph replay": lambda: g.replay_verify_only(rows),
-            "extend graph replay": lambda: g.replay_extend_only(rows),
+            "draft graph replay": lambda: g.replay_phase_only("propose", rows),
+            "verify graph replay": lambda: g.replay_phase_only("verify", rows),
+            "extend graph replay": lambda: g.replay_phase_only("extend", rows),
             "verify_layout": lambda: verify_layout(verify, eng.cfg.page_size, gpu_spec.DEV,
                                                    rows=rows),
             "verify plan": lambda: g._verify_planner.plan(layout.attn),

@@ -399,8 +399,15 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
     eng.set_draft_ahead(False)
     row["spec_step_loop_noahead_ms"] = loop_ms(eng.step, iters)
     eng.set_draft_ahead(was)
-    row["draft_ahead"] = {"enabled": was, "used": eng.draft_ahead.used,
-                          "dropped": eng.draft_ahead.dropped}
+    # ... and with the next round's verify not queued ahead (drafting ahead alone).
+    ahead = eng.draft_ahead
+    vb, ahead.verify_batch = ahead.verify_batch, 0
+    row["spec_step_loop_noverify_ms"] = loop_ms(eng.step, iters)
+    ahead.verify_batch = vb
+    row["draft_ahead"] = {"enabled": was, "used": ahead.used, "dropped": ahead.dropped,
+                          "verify_batch": vb, "verify_queued": ahead.verify_queued,
+                          "verify_used": ahead.verify_used,
+                          "verify_dropped": ahead.verify_dropped}
     # Plain decode of the same batch.
     rows = padded_batch_size(bs, eng.graphs.batch_sizes) if eng.graphs else None
     if rows is not None:
@@ -494,7 +501,7 @@ def profile_round(eng: SpecEngine, tag: str, rounds: int = 30) -> dict:
 
     tables = {"round": profile_replays(eng.step, OUT_DIR, f"{tag} round")}
     rows = eng.spec_graphs.bucket(len(eng.seeds)) if eng.spec_graphs else None
-    for name, fn in (("verify", lambda: eng.spec_graphs.replay_verify_only(rows)),
+    for name, fn in (("verify", lambda: eng.spec_graphs.replay_phase_only("verify", rows)),
                      ("plain", lambda: eng.graphs.replay_only(rows))):
         try:
             tables[name] = profile_replays(fn, OUT_DIR, f"{tag} {name} graph replay")
@@ -564,7 +571,7 @@ def _extend_graph_timings(eng: SpecEngine, graphs, verify: VerifyInput, rows: in
     res["extend_graph_accepted"] = list(result.num_accepted)
     res["extend_graph_call_ms"] = event_ms(lambda: graphs.extend(*args), iters)
     graphs.extend(*args)  # the latest extend plan is of this bucket again
-    res["extend_graph_ms"] = event_ms(lambda: graphs.replay_extend_only(rows), iters)
+    res["extend_graph_ms"] = event_ms(lambda: graphs.replay_phase_only("extend", rows), iters)
     return res
 
 
@@ -581,7 +588,7 @@ def _graph_timings(eng: SpecEngine, graphs, inp: DraftInput, verify: VerifyInput
         want = propose(eng.draft, inp, eng.spec).tokens
         res["propose_graph_equals_eager"] = bool(torch.equal(got, want))
         graphs.propose(inp)  # the drafting buffers hold this bucket's inputs again
-        res["propose_replay_ms"] = event_ms(lambda: graphs.replay_propose_only(rows), iters)
+        res["propose_replay_ms"] = event_ms(lambda: graphs.replay_phase_only("propose", rows), iters)
     tree = getattr(eng, "tree_graphs", None)
     if tree is not None and tree.can_propose(inp):  # tree drafting graph (spec/tree_graphs.py)
         res["propose_graph_ms"] = event_ms(lambda: tree.propose(inp), iters)
@@ -605,7 +612,7 @@ def _graph_timings(eng: SpecEngine, graphs, inp: DraftInput, verify: VerifyInput
         res["verify_graph_argmax_agree"] = float(
             (g_logits.argmax(-1) == e_logits.argmax(-1)).float().mean())
         graphs.verify(verify)  # the latest verify plan is of this bucket again
-        res["verify_graph_ms"] = event_ms(lambda: graphs.replay_verify_only(rows), iters)
+        res["verify_graph_ms"] = event_ms(lambda: graphs.replay_phase_only("verify", rows), iters)
     if graphs.can_extend(verify) and all(p.greedy for p in
                                          (eng.scheduler.requests[r].params for r in req_ids)):
         res.update(_extend_graph_timings(eng, graphs, verify, rows, iters))
@@ -747,15 +754,17 @@ def print_table() -> None:
                       f"{v.get('accepted_hist', '')} {v.get('error', '')}")
     cols = ("plain_graph_ms", "plain_step_ms", "draft_step_ms", "propose_ms", "verify_ms",
             "accept_ms", "extend_ms", "round_sum_ms", "spec_step_ms", "spec_step_loop_ms",
-            "spec_step_loop_noahead_ms",
+            "spec_step_loop_noverify_ms", "spec_step_loop_noahead_ms",
             "propose_replay_ms", "propose_graph_ms", "verify_graph_ms", "extend_graph_ms",
             "extend_graph_call_ms", "spec_step_eager_ms")
     short = ("plain_g", "plain", "d_step", "propose", "verify", "accept", "extend", "sum",
-             "round", "round_l", "prop_r", "prop_g", "verif_g", "ext_g", "ext_gc", "round_e")
+             "round", "round_l", "round_nv", "round_na", "prop_r", "prop_g", "verif_g", "ext_g",
+             "ext_gc", "round_e")
     print("\ncolumns (ms): plain_g = plain decode graph replay (GPU); plain = plain step with "
           "planning + host sync; d_step/propose/verify/accept/extend/sum = eager pieces of a "
           "round; round = a whole engine round (spec graphs on when captured); round_l = "
-          "rounds back to back (mean); prop_r/prop_g/verif_g/ext_g = replay of the drafting "
+          "rounds back to back (mean); round_nv / round_na = the same without verifying / "
+          "drafting ahead; prop_r/prop_g/verif_g/ext_g = replay of the drafting "
           "graph (all k-1 steps) / graphed drafting with its input copies / verify replay / "
           "draft-extend replay; ext_gc "
           "= draft-extend graph call (planning + copies + replay); round_e = a whole round "

@@ -41,14 +41,14 @@ from typing import Protocol
 # Bump when the table's meaning or the profiling changes (cache key). 2: every k runs in CUDA
 # graphs (spec/graph_set.py), so tables of version 1 (k < num_steps eager) are stale. 3: the
 # table also prices the plain engine's step (`StepCostTable.plain`), and a round is priced as
-# the whole engine step (commit and stop checks included). 4: the least of 3 timed runs on CUDA
-# after two warm-ups (one run after one warm-up put noise of 50% into batch-1 entries). 5: the
-# profiled table is its monotone envelope (`StepCostTable.envelope`). 6: rounds draft ahead
+# the whole engine step (commit and stop checks included). 4: the least of 3 timed runs after
+# two warm-ups on CUDA. 5: the profiled table is its monotone envelope. 6: rounds draft ahead
 # (spec/ahead.py) and the head shards over TP (spec/head.py): both change what a round costs.
 # 7: plain decode graphs plan on the device (engine/attention/device_decode.py), small decode
 # launches split finer, chain draft steps skip the normalizer: plain steps and rounds both.
-# 8: the table prices a prompt's arrival under rounds (`StepCostTable.arrival`).
-POLICY_VERSION = 8
+# 8: the table prices a prompt's arrival under rounds (`StepCostTable.arrival`). 9: batch-1
+# rounds verify the next round ahead (spec/ahead.py): rounds back to back cost less.
+POLICY_VERSION = 9
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,22 +26,52 @@ every later round rewrites before reading: dropping never changes an output eith
 The next round's slots must be in the page lists the drafting reads, so the SpecScheduler
 reserves them one round early where pages are free (`SpecScheduler.spare_slots`).
 `TANDEM_DRAFT_AHEAD=0` turns it off.
+
+**Verifying ahead** (batches of at most `TANDEM_VERIFY_AHEAD` requests, default 1; 0: never):
+the next round's verify is queued too, right behind its drafting (`verify_ahead`: its tokens,
+page table and num_cached are the drafting's, on the device). The host then commits this
+round while the GPU verifies the next, and the next step launches acceptance and draft-extend
+behind a verify already run: rounds back to back are GPU time, not GPU + host (SmolLM2 at
+batch 1: ~1.3 ms served against ~1.1 of GPU work). The next step uses it only with the
+drafting it verified (`take`) and only if no verify replayed since (`verified`); dropped, it
+wrote target KV only where the drafting wrote draft KV (past every committed position, inside
+the pages checked), rewritten before any read, and logits the next verify overwrites. A drop
+costs a verify of GPU time, so it is not queued where this round may end a request by length
+(`may_end`; an EOS cannot be foreseen), nor over large batches, where requests end often and
+the host is a smaller share of a round. Greedy chains in graphs with device metadata only, one
+DP rank (the others would not join the verify's collectives).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tandem.spec.cuda_graphs import ExtendOutput, SpecGraphRunner
-from tandem.spec.phases import DraftInput, VerifyInput
+from tandem.engine.request import Request
+from tandem.engine.runner import ForwardOutput
+from tandem.spec.cuda_graphs import SpecGraphRunner
+from tandem.spec.phases import DraftInput, ExtendOutput, VerifyInput
 
 
 def enabled_by_env() -> bool:
     return os.environ.get("TANDEM_DRAFT_AHEAD", "1") != "0"
+
+
+def verify_batch_by_env() -> int:
+    """The largest batch whose next verify is queued ahead too (0: none)."""
+    return max(0, int(os.environ.get("TANDEM_VERIFY_AHEAD", "1")))
+
+
+def may_end(reqs: Sequence[Request], num_drafts: int) -> bool:
+    """Whether a round committing up to num_drafts + 1 tokens may end one of `reqs` by its
+    length (max_new_tokens or the context limit; `Request.finished`'s length terms)."""
+    n = num_drafts + 1
+    return any(len(r.output_ids) + n >= r.params.max_new_tokens
+               or r.num_tokens + n >= r.max_total_len for r in reqs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -51,47 +81,83 @@ class _Queued:
     req_ids: tuple[str, ...]
     page_ids: tuple[tuple[int, ...], ...]  # the page lists the drafting read
     num_cached: tuple[int, ...] | None  # [bs] the next round's; None until the host read
+    verified: ForwardOutput | None = None  # its verify, queued ahead too (None: not queued)
+    verifies: int = 0  # the engine's verify replays right after that launch
 
 
 class DraftAhead:
     """Owns the one drafting queued ahead (at most one: the step's last round queues it, the
     next step's first proposal takes or drops it). Counts what became of each."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, verify_batch: int = 0) -> None:
         self.enabled = enabled
+        self.verify_batch = verify_batch  # largest batch verified ahead too (0: none)
         self._queued: _Queued | None = None
+        self._taken: tuple[VerifyInput, _Queued] | None = None  # used drafting, its verify
         self.used = 0  # queued draftings a round verified
         self.dropped = 0  # queued draftings the next round could not use
+        self.verify_queued = 0  # verifies queued ahead, and what became of them
+        self.verify_used = 0
+        self.verify_dropped = 0
 
-    def launch(self, runner: SpecGraphRunner, req_ids: Sequence[str], verify: VerifyInput,
+    def launch(self, runner: SpecGraphRunner, reqs: Sequence[Request], verify: VerifyInput,
                num_accepted: torch.Tensor, ext: ExtendOutput) -> None:
         """After the round's draft-extend was queued, before its host read: queue the next
-        round's drafting of the same rows (num_accepted [bs] int32 on the device)."""
+        round's drafting of the same rows `reqs` (num_accepted [bs] int32 on the device), and
+        its verify where that pays (module docstring)."""
+        self._drop(self._queued)
         self._queued = None
         if self.enabled and runner.draft_ahead(verify, num_accepted, ext):
+            out = None
+            if len(reqs) <= self.verify_batch and not may_end(reqs, runner.num_drafts):
+                out = runner.verify_ahead(len(reqs))
+                self.verify_queued += out is not None
             self._queued = _Queued(runner=runner, writes=runner.drafts_launched,
-                                   req_ids=tuple(req_ids), page_ids=verify.page_ids,
-                                   num_cached=None)
+                                   req_ids=tuple(r.req_id for r in reqs),
+                                   page_ids=verify.page_ids, num_cached=None, verified=out,
+                                   verifies=runner.memory.verifies.n)
 
     def arm(self, nxt: DraftInput) -> None:
         """The round's host read is done: `nxt` is the next round's input as the host sees it
         (num_cached advanced by what was accepted)."""
         q = self._queued
         if q is not None and q.num_cached is None:
-            self._queued = _Queued(runner=q.runner, writes=q.writes, req_ids=q.req_ids,
-                                   page_ids=q.page_ids, num_cached=nxt.num_cached)
+                self._queued = dataclasses.replace(q, num_cached=nxt.num_cached)
 
     def take(self, runner: SpecGraphRunner, req_ids: Sequence[str], inp: DraftInput
              ) -> VerifyInput | None:
         """The queued drafting as this round's VerifyInput if it drafted exactly `inp` (module
         docstring), else None (and it is dropped: the round proposes as usual)."""
         q, self._queued = self._queued, None
+        self._drop(self._taken[1] if self._taken else None)
+        self._taken = None
         if q is None:
             return None
         if (q.runner is not runner or runner.drafts_launched != q.writes
                 or q.req_ids != tuple(req_ids) or q.num_cached != inp.num_cached
                 or any(p[: len(old)] != old for p, old in zip(inp.page_ids, q.page_ids))):
             self.dropped += 1
+            self._drop(q)
             return None
         self.used += 1
-        return runner.drafted(inp)
+        drafted = runner.drafted(inp)
+        if q.verified is not None:
+            self._taken = (drafted, q)
+        return drafted
+
+    def verified(self, verify: object) -> ForwardOutput | None:
+        """The verify queued ahead of `verify` (the drafting `take` just returned) if no
+        verify replayed since, else None (the round verifies as usual)."""
+        t, self._taken = self._taken, None
+        if t is None:
+            return None
+        drafted, q = t
+        if drafted is verify and q.runner.memory.verifies.n == q.verifies:
+            self.verify_used += 1
+            return q.verified
+        self._drop(q)
+        return None
+
+    def _drop(self, q: _Queued | None) -> None:
+        if q is not None and q.verified is not None:
+            self.verify_dropped += 1

@@ -59,7 +59,7 @@ from tandem.spec import kernels as spec_kernels
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.graph_memory import GraphMemory, check_fixed_buffers, graph_planner
-from tandem.spec.phases import DraftInput, VerifyInput
+from tandem.spec.phases import DraftInput, ExtendOutput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.tree_graphs import DraftedTree
 from tandem.spec.slices import (
@@ -70,17 +70,6 @@ from tandem.spec.slices import (
     pad_fixed_slices,
     verify_layout,
 )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class ExtendOutput:
-    """The draft-extend graph's result for the real rows: the next round's first level. New
-    tensors (the graph's static outputs are copied out)."""
-
-    hidden: torch.Tensor  # [bs, H] draft hidden of each request's bonus row
-    topk_ids: torch.Tensor  # [bs, topk] int64 target ids it proposes
-    topk_logp: torch.Tensor  # [bs, topk] float32 their draft log-probabilities
-    last_tokens: torch.Tensor  # [bs] int64 the bonus tokens
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -353,7 +342,7 @@ class SpecGraphRunner:
         if not self.can_verify(verify) or rows is None:
             raise ValueError(f"no verify graph for {bs} x {verify.num_nodes} nodes (captured "
                              f"{self.batch_sizes} x {n})")
-        captured, plan = self._verify_graphs[rows], None
+        plan = None
         if self.device_metadata:  # the table and num_cached only (a chain: no tree here)
             self._load_verify_table(verify, rows)
         else:
@@ -367,9 +356,26 @@ class SpecGraphRunner:
             plan = self._verify_planner.plan(layout.attn)
             self._verify_positions[: rows * n].copy_(layout.positions, non_blocking=True)
         self._verify_ids[: bs * n].copy_(verify.tokens.reshape(-1), non_blocking=True)
+        return self._replay_verify(bs, rows, plan)
+
+    def verify_ahead(self, bs: int) -> ForwardOutput | None:
+        """Queue the NEXT round's verify behind the drafting `draft_ahead` just queued for
+        these `bs` rows: its tokens, page table and num_cached (the device's) are the
+        drafting's. None where verify plans on the host. Outputs as `verify`'s."""
+        rows = self.bucket(bs)
+        if not self.device_metadata or self.masked or rows is None:
+            return None
+        self._ver_table[:rows].copy_(self._draft_table[:rows])
+        self._ver_base[:rows].copy_(self._draft_base[:rows])  # [rows] nc + a + 1 per row
+        self._ver_loaded = None  # the table is the device's guess, not a VerifyInput's
+        self._verify_ids[: bs * self.num_nodes].copy_(self._tokens[:bs].reshape(-1))
+        return self._replay_verify(bs, rows, None)
+
+    def _replay_verify(self, bs: int, rows: int, plan: Any) -> ForwardOutput:
+        n = self.num_nodes
         self._verify_ids[bs * n : rows * n].zero_()  # padding rows: any valid token
-        out = self._replay(captured, self._verify_body, rows, plan)
-        assert out is not None
+        out = self._replay(self._verify_graphs[rows], self._verify_body, rows, plan)
+        self.memory.verifies.n += 1
         m = bs * n
         return ForwardOutput(logits=out.logits[:m], hidden=out.hidden[:m],
                              aux_hidden=tuple(a[:m] for a in out.aux_hidden))
@@ -428,20 +434,13 @@ class SpecGraphRunner:
 
     # ---- benchmarks ---------------------------------------------------------------------------
 
-    def replay_propose_only(self, rows: int) -> None:
-        """Replay the drafting graph of this bucket on the inputs already in its buffers (pure
-        GPU time: k-1 draft steps)."""
-        self._draft_graphs[rows].graph.replay()
-
-    def replay_verify_only(self, rows: int) -> None:
-        """Replay verify without re-planning: the latest verify plan must be of this bucket."""
-        if self._verify_planner is not None:
-            check_latest_plan(self._verify_planner, rows, "replay_verify_only")
-        self._verify_graphs[rows].graph.replay()
-
-    def replay_extend_only(self, rows: int) -> None:
-        """Replay draft-extend without re-planning: the latest extend plan must be of this
-        bucket (an `extend` of that batch size just ran)."""
-        if self._extend_planner is not None:
-            check_latest_plan(self._extend_planner, rows, "replay_extend_only")
-        self._extend_graphs[rows].graph.replay()
+    def replay_phase_only(self, which: str, rows: int) -> None:
+        """Replay this bucket's "propose" (k-1 draft steps), "verify" or "extend" graph on
+        the inputs already in its buffers, nothing planned (pure GPU time). Planned on the
+        host, that graph's latest plan must be of this bucket (a round of it just ran)."""
+        planner = {"verify": self._verify_planner, "extend": self._extend_planner}.get(which)
+        if planner is not None:
+            check_latest_plan(planner, rows, f"replay_phase_only({which!r})")
+        graphs = {"propose": self._draft_graphs, "verify": self._verify_graphs,
+                  "extend": self._extend_graphs}[which]
+        graphs[rows].graph.replay()

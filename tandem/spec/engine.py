@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk, StepPlan
 from tandem.messages import FinishReason, TokenLogprob
 from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
-from tandem.spec.ahead import DraftAhead, enabled_by_env
+from tandem.spec.ahead import DraftAhead, enabled_by_env, verify_batch_by_env
 from tandem.spec.adaptive import KPolicy
 from tandem.spec.config import SpecConfig
 from tandem.spec.cuda_graphs import SpecGraphRunner
@@ -134,9 +134,8 @@ class SpecEngine(HandoffSide, LLMEngine):
             self.draft_prefill = DraftPrefillGraphs(self.draft, self.graphs,
                                                     self.spec_graphs.memory.pool)
             self.draft_prefill.capture()
-        # Greedy rounds in graphs queue the next round's drafting before their host read
-        # (spec/ahead.py), its slots reserved a round early where pages are free.
-        self.draft_ahead = DraftAhead()
+        # Greedy rounds in graphs queue the next round's drafting (and verify): spec/ahead.py.
+        self.draft_ahead = DraftAhead(verify_batch=verify_batch_by_env() * (model.par.dp.size == 1))
         self.set_draft_ahead(enabled_by_env())
         if policy is None and spec.adaptive:  # after the graphs: profiling times them
             from tandem.spec.cost_profile import adaptive_policy
@@ -232,7 +231,7 @@ class SpecEngine(HandoffSide, LLMEngine):
             # the policy takes only where two forwards cost less than one over everybody.
             rounds = spec_sched.round_inputs(reqs, allow_split=self.model.par.dp.size == 1)
             for rows, inp in rounds:  # a step's only round may draft the next one ahead
-                result, nxt = self._spec_round(inp, ahead=len(rounds) == 1)
+                result, nxt = self._spec_round(inp, ahead=rows if len(rounds) == 1 else ())
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
             if steady and not plan.chunks and len(rounds) == 1:
                 spec_sched.served(len(rounds[0][0]), time.perf_counter() - t0,
@@ -326,7 +325,7 @@ class SpecEngine(HandoffSide, LLMEngine):
             self.spec_scheduler.set_seed(req.req_id, seed)
         return result
 
-    def _spec_round(self, inp: RoundInput, ahead: bool = False
+    def _spec_round(self, inp: RoundInput, ahead: Sequence[Request] = ()
                     ) -> tuple[VerifyResult, DraftInput]:
         """One speculative round, phase value to phase value: draft -> verify -> accept ->
         draft-extend. Returns what the target accepted per request and the next round's draft
@@ -357,8 +356,8 @@ class SpecEngine(HandoffSide, LLMEngine):
             pending = launch_greedy_accept(verify, out.logits, inp.params)
             ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
                                 features)
-            if ahead:  # the next round's drafting, queued before this round's host read
-                self.draft_ahead.launch(graphs, inp.req_ids, verify, pending.num_accepted, ext)
+            if ahead:  # the next round's drafting (and verify), before this round's host read
+                self.draft_ahead.launch(graphs, ahead, verify, pending.num_accepted, ext)
             result = with_row_faults(pending.result(), inp.req_ids, fault)  # SYNC inside
             compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV
             nxt = next_draft_input(verify, result, ext.hidden, ext.topk_ids, ext.topk_logp,
@@ -395,6 +394,8 @@ class SpecEngine(HandoffSide, LLMEngine):
         return graphs_for(self.spec_graphs, self.k_graphs, num_drafts)
 
     def _verify_forward(self, verify: VerifyInput | DraftedTree) -> ForwardOutput:
+        if (queued := self.draft_ahead.verified(verify)) is not None:
+            return queued  # queued ahead by the round before (spec/ahead.py)
         graphs = self._graphs_for(verify_drafts(self.spec, verify.num_nodes))
         if graphs is not None and graphs.can_verify(verify):
             return graphs.verify(verify)

@@ -4,7 +4,7 @@ captured for, and their attention planners (spec/cuda_graphs.py holds the graphs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,11 @@ def spec_graph_batch_sizes(decode_sizes: Sequence[int], max_batch_size: int | No
     return tuple(sizes)
 
 
+@dataclass(slots=True)
+class VerifyCount:
+    n: int = 0
+
+
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class GraphMemory:
     """What the speculative graphs of one engine share, made by its first runner (k =
@@ -34,6 +39,9 @@ class GraphMemory:
 
     pool: Any  # torch.cuda graph pool handle; None off CUDA (eager-mode runners, CPU tests)
     logits: torch.Tensor  # [B_max * N_max, V] float32 verify logits, request-major
+    # verify replays so far, every runner's: a verify queued ahead (spec/ahead.py) is still
+    # the latest -- its logits still in `logits` -- while this has not moved
+    verifies: VerifyCount = field(default_factory=lambda: VerifyCount())
 
     @staticmethod
     def allocate(runner: ModelRunner, max_rows: int, device: torch.device) -> GraphMemory:

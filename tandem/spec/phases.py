@@ -158,3 +158,14 @@ class DraftExtendInput:
     num_cached: tuple[int, ...]  # [bs] same as the round's (first extend position)
     new_tokens: tuple[tuple[int, ...], ...]  # [bs][a_r + 1]
     features: torch.Tensor  # [sum_r (a_r + 1), F] target features, request-major
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ExtendOutput:
+    """The draft-extend graph's result for the real rows: the next round's first level. New
+    tensors (the graph's static outputs are copied out)."""
+
+    hidden: torch.Tensor  # [bs, H] draft hidden of each request's bonus row
+    topk_ids: torch.Tensor  # [bs, topk] int64 target ids it proposes
+    topk_logp: torch.Tensor  # [bs, topk] float32 their draft log-probabilities
+    last_tokens: torch.Tensor  # [bs] int64 the bonus tokens

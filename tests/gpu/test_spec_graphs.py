@@ -137,7 +137,7 @@ def test_spec_drafting_replay_equals_eager_of_the_same_padded_batch(chain_engine
     hidden = chain_steps(eng.draft, tokens, graphs._hidden[:rows].clone(), table, base)
     assert hidden.shape == graphs._hidden[:rows].shape
     graphs._tokens[:rows, 2:].fill_(-1)  # the replay must write the drafts itself
-    graphs.replay_propose_only(rows)
+    graphs.replay_phase_only("propose", rows)
     torch.cuda.synchronize()
     assert torch.equal(graphs._tokens[:rows], tokens)
     assert torch.equal(got, tokens[:bs])
@@ -196,8 +196,10 @@ def test_spec_with_graphs_is_lossless_up_to_bf16_near_ties(target, which, policy
         want = [c.output_ids for c in plain.generate(prompts, params)]
         eng = SpecEngine(_cfg(True), spec, *target)
         assert eng.spec_graphs is not None
+        eng.draft_ahead.verify_batch = 8  # the five rows' next verify queued ahead too
         got = [c.output_ids for c in eng.generate(prompts, params)]
     assert (eng.draft_ahead.used > 0) == (which == "chain")  # chains draft ahead (spec/ahead.py)
+    assert (eng.draft_ahead.verify_used > 0) == (which == "chain")  # ... and verify ahead
     # bf16: a verify over N tokens and a 1-token decode round differently; they may part
     # only where the two best candidates are within 2% of the logit scale.
     assert_parts_only_at_near_ties(plain, prompts, got, want)
@@ -236,7 +238,7 @@ def test_spec_extend_graph_equals_eager_extend(chain_engine, tree_engine, which,
     # A replay over another bucket's plan is refused before launch (the bs-16 OOB).
     other = next(b for b in graphs.batch_sizes if b != graphs.bucket(bs))
     with pytest.raises(ValueError, match="plan a batch of this size first"):
-        graphs.replay_extend_only(other)
+        graphs.replay_phase_only("extend", other)
     _abort(eng, ids)
 
 
@@ -514,7 +516,8 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
     """float32 on the GPU, the chain runner in eager mode: drafting ahead (queued on the stream
     before the round's host read, spec/ahead.py) gives plain greedy's tokens exactly, and its
     rounds verify the same drafts as drafting in the step; also with verify and extend through
-    the device-decode kernel (device metadata, the Triton kernel over k+1 rows per request)."""
+    the device-decode kernel (device metadata, the Triton kernel over k+1 rows per request),
+    where the next round's verify is queued ahead too."""
     cfg, model, head = _float32_smollm2()
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 49152, (5 + 11 * i,), generator=g).tolist() for i in range(3)]
@@ -525,12 +528,14 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
         eng = SpecEngine(cfg, CHAIN, model, head)
         _eager_chain_runner(eng, monkeypatch, device_metadata)
         eng.set_draft_ahead(ahead)
+        eng.draft_ahead.verify_batch = 4  # verify ahead too, where the metadata is the device's
         seen = verified[ahead] = []
         orig = eng._verify_forward
         monkeypatch.setattr(eng, "_verify_forward",
                             lambda v, orig=orig, seen=seen: seen.append(v.tokens.cpu()) or orig(v))
         assert [c.output_ids for c in eng.generate(prompts, params)] == want
         assert (eng.draft_ahead.used > 0) == ahead
+        assert (eng.draft_ahead.verify_used > 0) == (ahead and device_metadata)
     assert len(verified[True]) == len(verified[False])
     assert all(torch.equal(a, b) for a, b in zip(verified[True], verified[False]))
 

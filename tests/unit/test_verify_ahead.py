@@ -1,0 +1,172 @@
+"""Verifying ahead (spec/ahead.py): a greedy round in graphs with device metadata queues the
+next round's drafting AND its verify before its host read, from device values alone; the next
+step uses that verify only with the drafting it verified and only if no verify replayed since.
+Either way the output is plain greedy decoding's and every round verifies the tokens it
+verifies with nothing queued ahead. CPU: the runner in eager mode (test_spec_graph_padding),
+its metadata on the device (test_device_verify)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_helpers import (
+    assert_pages_free,
+    engine_cfg,
+    greedy,
+    one_thread,  # noqa: F401 (autouse fixture)
+    prompts,
+    reference,
+    tiny_head,
+    tiny_target,
+)
+from test_spec_adaptive import KS, SPEC, ForcedK
+from test_spec_graph_padding import _attach_graphs
+from test_spec_k_graphs import _attach_k_graphs
+
+from tandem.engine import SamplingParams
+from tandem.engine.request import Request
+from tandem.spec import SpecConfig, SpecEngine
+from tandem.spec.ahead import DraftAhead, may_end
+
+EOS = 17  # a live token of tiny_target: the target emits it
+
+
+def _engine(model, spec, monkeypatch, verify_batch: int, kind: str = "eagle",
+            policy=None, **cfg) -> SpecEngine:
+    eng = SpecEngine(engine_cfg(**cfg), spec, model, tiny_head(model, kind), policy=policy)
+    if policy is None:
+        _attach_graphs(eng, monkeypatch, device_metadata=True)
+    else:
+        _attach_k_graphs(eng, monkeypatch, device_metadata=True)
+    eng.set_draft_ahead(True)
+    eng.draft_ahead.verify_batch = verify_batch
+    verified, launched = [], []  # per round: (num_cached, tokens); verifies launched in-step
+    orig = eng._verify_forward
+
+    def spy(v):
+        verified.append((v.num_cached, v.tokens.clone()))
+        return orig(v)
+
+    monkeypatch.setattr(eng, "_verify_forward", spy)
+    for runner in {id(r): r for r in (eng.spec_graphs, *eng.k_graphs.values())}.values():
+        real = runner.verify
+        monkeypatch.setattr(runner, "verify", lambda v, real=real: launched.append(1) or real(v))
+    eng.verified, eng.launched = verified, launched  # type: ignore[attr-defined]
+    return eng
+
+
+def _same_rounds(a: SpecEngine, b: SpecEngine) -> None:
+    va, vb = a.verified, b.verified  # type: ignore[attr-defined]
+    assert len(va) == len(vb)
+    for (nca, ta), (ncb, tb) in zip(va, vb):
+        assert nca == ncb and torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle-2layer", "eagle3"])
+@pytest.mark.parametrize("steps", [4, 2])
+@pytest.mark.parametrize("bs", [1, 3])  # 3 runs padded in the bucket of 4
+def test_verifying_ahead_gives_the_rounds_of_the_step(bs, steps, kind, monkeypatch):
+    """Every round of a request but its first (and those `may_end` keeps from queuing) takes
+    the verify queued by the round before; the rounds verify the tokens they verify with
+    nothing verified ahead, and the output is plain greedy decoding's."""
+    model = tiny_target("llama")
+    spec = SpecConfig(num_steps=steps)
+    ps, params = prompts(bs, seed=70 + bs), greedy(24)
+    want = [c.output_ids for c in reference(model, ps, params)]
+    on = _engine(model, spec, monkeypatch, verify_batch=4, kind=kind)
+    off = _engine(model, spec, monkeypatch, verify_batch=0, kind=kind)
+    assert [c.output_ids for c in on.generate(ps, params)] == want
+    assert [c.output_ids for c in off.generate(ps, params)] == want
+    _same_rounds(on, off)
+    assert on.spec_stats.num_tokens == off.spec_stats.num_tokens  # the same acceptance
+    ahead = on.draft_ahead
+    assert ahead.verify_used > 0 and off.draft_ahead.verify_used == 0
+    # Each round verified once: in its step, or queued ahead and used.
+    assert len(on.launched) + ahead.verify_used == len(on.verified)  # type: ignore[attr-defined]
+    assert ahead.verify_dropped <= bs - 1  # a request ending: the others' round changes
+    if bs == 1:  # it ends by its length: its last round (`may_end`) queued nothing
+        assert ahead.verify_queued == ahead.verify_used
+    assert_pages_free(on)
+
+
+def test_a_changed_batch_drops_the_verify_queued_ahead(monkeypatch):
+    """Requests ending at different rounds (EOS inside accepted runs, max_new_tokens), one
+    aborted between steps and one joining late: the verify queued ahead of a changed batch is
+    dropped and the round verifies in its step; outputs are plain greedy's."""
+    model = tiny_target("llama", eos_token_id=EOS)
+    ps = prompts(5, seed=12)
+    params = [SamplingParams(max_new_tokens=n) for n in (6, 30, 17, 30, 25)]
+    ref = reference(model, ps, params)
+    runs = {}
+    for vb in (8, 0):
+        eng = _engine(model, SpecConfig(num_steps=4), monkeypatch, verify_batch=vb)
+        ids = [eng.add_request(p, q) for p, q in zip(ps[:4], params[:4])]
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while eng.scheduler.has_work():
+            for out in eng.step():
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            steps += 1
+            if steps == 6:
+                assert eng.abort(ids[3])
+            if steps == 8:
+                ids.append(eng.add_request(ps[4], params[4]))
+        for i in (0, 1, 2, 4):
+            assert tuple(tokens[ids[i]]) == tuple(ref[i].output_ids), i
+        assert_pages_free(eng)
+        runs[vb] = eng
+    on, off = runs[8], runs[0]
+    assert any(EOS in c.output_ids and len(c.output_ids) < p.max_new_tokens
+               for c, p in zip(ref, params))  # an EOS ended a request early
+    _same_rounds(on, off)
+    assert on.draft_ahead.verify_used > 0 and on.draft_ahead.verify_dropped >= 2
+
+
+def test_a_verify_replayed_in_between_drops_it(monkeypatch):
+    """Another verify between the queuing and the next round overwrites the shared logits:
+    the queued one must not be used. Simulated by scribbling over the logits buffer and
+    counting a replay right after each launch: every round verifies in its step again, and
+    the output stays plain greedy's (with the count ignored, it would not)."""
+    model = tiny_target("llama")
+    ps, params = prompts(2, seed=81), greedy(20)
+    eng = _engine(model, SpecConfig(num_steps=4), monkeypatch, verify_batch=4)
+    orig = DraftAhead.launch
+
+    def launch(self, runner, *a):
+        orig(self, runner, *a)
+        runner.memory.logits.normal_()
+        runner.memory.verifies.n += 1
+
+    monkeypatch.setattr(DraftAhead, "launch", launch)
+    got = eng.generate(ps, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, params)]
+    assert eng.draft_ahead.verify_used == 0 and eng.draft_ahead.verify_dropped > 0
+    assert len(eng.launched) == len(eng.verified)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_a_changing_k_drops_it_and_stays_lossless(bs, monkeypatch):
+    """A k schedule changing k every step, with split steps and k = 0 rounds: a verify
+    queued for one k is never used by a round of another; output plain greedy's."""
+    model = tiny_target("llama")
+    ps = prompts(bs, seed=83 + bs)
+    eng = _engine(model, SPEC, monkeypatch, verify_batch=4, policy=ForcedK(KS, split_every=3))
+    got = eng.generate(ps, greedy(24))
+    assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, greedy(24))]
+    assert eng.draft_ahead.verify_dropped > 0
+    assert_pages_free(eng)
+
+
+def test_may_end_foresees_the_length_limits():
+    """A round of k drafts commits up to k + 1 tokens: queuing the next verify is left out
+    where those may reach max_new_tokens or the context limit."""
+    def req(out: int, max_new: int, prompt: int = 8, total: int = 1000) -> Request:
+        return Request(req_id="r", prompt_ids=[1] * prompt, params=greedy(max_new),
+                       max_total_len=total, generator=None, page_ids=[], num_computed=prompt,
+                       output_ids=[2] * out)
+
+    assert not may_end([req(10, 20)], 4)  # 10 + 5 < 20
+    assert may_end([req(15, 20)], 4)  # 15 + 5 reaches 20
+    assert not may_end([req(14, 20)], 4)
+    assert may_end([req(10, 20, prompt=8, total=23)], 4)  # 18 + 5 reaches the context limit
+    assert may_end([req(0, 100), req(15, 20)], 4)  # any row
