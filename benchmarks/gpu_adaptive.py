@@ -49,6 +49,8 @@ def main() -> None:
                          "table only (acceptance is ~0)")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--debug", action="store_true",
+                    help="log every profiled k's time and what it queued ahead (spec/ahead.py)")
     ap.add_argument("--out", help="write the table, the policy's picks and the set-up as JSON")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -65,10 +67,11 @@ def main() -> None:
         draft = str(write_dummy_head(resolve_model(cfg)[0], cfg.dtype))
     spec = SpecConfig(num_steps=args.num_steps, draft_model=draft)
     notes: list[str] = []  # what graph capture and profiling log (times, memory)
-    handler = logging.Handler(logging.INFO)
+    level = logging.DEBUG if args.debug else logging.INFO
+    handler = logging.Handler(level)
     handler.emit = lambda rec: notes.append(rec.getMessage()) or print(rec.getMessage())
     logging.getLogger("tandem.spec").addHandler(handler)
-    logging.getLogger("tandem.spec").setLevel(logging.INFO)
+    logging.getLogger("tandem.spec").setLevel(level)
     t0 = time.perf_counter()
     eng = SpecEngine.from_config(cfg, dataclasses.replace(spec, adaptive=True))
     build_s = time.perf_counter() - t0

@@ -22,12 +22,11 @@ everybody (`plan_round` compares the options; at small, memory-bound batches one
 so a split happens only where a target forward's cost grows with the rows it carries).
 
 The estimates are exponentially weighted: a round that proposed k drafts and accepted a
-observes, for each j <= k, whether at least j were accepted (the cumulative prod_{i<=j} p_i,
-so every position a round proposed is observed in every such round; positions past k keep
-their conditional p_j). A request that does not draft is not
-observed; its estimate relaxes toward the prior at `relax` per step, so a muted request (or a
-whole engine stuck at k = 0, or in the plain regime: `plain_step`) drafts again after a while
-and is measured afresh.
+observes, for each j <= k, whether at least j were accepted (the cumulative prod_{i<=j} p_i;
+positions past k keep their conditional p_j). A request that does not draft is not observed;
+its estimate relaxes toward the prior (the head's measured acceptance where its config gives
+it) at `relax` per step, so a muted request (or a whole engine stuck at k = 0, or in the plain
+regime: `plain_step`) drafts again after a while and is measured afresh.
 """
 
 from __future__ import annotations
@@ -287,20 +286,17 @@ class AdaptiveSettings:
     # again costs a few rounds every few hundred steps, not every few dozen
     plain_relax: float = 0.002
     # Ties go to the plain regime: rounds must beat a plain step's time per token by this
-    # fraction. Where the two are within it (SmolLM2 at batch 1: a round of 2.05 tokens in
-    # 1.48 ms against a 0.65 ms plain step) drafting gains nothing, and each switch costs a
-    # speculative prompt step and the plain steps' overlap.
+    # fraction (within it drafting gains nothing, and a switch costs a speculative prompt
+    # step and the plain steps' overlap).
     margin: float = 0.05
-    # Output tokens a request runs before any has finished (then: their running mean, weight
-    # `output_len_alpha` per finished request): spreads the arrival cost over tokens.
+    # Output tokens a request runs before any finished (then their running mean, weight
+    # `output_len_alpha` each): the arrival cost is spread over them.
     output_len_prior: float = 256.0
     output_len_alpha: float = 0.05
-    # EWMA weight of one served step in its regime's scale (`AdaptivePolicy.served`): what
-    # steps take in service over what the start-up profile priced them at.
+    # EWMA weight of one served step in its regime's scale (`AdaptivePolicy.served`)
     served_alpha: float = 0.02
     # Keep the last step's k unless another beats it by this fraction: a change of k drops
-    # the drafting queued ahead for the old k (spec/ahead.py; ~0.3 ms of a 1.3 ms SmolLM2
-    # round, H200), unpriced by the fixed-k profile, for rates that differ by 1-2% near the top.
+    # what was queued ahead for the old k (spec/ahead.py), unpriced by the fixed-k profile.
     k_switch_margin: float = 0.03
 
     def __post_init__(self) -> None:
@@ -328,6 +324,7 @@ class AdaptivePolicy:
     served_plain: tuple[float, float] = (0.0, 0.0)
     served_rounds: tuple[float, float] = (0.0, 0.0)
     last_k: int = 0  # the last plan's k where every row drafted (0: none, or a split)
+    measured: tuple[float, ...] = ()  # the head's P(draft j accepted), j = 1..: see _prior
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.table.max_k)
@@ -337,7 +334,10 @@ class AdaptivePolicy:
             self.output_len = self.settings.output_len_prior
 
     def _prior(self) -> tuple[float, ...]:
-        return (self.settings.prior,) * self.max_k
+        """Per position: the head's measured conditional P_j / P_{j-1}, else settings.prior."""
+        m, fill = self.measured, self.settings.prior
+        cond = [b / a if a > 0 else fill for a, b in zip((1.0, *m), m)]
+        return tuple(cond[: self.max_k]) + (fill,) * (self.max_k - len(cond))
 
     def plan(self, req_ids: Sequence[str], allow_split: bool) -> RoundPlan:
         """The step's plan (the last step's k unless another wins by `k_switch_margin`); rows

@@ -43,12 +43,20 @@ class DraftHeadConfig:
     fc_bias: bool
     feature_layers: tuple[int, ...]  # target layers whose input stream EAGLE-3 fuses; () for EAGLE
     num_layers: int = 1  # decoder layers; > 1 only for EAGLE-1/2 (EAGLE-3 has one midlayer)
+    # P(draft j accepted), j = 1.., as measured for this head (config.json
+    # `tandem_acceptance`, e.g. from `tandem eval-eagle`): the adaptive policy's prior; ()
+    # when unmeasured. Not part of the head's shape.
+    acceptance: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or (self.kind == "eagle3" and self.num_layers != 1):
             raise DraftHeadError(
                 f"num_hidden_layers: {self.num_layers} is not supported for a {self.kind} head "
                 f"(EAGLE-1/2: 1 or more; EAGLE-3: 1)")
+        if any(not 0.0 <= p <= 1.0 for p in self.acceptance) or any(
+                b > a for a, b in zip(self.acceptance, self.acceptance[1:])):
+            raise DraftHeadError(f"tandem_acceptance: P(draft j accepted) must be in [0, 1] "
+                                 f"and not rise with j, got {list(self.acceptance)}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise DraftHeadError(f"draft_vocab_size: {self.draft_vocab_size} is not in [1, "
                                  f"{self.vocab_size}] (the target's vocabulary)")
@@ -92,6 +100,8 @@ class DraftHeadConfig:
             "draft_vocab_size": self.draft_vocab_size, "bias": self.fc_bias,
             "num_hidden_layers": self.num_layers,
         }
+        if self.acceptance:
+            out["tandem_acceptance"] = list(self.acceptance)
         if self.feature_layers:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}
         return out
@@ -127,6 +137,7 @@ class DraftHeadConfig:
             fc_bias=bool(raw.get("bias", kind == "eagle")),
             feature_layers=layers,
             num_layers=int(raw.get("num_hidden_layers") or 1),
+            acceptance=tuple(float(p) for p in raw.get("tandem_acceptance") or ()),
         )
 
 

@@ -5,7 +5,9 @@ and the cost table given, profiled and cached."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import random
 from collections.abc import Sequence
 
@@ -263,8 +265,11 @@ def test_adaptive_engine_with_a_given_table_is_lossless(tmp_path):
     model = tiny_target("llama")
     ps = prompts(3, seed=77)
     spec = SpecConfig(num_steps=3, adaptive=True, cost_table=str(path))
-    eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle"))
+    head = tiny_head(model, "eagle")
+    head.cfg = dataclasses.replace(head.cfg, acceptance=(0.7, 0.35))  # its measured prior
+    eng = SpecEngine(engine_cfg(), spec, model, head)
     assert isinstance(eng.spec_scheduler.policy, AdaptivePolicy)
+    assert eng.spec_scheduler.policy.overall == pytest.approx((0.7, 0.5, 0.6))
     got = eng.generate(ps, greedy(20))
     assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, greedy(20))]
     assert eng.spec_scheduler.policy.per_request == {}  # finished requests forgotten
@@ -372,3 +377,26 @@ def test_profile_returns_the_envelope(monkeypatch):
     table = cost_profile.profile(eng, repeats=1, batch_sizes=(1, 2))
     assert table == real(seen["measured"]) and table.batch_sizes == (1, 2)
     assert_pages_free(eng)
+
+
+def test_the_prior_is_the_heads_measured_acceptance():
+    """A head whose config gives its measured P(draft j accepted) starts the policy (and
+    relaxes it) toward those conditionals; positions past them, and heads without, at
+    `settings.prior`. The shipped SmolLM2 head carries its own."""
+    from tandem.spec.head_config import DraftHeadConfig, DraftHeadError
+    from tandem.spec.shipped import SHIPPED_HEADS
+
+    table = StepCostTable(batch_sizes=(1,), seconds=((1.0, 1.2, 1.3, 1.4, 1.5),))
+    pol = AdaptivePolicy(table=table, max_k=4, measured=(0.6, 0.3, 0.15))
+    assert pol.overall == pytest.approx((0.6, 0.5, 0.5, 0.6))  # 0.6 past the measured ones
+    assert expected_tokens(pol.overall, 3) == pytest.approx(1 + 0.6 + 0.3 + 0.15)
+    assert AdaptivePolicy(table=table, max_k=4).overall == (0.6,) * 4
+    pol.overall = (0.1,) * 4
+    pol.plain_step()  # relaxes toward the measured prior, not 0.6 everywhere
+    assert pol.overall[1] == pytest.approx(0.1 + pol.settings.plain_relax * (0.5 - 0.1))
+    raw = json.loads((SHIPPED_HEADS["default"] / "config.json").read_text())
+    assert raw["tandem_acceptance"] == [0.62, 0.40, 0.24, 0.16]
+    cfg = DraftHeadConfig.like_target(tiny_target("llama").cfg)
+    for bad in ((0.5, 0.6), (1.2,), (-0.1,)):  # rising, or not a probability
+        with pytest.raises(DraftHeadError, match="tandem_acceptance"):
+            dataclasses.replace(cfg, acceptance=bad)
