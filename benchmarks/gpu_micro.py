@@ -30,6 +30,12 @@ DEV = torch.device("cuda")
 SITES_8B = {"qkv": (6144, 4096, "norm"), "o_proj": (4096, 4096, "residual"),
             "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu_residual"),
             "lm_head": (128256, 4096, "f32")}
+# SmolLM2-135M (--skinny --model smollm2): 576-wide rows, 9 query + 3 KV heads of 64; its LM
+# head is tied to the embedding and the verify's 5 rows take it too (8,192 draft rows aside).
+SITES_SMOLLM2 = {"qkv": (960, 576, "norm"), "o_proj": (576, 576, "residual"),
+                 "gate_up": (3072, 576, "norm"), "down": (576, 1536, "silu_residual"),
+                 "lm_head": (49152, 576, "f32")}
+LAYERS = {"8b": 32, "smollm2": 30}
 
 
 def _site_kwargs(fused: str, nw: torch.Tensor, res: torch.Tensor) -> dict:
@@ -139,8 +145,9 @@ def _sweep_grid() -> list:
     return base + [c._replace(split_silu=True) for c in base]  # (SiLU-mul sites only)
 
 
-def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS) -> list[dict]:
-    """Every 8B site, plain and with its layer's fusion, for each row count in SKINNY_ROWS:
+def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS,
+                 model: str = "8b") -> list[dict]:
+    """Every site of the model (8B or SmolLM2), plain and with its layer's fusion, for each row count in SKINNY_ROWS:
     the unfused sequence vs each GEMV candidate (the one-row kernel's CONFIGS for M = 1,
     ROWS_CONFIGS -- or the --sweep grid -- for M > 1), alternating two weights so that
     no call finds its weight in L2."""
@@ -149,7 +156,7 @@ def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS) -> list
     rows = []
     grid = _sweep_grid() if sweep else [c for c in triton_gemv.ROWS_CONFIGS
                                         if c != triton_gemv.UNFUSED]
-    for name, (n, k, fused) in SITES_8B.items():
+    for name, (n, k, fused) in (SITES_8B if model == "8b" else SITES_SMOLLM2).items():
         weights = [(0.02 * torch.randn(n, k, device=DEV)).bfloat16() for _ in range(2)]
         w64 = weights[0].double()
         nw = (1 + 0.1 * torch.randn(k, device=DEV)).bfloat16()
@@ -161,7 +168,8 @@ def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS) -> list
             kwargs = _site_kwargs(fused, nw, res)
             for variant, xin, kw in (("plain", xk, {}), (fused, x, kwargs)):
                 # split_silu configs differ from their plain twins only with SiLU-mul
-                cands = ([c for c in grid if "silu_mul" in kw or not c.split_silu]
+                cands = ([c for c in grid
+                          if "silu_mul" in kw or not getattr(c, "split_silu", False)]
                          if m > 1 else list(triton_gemv.CONFIGS))
                 row = _skinny_row(name, variant, n, k, m, cands, weights, w64, xin, kw)
                 rows.append(row)
@@ -205,25 +213,27 @@ def _skinny_row(name, variant, n, k, m, candidates, weights, w64, xin, kw):
     gbs = n * k * 2 / 1e9
     return {"site": name, "variant": variant, "m": m, "n": n, "k": k,
             "unfused_us": unfused_us, "unfused_gbs": gbs / (unfused_us * 1e-6),
-            "best_config": tuple(best), "us": per_cfg[best],
+            "best_config": str(best), "us": per_cfg[best],
             "gbs": gbs / (per_cfg[best] * 1e-6), "speedup": unfused_us / per_cfg[best],
             "unfused_rel_err": unfused_err, "failed_check": bad,
             "top4": sorted(((str(c), t) for c, t in per_cfg.items()), key=lambda kv: kv[1])[:4]}
 
 
-def print_skinny(rows: list[dict], row_counts: tuple[int, ...] = SKINNY_ROWS) -> None:
+def print_skinny(rows: list[dict], row_counts: tuple[int, ...] = SKINNY_ROWS,
+                 model: str = "8b") -> None:
     print("\nsite      variant        M  unfused us   GB/s   kernel us   GB/s  speedup  config")
     for r in rows:
         failed = f"  FAILED CHECK {r['failed_check']}" if r["failed_check"] else ""
         print(f"{r['site']:<9} {r['variant']:<14} {r['m']}  {r['unfused_us']:9.1f} "
               f"{r['unfused_gbs']:6.0f} {r['us']:11.1f} {r['gbs']:6.0f} {r['speedup']:7.2f}x  "
               f"{r['best_config']}{failed}")
-    # What one forward of M tokens spends in projections: 32 fused layers + the LM head.
-    print("\n8B forward, projections only (32 layers x fused sites + lm_head), us:")
+    # What one forward of M tokens spends in projections: the fused layers + the LM head.
+    layers = LAYERS[model]
+    print(f"\n{model} forward, projections only ({layers} layers x fused sites + lm_head), us:")
     print("M   unfused   kernel   best-of-both")
     for m in row_counts:
         fused = [r for r in rows if r["m"] == m and r["variant"] != "plain"]
-        scale = {r["site"]: 1 if r["site"] == "lm_head" else 32 for r in fused}
+        scale = {r["site"]: 1 if r["site"] == "lm_head" else layers for r in fused}
         tot = {key: sum(scale[r["site"]] * f(r) for r in fused) for key, f in (
             ("unfused", lambda r: r["unfused_us"]), ("kernel", lambda r: r["us"]),
             ("best", lambda r: min(r["us"], r["unfused_us"])))}
@@ -239,14 +249,16 @@ def main() -> None:
                     help="with --skinny: time a wide grid of multi-row configs")
     ap.add_argument("--rows", type=int, nargs="+", default=list(SKINNY_ROWS),
                     help="with --skinny: the row counts M (default: 1 2 4 5 8)")
+    ap.add_argument("--model", choices=sorted(LAYERS), default="8b",
+                    help="with --skinny: whose projection shapes")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.skinny:
         row_counts = tuple(args.rows)
         res = {"device": torch.cuda.get_device_name(), "sweep": args.sweep,
-               "skinny": skinny_sites(args.sweep, row_counts)}
+               "model": args.model, "skinny": skinny_sites(args.sweep, row_counts, args.model)}
         (args.out / "gpu_micro_skinny.json").write_text(json.dumps(res, indent=1, default=str))
-        print_skinny(res["skinny"], row_counts)
+        print_skinny(res["skinny"], row_counts, args.model)
         return
     res = {"device": torch.cuda.get_device_name(), "attention_decode": attention_decode()}
     (args.out / "gpu_micro.json").write_text(json.dumps(res, indent=1, default=str))

@@ -11,7 +11,7 @@ from triton_interp import require_triton_interpreter
 
 require_triton_interpreter()  # before triton is first imported
 
-from tandem.engine.kernels import torch_ops, triton_gemv, triton_ops
+from tandem.engine.kernels import gemv_tuning, torch_ops, triton_gemv, triton_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -119,7 +119,7 @@ ROWS_CASES = [(3, 2, "plain"), (5, 8, "norm"), (2, 5, "silu_mul"), (5, 2, "norm_
 @pytest.mark.parametrize("shape", [(24, 64), (19, 100)])  # even blocks; ragged N and K
 @pytest.mark.parametrize(("seed", "num_rows", "variant"), ROWS_CASES)
 @pytest.mark.parametrize("config", [None, "small", "split", "fma_steps", "fma_one_step",
-                                    "unfused"])
+                                    "grid_steps", "grid_one_step", "unfused"])
 def test_gemv_rows_equal_the_twin_row_by_row(shape, seed, num_rows, variant, config):
     g = torch.Generator().manual_seed(seed)
     n, k = shape
@@ -127,6 +127,8 @@ def test_gemv_rows_equal_the_twin_row_by_row(shape, seed, num_rows, variant, con
            "split": triton_gemv.RowsConfig(8, 32, 4, 2, split_silu=True),
            "fma_steps": triton_gemv.FmaConfig(8, 32, 4),  # several K steps, ragged N
            "fma_one_step": triton_gemv.FmaConfig(4, 128, 4),  # all of K in one masked step
+           "grid_steps": triton_gemv.GridConfig(8, 32, 4),  # the one-row kernel per row
+           "grid_one_step": triton_gemv.GridConfig(4, 128, 4),
            "unfused": triton_gemv.UNFUSED}[config]
     w = torch.randn(n, k, generator=g)
     silu = variant.startswith("silu_mul")
@@ -143,6 +145,27 @@ def test_gemv_rows_equal_the_twin_row_by_row(shape, seed, num_rows, variant, con
     one = triton_gemv.gemv(x[-1:].contiguous(), w, norm_weight=norm, eps=1e-5, silu_mul=silu,
                            residual=None if res is None else res[-1:].contiguous())
     torch.testing.assert_close(got[-1:], one, atol=1e-4, rtol=1e-4)
+    if isinstance(cfg, triton_gemv.GridConfig):  # each row IS the one-row product, bitwise
+        for m in range(num_rows):
+            alone = triton_gemv.gemv(
+                x[m:m + 1].contiguous(), w, norm_weight=norm, eps=1e-5, silu_mul=silu,
+                residual=None if res is None else res[m:m + 1].contiguous(),
+                config=(cfg.block_n, cfg.block_k, cfg.num_warps, 0))
+            assert torch.equal(got[m:m + 1], alone), m
+
+
+def test_the_row_grid_is_offered_for_weights_that_stay_in_l2():
+    small = torch.empty(3072, 576, dtype=torch.bfloat16)  # SmolLM2's gate_up: 3.5 MB
+    large = torch.empty(14336 * 2, 4096, dtype=torch.bfloat16)  # 8B's: 235 MB
+    grid = [c for c in triton_gemv.ROWS_CONFIGS if isinstance(c, triton_gemv.GridConfig)]
+    assert grid and set(grid) <= set(gemv_tuning.rows_candidates(small, False))
+    assert not set(grid) & set(gemv_tuning.rows_candidates(large, False))
+    assert not any(getattr(c, "split_silu", False)
+                   for c in gemv_tuning.rows_candidates(small, False))
+    assert gemv_tuning.rows_candidates(small, True)[0] == triton_gemv.ROWS_CONFIGS[0]
+    g = grid[0]  # tagged in the tuning file; never equal to an FmaConfig of the same fields
+    assert gemv_tuning._encode(g) == ["grid", g.block_n, g.block_k, g.num_warps]
+    assert g != triton_gemv.FmaConfig(g.block_n, g.block_k, g.num_warps)
 
 
 @pytest.mark.parametrize("num_rows", [2, 5, 8])

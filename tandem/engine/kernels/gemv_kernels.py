@@ -49,14 +49,20 @@ def gemv_kernel(
     x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, ITERS: tl.constexpr,
     EVEN: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ROW_GRID: tl.constexpr = False,
 ):
     """out[n] = sum_k w[n, k] * x'[k] (+ residual[n]). Program p streams the row blocks
     p, p + grid, ... (ITERS of them): one block each, or a persistent grid that balances
     blocks over the SMs. Loop bounds are constants (the interpreter needs them). PDL: launched
-    as a programmatic dependent (kernels/pdl.py): wait for the kernel before first."""
+    as a programmatic dependent (kernels/pdl.py): wait for the kernel before first. ROW_GRID
+    (`GridConfig`): program axis 1 is a row m of x [M, K], out [M, N] and residual [M, N]."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if ROW_GRID:
+        m = tl.program_id(1)
+        x_ptr += m * (2 * n_cols if SILU_MUL else n_cols)
+        out_ptr += m * n_rows
+        res_ptr += m * n_rows
     for it in range(ITERS):
         _gemv_rows(
             x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, n_rows, n_cols, stride_w, eps,

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -61,10 +62,29 @@ class FmaConfig(NamedTuple):
     num_warps: int
 
 
+@dataclass(frozen=True, slots=True)
+class GridConfig:
+    """A launch of `gemv_kernel` over a 2-D grid, program axis 1 the x row: each row is the
+    one-row product (bitwise), and each reads the weight itself -- M reads, which for a weight
+    that fits the L2 cache are mostly hits after the first. For SmolLM2's narrow weights the
+    single-read kernels took ~4.2-5.8 us a projection at M = 5 (H200) where one row takes
+    ~2.7: those products are launch-latency bound, not bandwidth bound. (A dataclass, not a
+    tuple: equal fields must not make it equal to an FmaConfig in the tuner's tables.)"""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# Grid candidates only for weights of at most this many bytes: an H100/H200 has 50 MB of L2,
+# and a larger weight's M reads would come from HBM (8B-shaped sites: 29-117 MB).
+GRID_MAX_WEIGHT_BYTES = 8 << 20
+
+
 # The sentinel candidate "run the unfused sequence": cuBLAS F.linear with the Triton RMSNorm /
 # SiLU-mul kernels and a torch add, what M > 1 ran before `rows_kernel` existed.
 UNFUSED: Literal["unfused"] = "unfused"
-RowsChoice = RowsConfig | FmaConfig | Literal["unfused"]
+RowsChoice = RowsConfig | FmaConfig | GridConfig | Literal["unfused"]
 # Candidates for 2..8 rows, timed like CONFIGS at the first call of each shape, variant and
 # row count. The first is the interpreter's; UNFUSED stays in so a shape where cuBLAS wins
 # keeps it. Pruned from a sweep of 44 at M = 5 on an H100 (benchmarks/gpu_micro.py --skinny
@@ -82,9 +102,20 @@ ROWS_CONFIGS: tuple[RowsChoice, ...] = (
     # ~4.2 us a call at M = 5 where the one-row kernel takes ~2.8, and UNFUSED won gate_up):
     # the tile shapes of the one-row winners there, all of K = 576 / 1536 in one step.
     FmaConfig(4, 1024, 4), FmaConfig(4, 2048, 8), FmaConfig(16, 256, 4),
+    # The one-row kernel per row (`GridConfig`), with the one-row winners' tiles for small K:
+    # offered for weights of at most GRID_MAX_WEIGHT_BYTES (`rows_candidates`).
+    GridConfig(8, 512, 4), GridConfig(16, 256, 4), GridConfig(4, 1024, 4), GridConfig(16, 512, 8),
     UNFUSED,
 )
 _best_rows: dict[tuple, RowsChoice] = {}  # ... and multi-row ones (the key adds M)
+
+
+def rows_candidates(weight: torch.Tensor, silu_mul: bool) -> tuple[RowsChoice, ...]:
+    """The ROWS_CONFIGS a site times: split SiLU only where there is SiLU, the per-row grid
+    only for weights small enough to stay in L2."""
+    small = weight.numel() * weight.element_size() <= GRID_MAX_WEIGHT_BYTES
+    return tuple(c for c in ROWS_CONFIGS if (silu_mul or not getattr(c, "split_silu", False))
+                 and (small or not isinstance(c, GridConfig)))
 
 
 def one_row_config(key: tuple, launch: Callable, weight: torch.Tensor) -> Config:
@@ -131,6 +162,9 @@ def _tune(key: tuple, launch, weight: torch.Tensor, candidates: tuple, best_of: 
 # configurations round bf16 differently: greedy output could change across restarts at
 # near-ties (it did on an H200, docs/perf.md session 9). So the first process on a kind of GPU
 # records its choices, and later ones (restarts, every worker of the machine) take them.
+# In the file name: a new candidate set is timed afresh (a recorded choice stands otherwise).
+# 2: GridConfig.
+CANDIDATES_VERSION = 2
 TUNING_ENV = "TANDEM_GEMV_TUNING_CACHE"  # a JSON file to use instead; "0": time every process
 _tables: dict[Path, dict[str, object]] = {}  # file -> its choices, as read or written
 
@@ -144,12 +178,15 @@ def tuning_file(device: torch.device) -> Path | None:
     if env:
         return Path(env).expanduser()
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", torch.cuda.get_device_name(device))
-    return default_cache_root() / "gemv-tuning" / f"{name}-triton-{triton.__version__}.json"
+    return (default_cache_root() / "gemv-tuning"
+            / f"{name}-triton-{triton.__version__}-c{CANDIDATES_VERSION}.json")
 
 
 def _encode(choice: Config | RowsChoice) -> object:
     if isinstance(choice, FmaConfig):  # tagged: its fields could read as a one-row Config
         return ["fma", *choice]
+    if isinstance(choice, GridConfig):
+        return ["grid", choice.block_n, choice.block_k, choice.num_warps]
     return choice if isinstance(choice, str) else list(choice)
 
 

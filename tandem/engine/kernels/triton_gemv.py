@@ -17,7 +17,8 @@ own [gate | up], and residual[m].
 x of one row runs `gemv_kernel` (tuned: ~98% of copy bandwidth). x of 2..8 rows runs
 `rows_kernel`, which loads each weight tile once and multiplies it against all rows on the
 tensor cores (one read of the weight for M tokens), or `rows_fma_kernel`, the same on the CUDA
-cores with the one-row kernel's tile shapes (narrow weights), or, where the first-call tuning
+cores with the one-row kernel's tile shapes (narrow weights), or `gemv_kernel` once per row
+over a 2-D grid (`GridConfig`: weights that stay in L2), or, where the first-call tuning
 finds it faster, the unfused sequence (`UNFUSED`: cuBLAS + the Triton elementwise kernels),
 so routing M <= 8 here is never slower per projection than what ran before. Choices are
 recorded per kind of GPU (`tuning_file`): later processes take them untimed, so restarts run
@@ -55,10 +56,12 @@ from tandem.engine.kernels.gemv_tuning import (
     UNFUSED,
     Config,
     FmaConfig,
+    GridConfig,
     RowsChoice,
     RowsConfig,
     choose,
     one_row_config,
+    rows_candidates,
     rows_config,
     tuned_configs,
     tuning_file,
@@ -66,7 +69,7 @@ from tandem.engine.kernels.gemv_tuning import (
 
 __all__ = [
     "CONFIGS", "MAX_ROWS", "ROWS_CONFIGS", "TUNING_ENV", "UNFUSED", "Config", "FmaConfig",
-    "RowsChoice", "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count", "tuned_configs",
+    "GridConfig", "RowsChoice", "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count", "tuned_configs",
     "tuning_file", "unfused",
 ]
 
@@ -103,11 +106,12 @@ def gemv(
     if residual is not None:
         assert residual.shape == (x.shape[0], n_rows) and residual.is_contiguous()
     if x.shape[0] > 1:
-        assert config in (None, UNFUSED) or isinstance(config, (RowsConfig, FmaConfig)), config
+        assert config in (None, UNFUSED) or isinstance(
+            config, (RowsConfig, FmaConfig, GridConfig)), config
         fusion = _Fusion(norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
                          residual=residual, out_dtype=out_dtype or x.dtype)
         return _gemm_rows(x, weight, fusion, config)
-    assert not isinstance(config, (RowsConfig, FmaConfig, str)), config
+    assert not isinstance(config, (RowsConfig, FmaConfig, GridConfig, str)), config
     # One row: the tuned one-row kernel.
     out = torch.empty(1, n_rows, dtype=out_dtype or x.dtype, device=x.device)
     launch = _one_row_launcher(x, weight, out, norm_weight, eps, silu_mul, residual)
@@ -190,6 +194,18 @@ def _gemm_rows(
                 **pdl.launch_options(),
             )
             return out
+        if isinstance(cfg, GridConfig):  # the one-row kernel per row of x (program axis 1)
+            gemv_kernel[(triton.cdiv(n_rows, cfg.block_n), num_x_rows)](
+                x, w, out, norm_weight if norm_weight is not None else x,
+                residual if residual is not None else out, n_rows, n_cols, w.stride(0),
+                fusion.eps, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                NUM_K=triton.cdiv(n_cols, cfg.block_k), ITERS=1,
+                EVEN=(n_rows % cfg.block_n == 0 and n_cols % cfg.block_k == 0),
+                NORM=norm_weight is not None, SILU_MUL=fusion.silu_mul,
+                RESIDUAL=residual is not None, PDL=pdl.ENABLED, ROW_GRID=True,
+                num_warps=cfg.num_warps, **pdl.launch_options(),
+            )
+            return out
         assert isinstance(cfg, RowsConfig)
         xin, silu = x, fusion.silu_mul
         if silu and cfg.split_silu:
@@ -212,9 +228,7 @@ def _gemm_rows(
         # The row count is in the key: whether UNFUSED wins depends on it.
         key = (n_rows, n_cols, str(weight.dtype), norm_weight is not None, fusion.silu_mul,
                residual is not None, str(out.dtype), num_x_rows)
-        candidates = tuple(c for c in ROWS_CONFIGS  # split_silu only where there is SiLU
-                           if fusion.silu_mul or not getattr(c, "split_silu", False))
-        config = rows_config(key, launch, weight, candidates)
+        config = rows_config(key, launch, weight, rows_candidates(weight, fusion.silu_mul))
     return launch(config)
 
 
