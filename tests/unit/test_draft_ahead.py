@@ -87,26 +87,32 @@ def test_a_changed_batch_drops_what_was_drafted_ahead(monkeypatch):
     runs = {}
     for ahead in (True, False):
         eng = _engine(model, SpecConfig(num_steps=4), monkeypatch, ahead)
-        ids = [eng.add_request(p, q) for p, q in zip(ps[:4], params[:4])]
-        tokens: dict[str, list[int]] = {}
-        steps = 0
-        while eng.scheduler.has_work():
-            for out in eng.step():
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-            steps += 1
-            if steps == 6:
-                assert eng.abort(ids[3])
-            if steps == 8:
-                ids.append(eng.add_request(ps[4], params[4]))
-        for i in (0, 1, 2, 4):
-            assert tuple(tokens[ids[i]]) == tuple(ref[i].output_ids), i
-        assert_pages_free(eng)
+        changing_batch(eng, ps, params, ref)
         runs[ahead] = eng
     on, off = runs[True], runs[False]
     assert any(EOS in c.output_ids and len(c.output_ids) < p.max_new_tokens
                for c, p in zip(ref, params))  # an EOS ended a request early
     _same_rounds(on, off)
     assert on.draft_ahead.used > 0 and on.draft_ahead.dropped >= 3
+
+
+def changing_batch(eng: SpecEngine, ps, params, ref) -> None:
+    """Four of five requests at once, the fourth aborted after step 6, the fifth joining
+    after step 8: each that ran to its end gets its `ref` output; every page comes back."""
+    ids = [eng.add_request(p, q) for p, q in zip(ps[:4], params[:4])]
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while eng.scheduler.has_work():
+        for out in eng.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        steps += 1
+        if steps == 6:
+            assert eng.abort(ids[3])
+        if steps == 8:
+            ids.append(eng.add_request(ps[4], params[4]))
+    for i in (0, 1, 2, 4):
+        assert tuple(tokens[ids[i]]) == tuple(ref[i].output_ids), i
+    assert_pages_free(eng)
 
 
 def test_preemption_under_page_pressure_with_drafting_ahead(monkeypatch):

@@ -8,7 +8,6 @@ its metadata on the device (test_device_verify)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from spec_helpers import (
     assert_pages_free,
     engine_cfg,
@@ -19,6 +18,7 @@ from spec_helpers import (
     tiny_head,
     tiny_target,
 )
+from test_draft_ahead import _same_rounds, changing_batch
 from test_spec_adaptive import KS, SPEC, ForcedK
 from test_spec_graph_padding import _attach_graphs
 from test_spec_k_graphs import _attach_k_graphs
@@ -53,13 +53,6 @@ def _engine(model, spec, monkeypatch, verify_batch: int, kind: str = "eagle",
         monkeypatch.setattr(runner, "verify", lambda v, real=real: launched.append(1) or real(v))
     eng.verified, eng.launched = verified, launched  # type: ignore[attr-defined]
     return eng
-
-
-def _same_rounds(a: SpecEngine, b: SpecEngine) -> None:
-    va, vb = a.verified, b.verified  # type: ignore[attr-defined]
-    assert len(va) == len(vb)
-    for (nca, ta), (ncb, tb) in zip(va, vb):
-        assert nca == ncb and torch.equal(ta, tb)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle-2layer", "eagle3"])
@@ -100,20 +93,7 @@ def test_a_changed_batch_drops_the_verify_queued_ahead(monkeypatch):
     runs = {}
     for vb in (8, 0):
         eng = _engine(model, SpecConfig(num_steps=4), monkeypatch, verify_batch=vb)
-        ids = [eng.add_request(p, q) for p, q in zip(ps[:4], params[:4])]
-        tokens: dict[str, list[int]] = {}
-        steps = 0
-        while eng.scheduler.has_work():
-            for out in eng.step():
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-            steps += 1
-            if steps == 6:
-                assert eng.abort(ids[3])
-            if steps == 8:
-                ids.append(eng.add_request(ps[4], params[4]))
-        for i in (0, 1, 2, 4):
-            assert tuple(tokens[ids[i]]) == tuple(ref[i].output_ids), i
-        assert_pages_free(eng)
+        changing_batch(eng, ps, params, ref)
         runs[vb] = eng
     on, off = runs[8], runs[0]
     assert any(EOS in c.output_ids and len(c.output_ids) < p.max_new_tokens
