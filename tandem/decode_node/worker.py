@@ -43,6 +43,8 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from tandem import trace
 from tandem.engine import FinishReason, RequestOutput
 from tandem.engine.llm import validate_prompt
@@ -179,6 +181,13 @@ class _RankEvents:
     released: tuple[int, ...]  # rooms whose pages this rank's receiver gave back (not DONE)
 
 
+def settle(device) -> None:
+    """Wait for the work queued on `device` (SYNC: before pages go to a transfer; a step
+    leaves at most its draft-extend and the next round's drafting and verify queued)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 class DecodeWorker:
     def __init__(self, cfg: WorkerConfig, parallel: ParallelContext | None = None,
                  sync: RankSync = SOLO) -> None:
@@ -251,6 +260,10 @@ class DecodeWorker:
                 f"{[b.load.num_free_slots for b in bids]} (per DP rank)")
         if owner != self._dp_sync.rank:
             return None
+        # A transfer writes these pages outside the stream's order; pages a step freed may
+        # still be written by work it queued after its host read (draft-extend, drafting and
+        # verifying ahead: spec/ahead.py). That work finishes first.
+        settle(self.engine.device)
         pages = tuple(alloc.alloc(need))
         slot = self._free_slots.pop()
         dest = self.receiver.expect(room, pages, slot, timeout_s=self.cfg.transfer_timeout_s)
