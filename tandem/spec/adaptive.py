@@ -45,8 +45,8 @@ from typing import Protocol
 # (spec/ahead.py) and the head shards over TP (spec/head.py): both change what a round costs.
 # 7: plain decode graphs plan on the device (engine/attention/device_decode.py), small decode
 # launches split finer, chain draft steps skip the normalizer: plain steps and rounds both.
-# 8: the table prices a prompt's arrival under rounds (`StepCostTable.arrival`). 9: batch-1
-# rounds verify the next round ahead (spec/ahead.py): rounds back to back cost less.
+# 8: the table prices a prompt's arrival under rounds (`StepCostTable.arrival`). 9: rounds
+# are timed without verifying ahead (spec/ahead.py, cost_profile.profile).
 POLICY_VERSION = 9
 
 

@@ -122,7 +122,7 @@ class DraftAhead:
         (num_cached advanced by what was accepted)."""
         q = self._queued
         if q is not None and q.num_cached is None:
-                self._queued = dataclasses.replace(q, num_cached=nxt.num_cached)
+            self._queued = dataclasses.replace(q, num_cached=nxt.num_cached)
 
     def take(self, runner: SpecGraphRunner, req_ids: Sequence[str], inp: DraftInput
              ) -> VerifyInput | None:

@@ -150,3 +150,27 @@ def test_may_end_foresees_the_length_limits():
     assert not may_end([req(14, 20)], 4)
     assert may_end([req(10, 20, prompt=8, total=23)], 4)  # 18 + 5 reaches the context limit
     assert may_end([req(0, 100), req(15, 20)], 4)  # any row
+
+
+def test_the_cost_profile_times_rounds_without_verifying_ahead(monkeypatch):
+    """`cost_profile.profile` prices rounds with verifying ahead off (their short runs priced
+    it 25% above service on an H200) and leaves the engine's setting as it found it; the
+    drafting ahead still runs."""
+    from tandem.spec import cost_profile
+    from tandem.spec.adaptive import FixedK
+
+    model = tiny_target("llama")
+    eng = _engine(model, SpecConfig(num_steps=4), monkeypatch, verify_batch=1,
+                  policy=FixedK(4))
+    seen = []
+    timed = cost_profile._time_steps
+
+    def spy(e, step, n, samples=1):
+        seen.append(e.draft_ahead.verify_batch)
+        return timed(e, step, n, samples)
+
+    monkeypatch.setattr(cost_profile, "_time_steps", spy)
+    cost_profile.profile(eng, repeats=3, batch_sizes=(1,))
+    assert seen and set(seen) == {0}
+    assert eng.draft_ahead.verify_batch == 1 and eng.draft_ahead.verify_queued == 0
+    assert eng.draft_ahead.used > 0
