@@ -174,3 +174,27 @@ def test_the_cost_profile_times_rounds_without_verifying_ahead(monkeypatch):
     assert seen and set(seen) == {0}
     assert eng.draft_ahead.verify_batch == 1 and eng.draft_ahead.verify_queued == 0
     assert eng.draft_ahead.used > 0
+
+
+def test_logprobs_and_page_pressure_with_verifying_ahead(monkeypatch):
+    """A request asking logprobs reads them from the verify queued ahead (the shared logits
+    buffer, still that verify's): plain decoding's logprobs. Few pages: rounds preempt later
+    requests and spare slots are scarce; output stays plain greedy's, every page back."""
+    model = tiny_target("llama")
+    asking = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=2)
+    ps = prompts(1, seed=91)
+    want = reference(model, ps, [asking])[0]
+    eng = _engine(model, SpecConfig(num_steps=4), monkeypatch, verify_batch=4)
+    (got,) = eng.generate(ps, [asking])
+    assert got.output_ids == want.output_ids and eng.draft_ahead.verify_used > 0
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    assert_pages_free(eng)
+
+    ps, params = prompts(6, seed=7, lo=6, hi=20), greedy(14)
+    eng = _engine(model, SpecConfig(num_steps=3), monkeypatch, verify_batch=8, num_pages=30)
+    got = eng.generate(ps, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, params)]
+    assert eng.scheduler.num_preemptions > 0
+    assert_pages_free(eng)
