@@ -199,6 +199,7 @@ class DecodeWorker:
         self.engine.overlap_ok = False  # KV lands in free pages: none reused mid-step
         self._aux = aux_buffer(self.engine, cfg.aux_slots)  # the receiver's landing slots
         self._free_slots = list(range(cfg.aux_slots))
+        self._settled_at = 0  # the allocator's num_freed at the last `settle`
         self.receiver = DecodeReceiver(
             cfg.transfer_backend, kv_layout(self.engine, self._aux),
             compat_info(self.engine, cfg), release=self._on_release, config=cfg.endpoint)
@@ -262,8 +263,10 @@ class DecodeWorker:
             return None
         # A transfer writes these pages outside the stream's order; pages a step freed may
         # still be written by work it queued after its host read (draft-extend, drafting and
-        # verifying ahead: spec/ahead.py). That work finishes first.
-        settle(self.engine.device)
+        # verifying ahead: spec/ahead.py). Once pages were freed, that work finishes first.
+        if alloc.num_freed != self._settled_at:
+            settle(self.engine.device)
+            self._settled_at = alloc.num_freed
         pages = tuple(alloc.alloc(need))
         slot = self._free_slots.pop()
         dest = self.receiver.expect(room, pages, slot, timeout_s=self.cfg.transfer_timeout_s)

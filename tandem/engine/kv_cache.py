@@ -59,6 +59,7 @@ class PageAllocator:
         # Lazy min-heap of free ids: entries of pages taken by a run allocation stay behind and
         # are skipped when popped (mask says held); rebuilt when stale entries pile up.
         self._heap: list[int] = list(range(reserved, num_pages))  # sorted = a valid heap
+        self.num_freed = 0  # pages returned to the pool so far (a decode worker's `settle`)
 
     @property
     def num_usable(self) -> int:
@@ -138,6 +139,7 @@ class PageAllocator:
             if self._refcount[p] == 0:
                 self._free_mask[p] = True
                 self._num_free += 1
+                self.num_freed += 1
                 heapq.heappush(self._heap, p)
         if len(self._heap) > 2 * self.num_pages:  # mostly stale entries: rebuild
             self._heap = np.flatnonzero(self._free_mask).tolist()

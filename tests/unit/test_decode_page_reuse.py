@@ -1,7 +1,8 @@
 """A decode worker grants pages to a KV transfer, which writes them outside the stream's order.
 Pages a step freed may still be written by GPU work the step queued after its host read
-(draft-extend, drafting and verifying ahead: spec/ahead.py), so `reserve` waits for the
-device's queued work (`settle`) before it takes pages from the allocator -- never after."""
+(draft-extend, drafting and verifying ahead: spec/ahead.py), so once pages were freed,
+`reserve` waits for the device's queued work (`settle`) before it takes pages from the
+allocator -- never after."""
 
 from __future__ import annotations
 
@@ -24,11 +25,19 @@ def test_reserve_settles_the_device_before_it_takes_pages(tmp_path, monkeypatch)
         alloc = decode.engine.allocator
         real = alloc.alloc
         monkeypatch.setattr(alloc, "alloc", lambda n: events.append("alloc") or real(n))
+        params = SamplingParams(max_new_tokens=4)
         free = alloc.num_free
-        dest = decode.reserve(7, [5, 6, 7, 8], SamplingParams(max_new_tokens=4))
-        assert dest is not None and alloc.num_free < free
-        assert events == ["settle", "alloc"]
-        decode.abort(7)
+        assert decode.reserve(7, [5, 6, 7, 8], params) is not None and alloc.num_free < free
+        assert events == ["alloc"]  # nothing was ever freed: nothing to wait for
+        alloc.free(alloc.alloc(2))  # pages a step freed (as a finished request's are)
+        events.clear()
+        assert decode.reserve(8, [5, 6, 7, 8], params) is not None
+        assert events == ["settle", "alloc"]  # the device's queued work first
+        events.clear()
+        assert decode.reserve(9, [5, 6, 7, 8], params) is not None
+        assert events == ["alloc"]  # no page freed since the last settle
+        for room in (7, 8, 9):
+            decode.abort(room)
     finally:
         decode.close()
 
