@@ -222,3 +222,18 @@ def test_rotary_store_equals_rotary_then_store(page_size):
     q_want = torch_ops.rotary_store(pos, q, k, v, cos, sin, ref, slots)
     torch.testing.assert_close(q_got, q_want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tuning_cycles_through_weights_that_overflow_l2(monkeypatch):
+    """The tuner times each candidate over copies of the weight that together exceed twice
+    the L2 cache (a forward's layers do): two for 8B-sized weights, more for small ones."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(L2_cache_size=50 << 20))
+    mb = 1 << 20
+    assert gemv_tuning._copies(torch.empty(28672, 4096, dtype=torch.bfloat16)) == 2
+    gate_up = torch.empty(3072, 576, dtype=torch.bfloat16)  # SmolLM2: 3.4 MiB
+    n = gemv_tuning._copies(gate_up)
+    assert n * 3072 * 576 * 2 >= 100 * mb > (n - 1) * 3072 * 576 * 2
+    assert gemv_tuning._copies(torch.empty(8, 8)) == 256  # capped

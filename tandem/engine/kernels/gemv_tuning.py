@@ -131,9 +131,9 @@ def rows_config(key: tuple, launch: Callable, weight: torch.Tensor,
 
 def _tune(key: tuple, launch, weight: torch.Tensor, candidates: tuple, best_of: dict):
     """Time every candidate once per process (the interpreter takes the first) the way decode
-    runs it: back to back inside a CUDA graph, alternating with a second weight so that no
-    call finds its weight in L2. (Timing single calls with do_bench picked configs 10% slower
-    in the model.) Records the winner in `best_of[key]`. A choice an earlier process made on
+    runs it: back to back inside a CUDA graph, cycling through copies of the weight that
+    together exceed twice the L2 cache, so that no call finds its weight there (`_copies`).
+    (Timing single calls with do_bench picked configs 10% slower in the model.) Records the winner in `best_of[key]`. A choice an earlier process made on
     this kind of GPU is taken without timing (`tuning_file`). Syncs the device: warm-up only,
     never inside a captured graph."""
     if INTERPRET or weight.device.type != "cuda":
@@ -143,11 +143,13 @@ def _tune(key: tuple, launch, weight: torch.Tensor, candidates: tuple, best_of: 
             raise RuntimeError(f"gemv {key}: not tuned before CUDA graph capture")
 
         def time_all() -> dict:
-            other = torch.empty_like(weight).normal_(0.0, 0.02)  # [N, K], freed after
+            n = _copies(weight)
+            weights = (weight, *(torch.empty_like(weight).normal_(0.0, 0.02)  # freed after
+                                 for _ in range(n - 1)))
             times = {}
             for cfg in candidates:
                 try:
-                    times[cfg] = _graph_time(cfg, launch, (weight, other))
+                    times[cfg] = _graph_time(cfg, launch, weights, calls=max(8, n))
                 except triton.runtime.errors.OutOfResources:  # pipeline stages over a
                     continue  # smaller GPU's shared memory: not a candidate there
             return times
@@ -231,6 +233,13 @@ def choose(key: tuple, candidates: tuple, time_all: Callable[[], dict],
     except OSError as exc:
         log.warning("gemv tuning: cannot record choices in %s (%s)", path, exc)
     return best
+
+
+def _copies(weight: torch.Tensor) -> int:
+    """Weights to cycle through while timing: together > 2x the L2 cache, as a forward's
+    layers are (2 for an 8B-sized weight; SmolLM2's 0.7-3.5 MB ones sat in L2 with 2)."""
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 50 << 20)
+    return min(256, max(2, -(-2 * l2 // (weight.numel() * weight.element_size()))))
 
 
 def _graph_time(cfg: Config | RowsChoice, launch, weights: tuple[torch.Tensor, ...],
