@@ -169,10 +169,11 @@ def profile(eng: SpecEngine, repeats: int,
     arrival = 0.0
     # Rounds are timed without verifying ahead (spec/ahead.py). On an H200 these short runs
     # priced batch-1 rounds that verify ahead at 1.61 ms, twice, against 1.32 for what they
-    # serve. Timed without it, they priced 1.32 (session 23; the cause is not known yet).
+    # serve. Timed without it, they priced 1.32 (session 23; the cause is not known yet:
+    # TANDEM_PROFILE_VERIFY_AHEAD=1 times them verifying ahead, to find it).
     ahead = getattr(eng, "draft_ahead", None)
     verify_batch = ahead.verify_batch if ahead is not None else 0
-    if ahead is not None:
+    if ahead is not None and os.environ.get("TANDEM_PROFILE_VERIFY_AHEAD") != "1":
         ahead.verify_batch = 0
     try:
         for b in sizes:
