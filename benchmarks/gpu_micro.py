@@ -147,8 +147,8 @@ def _sweep_grid() -> list:
 
 def skinny_sites(sweep: bool, row_counts: tuple[int, ...] = SKINNY_ROWS,
                  model: str = "8b") -> list[dict]:
-    """Every site of the model (8B or SmolLM2), plain and with its layer's fusion, for each row count in SKINNY_ROWS:
-    the unfused sequence vs each GEMV candidate (the one-row kernel's CONFIGS for M = 1,
+    """Every site of the model (8B or SmolLM2), plain and with its layer's fusion, for each row
+    count in SKINNY_ROWS: the unfused sequence vs each GEMV candidate (the one-row kernel's CONFIGS for M = 1,
     ROWS_CONFIGS -- or the --sweep grid -- for M > 1), alternating two weights so that
     no call finds its weight in L2."""
     from tandem.engine.kernels import triton_gemv

@@ -404,10 +404,7 @@ def time_config(eng: SpecEngine, bs: int, ctx: int, iters: int) -> dict:
     vb, ahead.verify_batch = ahead.verify_batch, 0
     row["spec_step_loop_noverify_ms"] = loop_ms(eng.step, iters)
     ahead.verify_batch = vb
-    row["draft_ahead"] = {"enabled": was, "used": ahead.used, "dropped": ahead.dropped,
-                          "verify_batch": vb, "verify_queued": ahead.verify_queued,
-                          "verify_used": ahead.verify_used,
-                          "verify_dropped": ahead.verify_dropped}
+    row["draft_ahead"] = {"enabled": was, "verify_batch": vb, **ahead.counts()}
     # Plain decode of the same batch.
     rows = padded_batch_size(bs, eng.graphs.batch_sizes) if eng.graphs else None
     if rows is not None:

@@ -78,10 +78,7 @@ def policy_state(eng: LLMEngine) -> dict | None:
             "output_len": round(pol.output_len, 1),
             # draftings queued ahead that the next round used / had to drop (a change of k,
             # of the batch, or a plain step in between drops it: spec/ahead.py)
-            "ahead_used": eng.draft_ahead.used, "ahead_dropped": eng.draft_ahead.dropped,
-            "verify_queued": eng.draft_ahead.verify_queued,
-            "verify_used": eng.draft_ahead.verify_used,
-            "verify_dropped": eng.draft_ahead.verify_dropped}
+            "ahead_used": eng.draft_ahead.used, "ahead_dropped": eng.draft_ahead.dropped}
 
 
 def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams,
@@ -315,11 +312,7 @@ def main() -> None:
                                "wall_s": wall, **times}
                     if is_spec:
                         lvl["acceptance"] = stats_delta(eng, before)
-                        da = eng.draft_ahead  # totals so far (spec/ahead.py)
-                        lvl["ahead"] = {"used": da.used, "dropped": da.dropped,
-                                        "verify_queued": da.verify_queued,
-                                        "verify_used": da.verify_used,
-                                        "verify_dropped": da.verify_dropped}
+                        lvl["ahead"] = eng.draft_ahead.counts()  # totals so far (spec/ahead.py)
                     if state0 is not None:  # what the adaptive policy decided from, and learnt
                         lvl["policy"] = {"before": state0, "after": policy_state(eng)}
                     lvl["gc"] = meter.take()

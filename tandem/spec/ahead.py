@@ -100,6 +100,11 @@ class DraftAhead:
         self.verify_used = 0
         self.verify_dropped = 0
 
+    def counts(self) -> dict[str, int]:
+        """What became of the draftings and verifies queued ahead so far (benchmarks, logs)."""
+        return {"used": self.used, "dropped": self.dropped, "verify_queued": self.verify_queued,
+                "verify_used": self.verify_used, "verify_dropped": self.verify_dropped}
+
     def launch(self, runner: SpecGraphRunner, reqs: Sequence[Request], verify: VerifyInput,
                num_accepted: torch.Tensor, ext: ExtendOutput) -> None:
         """After the round's draft-extend was queued, before its host read: queue the next

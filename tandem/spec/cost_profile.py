@@ -184,11 +184,11 @@ def profile(eng: SpecEngine, repeats: int,
                 row = []
                 for k in range(eng.spec.num_steps + 1):
                     sched.policy = FixedK(k)
-                    before = _ahead_counts(eng)
+                    before = ahead.counts() if ahead is not None else {}
                     row.append(_time_steps(eng, eng.step, repeats, samples))
-                    log.debug("spec cost, batch %d, k %d: %.3f ms; queued ahead and used / "
-                              "dropped since: %s", b, k, row[-1] * 1e3,
-                              [n - m for n, m in zip(_ahead_counts(eng), before)])
+                    after = ahead.counts() if ahead is not None else {}
+                    log.debug("spec cost, batch %d, k %d: %.3f ms; queued ahead since: %s", b,
+                              k, row[-1] * 1e3, {n: after[n] - before[n] for n in after})
                 by_rounds = (_arrival(eng, eng.step, repeats) if b == arrival_at
                              else 0.0)  # (still under k = num_steps)
                 sched.policy = policy
@@ -221,12 +221,6 @@ def profile(eng: SpecEngine, repeats: int,
     if table != measured:
         log.info("spec cost table: entries above one of more work taken down to it (noise)")
     return table
-
-
-def _ahead_counts(eng: SpecEngine) -> tuple[int, ...]:
-    """Drafting ahead used / dropped, verifies ahead queued / used / dropped (spec/ahead.py)."""
-    a = getattr(eng, "draft_ahead", None)
-    return (a.used, a.dropped, a.verify_queued, a.verify_used, a.verify_dropped) if a else ()
 
 
 def _growth(eng: SpecEngine, repeats: int, samples: int = 1) -> int:

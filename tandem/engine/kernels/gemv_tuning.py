@@ -133,9 +133,10 @@ def _tune(key: tuple, launch, weight: torch.Tensor, candidates: tuple, best_of: 
     """Time every candidate once per process (the interpreter takes the first) the way decode
     runs it: back to back inside a CUDA graph, cycling through copies of the weight that
     together exceed twice the L2 cache, so that no call finds its weight there (`_copies`).
-    (Timing single calls with do_bench picked configs 10% slower in the model.) Records the winner in `best_of[key]`. A choice an earlier process made on
-    this kind of GPU is taken without timing (`tuning_file`). Syncs the device: warm-up only,
-    never inside a captured graph."""
+    (Timing single calls with do_bench picked configs 10% slower in the model.) Records the
+    winner in `best_of[key]`. A choice an earlier process made on this kind of GPU is taken
+    without timing (`tuning_file`). Syncs the device: warm-up only, never inside a captured
+    graph."""
     if INTERPRET or weight.device.type != "cuda":
         best = candidates[0]
     else:

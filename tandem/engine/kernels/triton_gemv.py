@@ -69,7 +69,8 @@ from tandem.engine.kernels.gemv_tuning import (
 
 __all__ = [
     "CONFIGS", "MAX_ROWS", "ROWS_CONFIGS", "TUNING_ENV", "UNFUSED", "Config", "FmaConfig",
-    "GridConfig", "RowsChoice", "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count", "tuned_configs",
+    "GridConfig", "RowsChoice", "RowsConfig", "choose", "gemv", "one_row_choice", "sm_count",
+    "tuned_configs",
     "tuning_file", "unfused",
 ]
 
