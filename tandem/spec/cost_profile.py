@@ -30,7 +30,8 @@ from tandem import __version__
 from tandem.engine.cache_root import default_cache_root
 from tandem.engine.parallel import ParallelGroup
 from tandem.messages import SamplingParams
-from tandem.spec.adaptive import POLICY_VERSION, AdaptivePolicy, FixedK, StepCostTable
+from tandem.spec.adaptive import AdaptivePolicy, FixedK
+from tandem.spec.cost_table import POLICY_VERSION, StepCostTable
 from tandem.spec.config import SpecConfig
 from tandem.spec.phases import DraftSeed
 from tandem.spec.scheduler import SpecScheduler

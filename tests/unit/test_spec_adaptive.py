@@ -379,6 +379,25 @@ def test_profile_returns_the_envelope(monkeypatch):
     assert_pages_free(eng)
 
 
+def test_positions_past_k_relax_toward_the_prior_so_a_low_tail_is_no_trap():
+    """A round of k observes positions 1..k only; those past k relax toward the prior. Kept
+    as they were, a low estimate at position k + 1 held k below it for good (an H200 run:
+    4th-position conditional 0.35 against the head's 0.66, k <= 3 for 50 requests)."""
+    assert relax((0.0, 0.0, 1.0), (0.5, 0.5, 0.5), 0.5, start=1) == (0.0, 0.25, 0.75)
+    table = StepCostTable(batch_sizes=(1,), seconds=((1.0, 1.205, 1.275, 1.35, 1.414),))
+    pol = AdaptivePolicy(table=table, max_k=4, measured=(0.62, 0.40, 0.24, 0.16),
+                         overall=(0.9, 0.9, 0.9, 0.05))
+    assert pol.plan(["a"], True).num_drafts == 3
+    ks = []
+    for _ in range(60):
+        k = pol.plan(["a"], True).num_drafts
+        ks.append(k)
+        pol.observe("a", k, k)  # every draft accepted
+    first = ks.index(4)  # the 4th position came back toward 0.16 / 0.24 = 0.667
+    assert 20 < first < 45 and set(ks[first:]) == {4}
+    assert pol.overall[3] > 0.3  # the engine-wide estimate too
+
+
 def test_the_prior_is_the_heads_measured_acceptance():
     """A head whose config gives its measured P(draft j accepted) starts the policy (and
     relaxes it) toward those conditionals; positions past them, and heads without, at
