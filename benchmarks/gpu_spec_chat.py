@@ -355,8 +355,13 @@ def main() -> None:
             for c in levels:
                 same = sum(a == b for a, b in zip(res[f"{name}_outputs_c{c}"],
                                                   res[f"plain_outputs_c{c}"]))
+                # Per repeat (runs of one repeat ran back to back): the host's drift between
+                # repeats (+-20% on some H200 hosts) cancels in these ratios, not in the medians'.
+                paired = [a / b for a, b in zip(s[f"c{c}"]["runs"], p[f"c{c}"]["runs"])]
                 sm[f"c{c}"] = {"tokens_per_s_ratio": s[f"c{c}"]["tokens_per_s"]
                                / p[f"c{c}"]["tokens_per_s"],
+                               "paired_ratios": paired,
+                               "paired_ratio_median": statistics.median(paired),
                                "identical_answers": f"{same}/{len(prompts)}"}
             c = levels[-1]
             sm["divergences"] = divergences(engines["plain"], prompts,
@@ -405,6 +410,11 @@ def main() -> None:
             "{}/{}/{} {:.1f}".format(*res[name][f'c{c}']['gc']['collections'],
                                      res[name][f'c{c}']['gc']['ms']) for c in levels)
         for name in names))
+    for name, sm in summary.items():
+        print(f"{name} / plain per repeat, median (min-max): " + "; ".join(
+            f"c={c} {sm[f'c{c}']['paired_ratio_median']:.2f}x "
+            f"({min(sm[f'c{c}']['paired_ratios']):.2f}-{max(sm[f'c{c}']['paired_ratios']):.2f})"
+            for c in levels))
     for name, sm in summary.items():
         taus = " ".join(f"c={c}: {res[name][f'c{c}']['acceptance']['tau']:.2f}" for c in levels)
         same = " ".join(f"c={c}: {sm[f'c{c}']['identical_answers']}" for c in levels)
