@@ -47,12 +47,23 @@ def expected_tokens(p: Sequence[float], k: int) -> float:
     return total
 
 
-def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int,
-                alpha: float) -> tuple[float, ...]:
+def _expected_by_k(p: Sequence[float], max_k: int) -> list[float]:
+    """[E(0), E(1), .., E(max_k)] in one pass (`expected_tokens` for every k)."""
+    out, total, run = [1.0], 1.0, 1.0
+    for j in range(max_k):
+        run *= p[j]
+        total += run
+        out.append(total)
+    return out
+
+
+def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int, alpha: float,
+                prior: Sequence[float] = (), rate: float = 0.0) -> tuple[float, ...]:
     """The estimate after a round that proposed k = `num_drafts` and accepted a =
     `num_accepted`. The round observes, for every j <= k, whether at least j drafts were
     accepted: the cumulative q_j = prod_{i<=j} p_i moves `alpha` toward [a >= j], and p_j for
-    j <= k is q_j / q_{j-1} again. Positions past k keep their conditional p_j.
+    j <= k is q_j / q_{j-1} again. Positions past k keep their conditional p_j, or, given a
+    `prior`, move `rate` of the way toward it (`relax` from k on, in the same pass).
 
     (Not each conditional p_j on its own rounds: p_j is observed only in rounds that accepted
     j - 1 drafts, ~15% of them for j = 4 with the shipped SmolLM2 head, so its EWMA stayed
@@ -66,6 +77,8 @@ def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int,
         if q_prev_new > 1e-12:
             out[j] = min(1.0, max(0.0, q_new / q_prev_new))
         q_prev_old, q_prev_new = q_old, q_new
+    for j in range(num_drafts, min(len(out), len(prior))):
+        out[j] += rate * (prior[j] - out[j])
     return tuple(out)
 
 
@@ -73,8 +86,9 @@ def relax(p: Sequence[float], prior: Sequence[float], rate: float,
           start: int = 0) -> tuple[float, ...]:
     """One unobserved step: the estimate from position `start` on (all of it by default; past
     a round's k for a row that drafted) moves `rate` of the way back toward the prior."""
-    return tuple(x if j < start else x + rate * (q - x)
-                 for j, (x, q) in enumerate(zip(p, prior)))
+    if start >= len(p):
+        return tuple(p)
+    return tuple(p[:start]) + tuple(x + rate * (q - x) for x, q in zip(p[start:], prior[start:]))
 
 
 def break_even(table: StepCostTable, k: int, batch_size: int) -> float:
@@ -103,8 +117,9 @@ def plan_round(table: StepCostTable, estimates: Sequence[Sequence[float]], max_k
     bs, max_k = len(estimates), min(max_k, table.max_k)
     best, best_rate = RoundPlan(num_drafts=0, drafting=(False,) * bs), bs / table.cost(0, bs)
     kept_rate = 0.0  # keep_k's unsplit rate (0: keep_k not among the k tried)
+    by_k = [_expected_by_k(p, max_k) for p in estimates]  # [bs][max_k + 1]: E(0..max_k)
     for k in range(1, max_k + 1):
-        gains = [expected_tokens(p, k) for p in estimates]
+        gains = [e[k] for e in by_k]
         rate = sum(gains) / table.cost(k, bs)
         kept_rate = rate if k == keep_k else kept_rate
         if rate > best_rate:
@@ -221,9 +236,13 @@ class AdaptivePolicy:
     served_rounds: tuple[float, float] = (0.0, 0.0)
     last_k: int = 0  # the last plan's k where every row drafted (0: none, or a split)
     measured: tuple[float, ...] = ()  # the head's P(draft j accepted), j = 1..: see _prior
+    _prior_est: tuple[float, ...] = field(default=(), init=False, repr=False)  # (_prior)
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.table.max_k)
+        m, fill = self.measured, self.settings.prior
+        cond = [b / a if a > 0 else fill for a, b in zip((1.0, *m), m)]
+        self._prior_est = tuple(cond[: self.max_k]) + (fill,) * (self.max_k - len(cond))
         if not self.overall:
             self.overall = self._prior()
         if not self.output_len:
@@ -231,9 +250,7 @@ class AdaptivePolicy:
 
     def _prior(self) -> tuple[float, ...]:
         """Per position: the head's measured conditional P_j / P_{j-1}, else settings.prior."""
-        m, fill = self.measured, self.settings.prior
-        cond = [b / a if a > 0 else fill for a, b in zip((1.0, *m), m)]
-        return tuple(cond[: self.max_k]) + (fill,) * (self.max_k - len(cond))
+        return self._prior_est
 
     def plan(self, req_ids: Sequence[str], allow_split: bool) -> RoundPlan:
         """The step's plan (the last step's k unless another wins by `k_switch_margin`); rows
@@ -338,10 +355,10 @@ class AdaptivePolicy:
         requests: tau 2.23 against 2.47 at k = 4.)"""
         s, prior = self.settings, self._prior()
         own = self.per_request.get(req_id, self.overall)  # (before this round counts in it)
-        self.overall = relax(ewma_update(self.overall, num_drafts, num_accepted,
-                                         s.overall_alpha), prior, s.relax, num_drafts)
-        self.per_request[req_id] = relax(ewma_update(own, num_drafts, num_accepted, s.alpha),
-                                         prior, s.relax, num_drafts)
+        self.overall = ewma_update(self.overall, num_drafts, num_accepted, s.overall_alpha,
+                                   prior, s.relax)
+        self.per_request[req_id] = ewma_update(own, num_drafts, num_accepted, s.alpha, prior,
+                                               s.relax)
 
     def forget(self, req_id: str) -> None:
         self.per_request.pop(req_id, None)

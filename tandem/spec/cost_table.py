@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Bump when the table's meaning or the profiling changes (cache key). 2: every k runs in CUDA
 # graphs (spec/graph_set.py), so tables of version 1 (k < num_steps eager) are stale. 3: the
@@ -40,6 +40,10 @@ class StepCostTable:
     # prompt into its one decode forward (served on an H200 at c=16: 4.75 ms against 1.36).
     # Every request pays it once. 0.0: unmeasured (a table of an older version).
     arrival: float = 0.0
+    # (k, batch size) -> seconds (k = -1: the plain step), filled as asked: the policy prices
+    # every k at its batch on every step, on the host's critical path
+    _memo: dict[tuple[int, int], float | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
@@ -64,13 +68,20 @@ class StepCostTable:
 
     def cost(self, k: int, batch_size: int) -> float:
         """Seconds of a step with k drafts per request over `batch_size` requests."""
-        if not 0 <= k <= self.max_k:
-            raise ValueError(f"k: must be in [0, {self.max_k}], got {k}")
-        return self._at([row[k] for row in self.seconds], batch_size)
+        got = self._memo.get((k, batch_size))
+        if got is None:
+            if not 0 <= k <= self.max_k:
+                raise ValueError(f"k: must be in [0, {self.max_k}], got {k}")
+            got = self._memo[k, batch_size] = self._at([row[k] for row in self.seconds],
+                                                       batch_size)
+        return got
 
     def plain_cost(self, batch_size: int) -> float | None:
         """Seconds of the plain engine's step over `batch_size` requests (None: unmeasured)."""
-        return self._at(self.plain, batch_size) if self.plain else None
+        key = (-1, batch_size)
+        if key not in self._memo:
+            self._memo[key] = self._at(self.plain, batch_size) if self.plain else None
+        return self._memo[key]
 
     def _at(self, values: Sequence[float], batch_size: int) -> float:
         sizes = self.batch_sizes
