@@ -231,17 +231,25 @@ def main() -> None:
     ap.add_argument("--skip-batch1", action="store_true",
                     help="no per-token decode timing one prompt at a time (eager is slow)")
     ap.add_argument("--pin-cpus", default="",
-                    help="run on these CPUs only (os.sched_setaffinity), e.g. 2-5 as 2,3,4,5: "
-                         "the host step time drifts run to run in one process. Not one CPU: "
+                    help="run on these CPUs only (os.sched_setaffinity), e.g. 0-7 or 0,2,4: "
+                         "the host step time drifts run to run in one process (one NUMA "
+                         "node's cores: `lscpu` lists them). Not one CPU: "
                          "pinned to one (session 20, H200) plain batch-1 decode took 1.12 "
                          "ms/token against 0.66 unpinned")
+    ap.add_argument("--adaptive-shares-model", action="store_true",
+                    help="the adaptive engine over the spec engine's weights, as the plain "
+                         "one is (default: its own copy, as a server loads it)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after the warm-up: start-up's objects leave the "
                          "collector's generations")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.pin_cpus:
-        os.sched_setaffinity(0, {int(c) for c in args.pin_cpus.split(",")})
+        cpus = set()
+        for part in args.pin_cpus.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, cpus)
     meter = GcMeter()
     gpu = args.device == "cuda"
     backend = args.attention_backend or ("flashinfer" if gpu else "torch")
@@ -267,8 +275,10 @@ def main() -> None:
                 spec, topk=topk, num_draft_tokens=nodes), spec_eng.model,
                 spec_eng.head, tokenizer=tok)
         if "adaptive" in names:  # its own engine: profiles its cost table at start-up
-            engines["adaptive"] = SpecEngine.from_config(
-                cfg, dataclasses.replace(spec, adaptive=True))
+            engines["adaptive"] = (SpecEngine(
+                cfg, dataclasses.replace(spec, adaptive=True), spec_eng.model, spec_eng.head,
+                tokenizer=tok) if args.adaptive_shares_model else SpecEngine.from_config(
+                cfg, dataclasses.replace(spec, adaptive=True)))
             table = engines["adaptive"].spec_scheduler.policy.table
             res["adaptive_table"] = json.loads(table.to_json())
             print(f"adaptive cost table (ms): batch: k = 0..K | plain step; a prompt arriving "

@@ -24,9 +24,9 @@ so a split happens only where a target forward's cost grows with the rows it car
 The estimates are exponentially weighted: a round that proposed k drafts and accepted a
 observes, for each j <= k, whether at least j were accepted (the cumulative prod_{i<=j} p_i;
 positions past k are unobserved and relax toward the prior). A request that does not draft is
-not observed; its estimate relaxes toward the prior (the head's measured acceptance where its config gives
-it) at `relax` per step, so a muted request (or a whole engine stuck at k = 0, or in the plain
-regime: `plain_step`) drafts again after a while and is measured afresh.
+not observed; its estimate relaxes toward the prior (the head's measured acceptance where its
+config gives it) at `relax` per step, so a muted request (or a whole engine stuck at k = 0, or
+in the plain regime: `plain_step`) drafts again after a while and is measured afresh.
 """
 
 from __future__ import annotations
@@ -40,11 +40,7 @@ from tandem.spec.cost_table import POLICY_VERSION, StepCostTable  # noqa: F401 (
 
 def expected_tokens(p: Sequence[float], k: int) -> float:
     """E(k) = 1 + sum_{j=1..k} prod_{i<=j} p_i: tokens a k-draft round commits on average."""
-    total, run = 1.0, 1.0
-    for j in range(k):
-        run *= p[j]
-        total += run
-    return total
+    return _expected_by_k(p, k)[k]
 
 
 def _expected_by_k(p: Sequence[float], max_k: int) -> list[float]:
