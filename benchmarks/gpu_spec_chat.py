@@ -96,8 +96,8 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
     ttft, decode = [], []
     # (seconds, requests held, a prompt arrived, kind: "plain" for the plain engine or the
     # plain regime, "round" where drafts were verified, "k0" for a speculative step that
-    # verified none -- a k = 0 round)
-    steps: list[tuple[float, int, bool, str]] = []
+    # verified none -- a k = 0 round; the round's k where the policy says, else -1)
+    steps: list[tuple[float, int, bool, str, int]] = []
     spec = isinstance(eng, SpecEngine)
     t0 = time.perf_counter()
     while waiting or running:
@@ -117,7 +117,7 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
             kind = "round"
         elif spec and not any(eng.spec_scheduler.is_plain(r) for r in eng.scheduler.requests):
             kind = "k0"
-        steps.append((took, held, arrived, kind))
+        steps.append((took, held, arrived, kind, round_k(eng) if kind == "round" else -1))
         for o in outputs:
             if o.req_id in running:
                 now = time.perf_counter()
@@ -134,7 +134,16 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
     return outs, time.perf_counter() - t0, times
 
 
-def step_summary(steps: list[tuple[float, int, bool, str]]) -> dict:
+def round_k(eng: SpecEngine) -> int:
+    """k of the round a step just ran: num_steps without a policy, the adaptive policy's last
+    unsplit plan (0 where it split), a fixed policy's k; -1 where the policy does not say."""
+    pol = eng.spec_scheduler.policy
+    if pol is None:
+        return eng.spec.num_steps
+    return getattr(pol, "last_k", getattr(pol, "k", -1))
+
+
+def step_summary(steps: list[tuple[float, int, bool, str, int]]) -> dict:
     """Where a closed loop's time went: its steps, those right after a prompt arrived (whose
     step prefills it) and the others, each with count, mean ms and mean requests held; the
     others also by kind (plain, round, k0: see `closed_loop`)."""
@@ -154,7 +163,11 @@ def step_summary(steps: list[tuple[float, int, bool, str]]) -> dict:
             "other_by_kind": {k: part(r for r in other if r[3] == k)
                               for k in sorted({r[3] for r in other})},
             "arrival_by_kind": {k: part(r for r in arrival if r[3] == k)
-                                for k in sorted({r[3] for r in arrival})}}
+                                for k in sorted({r[3] for r in arrival})},
+            # the served price of each k, next to the cost table's (k0: a split step)
+            "other_rounds_by_k": {f"k{k}": part(r for r in other if r[3] == "round"
+                                                and r[4] == k)
+                                  for k in sorted({r[4] for r in other if r[3] == "round"})}}
 
 
 class GcMeter:
@@ -412,6 +425,13 @@ def main() -> None:
     for name in names:
         print(f"  {name}: " + "; ".join(f"c={c} {steps_cell(res[name][f'c{c}']['steps'])}"
                                         for c in levels))
+    def by_k(st: dict) -> str:
+        return " ".join(f"{k} {v['steps']}x{v['mean_ms']:.2f}ms@{v['mean_held']:.1f}"
+                        for k, v in st.get("other_rounds_by_k", {}).items()) or "-"
+
+    print("rounds by k (not after an arrival): " + "; ".join(
+        f"{name} " + " | ".join(f"c={c} {by_k(res[name][f'c{c}']['steps'])}" for c in levels)
+        for name in names if name != "plain"))
     print("TTFT p50 ms (add -> first token) per level: " + "; ".join(
         f"{name} " + " ".join(f"{1e3 * (res[name][f'c{c}']['ttft_p50_s'] or 0):.1f}"
                               for c in levels) for name in names))
