@@ -6,7 +6,8 @@
 #   1. as every sweep so far (the adaptive engine loads its own copy of the weights);
 #   2. the adaptive engine over the plain engine's weights (--adaptive-shares-model);
 #   3. as 2, the process pinned to the first NUMA node's cores (--pin-cpus).
-# Compare the "adaptive / plain per repeat" lines. ~3-5 minutes (start-up dominates: c=16 and c=50 runs take < 1 s each).
+# Compare the "adaptive / plain per repeat" lines. Then the prompt-step timing of status.md
+# item 2c. ~5-7 minutes (start-up dominates: c=16 and c=50 runs take < 1 s each).
 #     PHASE=import bash benchmarks/gpu_train_eagle.sh && bash benchmarks/gpu_plain_regime_sweep.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -26,3 +27,9 @@ run() {  # name, extra args
 run own_weights
 run shared_weights --adaptive-shares-model
 if [ -n "$node0" ]; then run shared_pinned --adaptive-shares-model --pin-cpus "$node0"; fi
+# And, while the machine is up, status.md item 2c: what a prompt's arrival step costs, plain
+# against speculative (dummy weights; a cProfile of the 1-prompt step in prompt_step/).
+echo "== prompt steps (dummy SmolLM2)"
+timeout 150 python3 benchmarks/gpu_prompt_step.py --out "$OUT/prompt_step" --cases "1,0;1,15" \
+  > "$OUT/prompt_step.log" 2>&1
+grep -E "arriving next to" "$OUT/prompt_step.log"
