@@ -78,13 +78,10 @@ def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int, alpha: f
     return tuple(out)
 
 
-def relax(p: Sequence[float], prior: Sequence[float], rate: float,
-          start: int = 0) -> tuple[float, ...]:
-    """One unobserved step: the estimate from position `start` on (all of it by default; past
-    a round's k for a row that drafted) moves `rate` of the way back toward the prior."""
-    if start >= len(p):
-        return tuple(p)
-    return tuple(p[:start]) + tuple(x + rate * (q - x) for x, q in zip(p[start:], prior[start:]))
+def relax(p: Sequence[float], prior: Sequence[float], rate: float) -> tuple[float, ...]:
+    """One unobserved step: the estimate moves `rate` of the way back toward the prior (past
+    a drafting round's k, `ewma_update` does the same for the positions it did not observe)."""
+    return tuple(x + rate * (q - x) for x, q in zip(p, prior))
 
 
 def break_even(table: StepCostTable, k: int, batch_size: int) -> float:

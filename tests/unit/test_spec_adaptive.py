@@ -383,7 +383,8 @@ def test_positions_past_k_relax_toward_the_prior_so_a_low_tail_is_no_trap():
     """A round of k observes positions 1..k only; those past k relax toward the prior. Kept
     as they were, a low estimate at position k + 1 held k below it for good (an H200 run:
     4th-position conditional 0.35 against the head's 0.66, k <= 3 for 50 requests)."""
-    assert relax((0.0, 0.0, 1.0), (0.5, 0.5, 0.5), 0.5, start=1) == (0.0, 0.25, 0.75)
+    # alpha 0: the observed position stays; the two past k = 1 move halfway to the prior
+    assert ewma_update((0.0, 0.0, 1.0), 1, 0, 0.0, (0.5, 0.5, 0.5), 0.5) == (0.0, 0.25, 0.75)
     p = (0.5, 0.5, 0.5, 0.5)  # as the ewma test below, k = 2, and positions 3, 4 relaxed
     assert ewma_update(p, 2, 2, 0.5, (0.5, 0.5, 0.9, 0.1), 0.5) == pytest.approx(
         (0.75, 0.625 / 0.75, 0.7, 0.3))
