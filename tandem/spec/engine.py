@@ -206,16 +206,15 @@ class SpecEngine(HandoffSide, LLMEngine):
     def step(self) -> list[RequestOutput]:
         spec_sched = self.spec_scheduler
         spec_sched.drop_unrunnable()
-        # The policy hears what steady steps take; not on a worker of several ranks, whose
-        # ranks must choose alike and would each time their own steps.
-        t0, batch = time.perf_counter(), len(self.scheduler.running)
-        steady = spec_sched.steady() and self.model.par.every_rank.size == 1
+        # The policy hears what steps take; not on a worker of ranks, which must choose alike.
+        t0 = time.perf_counter()
+        shape = spec_sched.step_shape() if self.model.par.every_rank.size == 1 else None
         if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):
             outputs = self.plain_step()
-            if steady:
-                spec_sched.served(batch, time.perf_counter() - t0, None)
+            if shape is not None:
+                spec_sched.served(shape[0], time.perf_counter() - t0, None, shape[1])
             return outputs
-        steady &= self._inflight is None
+        shape = shape if self._inflight is None else None  # (reads a plain step: unpriced)
         outputs = self.leave_overlap()
         plan = self.scheduler.schedule(exclude=frozenset(spec_sched.seeds))
         if plan.chunks and all(spec_sched.is_plain(c.req_id) and len(c.token_ids) == 1
@@ -225,6 +224,7 @@ class SpecEngine(HandoffSide, LLMEngine):
             outputs += self._prefill_step(plan)
         # Pages for the round (may preempt); a prompt completed in this step decodes next step.
         reqs = spec_sched.reserve(exclude=frozenset(c.req_id for c in plan.chunks))
+        rounds = []
         if self.dp_join(bool(reqs)):  # DP: a rank without a round runs an empty verify
             # One round, or two when the k policy splits the batch (spec/adaptive.py): then
             # the step reads the host twice, once per round -- the price of the split, which
@@ -233,9 +233,10 @@ class SpecEngine(HandoffSide, LLMEngine):
             for rows, inp in rounds:  # a step's only round may draft the next one ahead
                 result, nxt = self._spec_round(inp, ahead=rows if len(rounds) == 1 else ())
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
-            if steady and not plan.chunks and len(rounds) == 1:
-                spec_sched.served(len(rounds[0][0]), time.perf_counter() - t0,
-                                  rounds[0][1].num_drafts)
+        prompts = sum(c.samples and not spec_sched.is_plain(c.req_id) for c in plan.chunks)
+        if shape is not None and len(rounds) <= 1 and (prompts if shape[1] else not plan.chunks):
+            k = rounds[0][1].num_drafts if rounds else self.spec.num_steps  # (split: unpriced)
+            spec_sched.served(len(reqs), time.perf_counter() - t0, k, prompts)
         return outputs
 
     def plain_step(self) -> list[RequestOutput]:

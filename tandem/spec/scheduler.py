@@ -97,16 +97,26 @@ class SpecScheduler:
             self.drop_seed(rid)
         return True
 
-    def steady(self) -> bool:
-        """Whether the step about to run does decode work only (no prompt queued or being
-        prefilled): the steps the cost table prices, whose served time `served` reports.
-        False without a policy that hears it (no walk over the batch on every step)."""
+    def step_shape(self) -> tuple[int, int] | None:
+        """(requests decoding, prompts it may complete: waiting or partly prefilled) for the
+        step about to run; (b, 0) is a steady step, what the cost table prices. None without
+        a policy that hears step times (`served`): no walk over the batch then."""
+        if getattr(self.policy, "served", None) is None:
+            return None
         s = self.scheduler
-        return (getattr(self.policy, "served", None) is not None and not s.waiting
-                and all(r.num_tokens - r.num_computed <= 1 for r in s.running))
+        partial = sum(r.num_tokens - r.num_computed > 1 for r in s.running)
+        return len(s.running) - partial, len(s.waiting) + partial
 
-    def served(self, batch_size: int, seconds: float, num_drafts: int | None) -> None:
-        """Tell the policy what a steady step took (`AdaptivePolicy.served`)."""
+    def served(self, batch_size: int, seconds: float, num_drafts: int | None,
+               prompts: int = 0) -> None:
+        """Tell the policy what a step over `batch_size` decoding requests took: a steady one
+        (`AdaptivePolicy.served`), or one that completed `prompts` prompts besides
+        (`AdaptivePolicy.arrived`, where the policy hears arrivals)."""
+        if prompts:
+            told = getattr(self.policy, "arrived", None)
+            if told is not None:
+                told(batch_size, seconds, num_drafts, prompts)
+            return
         told = getattr(self.policy, "served", None)
         if told is not None and batch_size > 0:
             told(batch_size, seconds, num_drafts)

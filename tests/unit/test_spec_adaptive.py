@@ -379,6 +379,27 @@ def test_profile_returns_the_envelope(monkeypatch):
     assert_pages_free(eng)
 
 
+def test_each_profiling_sample_times_every_k_in_turn(monkeypatch):
+    """A drift of the host's speed while profiling must touch every k alike: each sample
+    times k = 0 .. num_steps in turn, and each k keeps its least (an H200 priced a batch-1
+    round of k=4 23% over k=3 when every k's samples ran back to back; served: 6%)."""
+    timed: list[int | None] = []
+    drift = iter(range(1, 1000))
+
+    def fake(eng, step, n, samples=1):
+        k = getattr(eng.spec_scheduler.policy, "k", None) if step == eng.step else None
+        timed.append(k)
+        return next(drift) * 1e-3  # every run slower than the one before
+
+    monkeypatch.setattr(cost_profile, "_time_steps", fake)
+    model = tiny_target("llama")
+    eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=2), model, tiny_head(model, "eagle"))
+    table = cost_profile.profile(eng, repeats=1, batch_sizes=(1,), samples=2)
+    assert timed[:6] == [0, 1, 2, 0, 1, 2] and timed[6:] == [None]  # then plain steps
+    assert table.seconds == ((1e-3, 2e-3, 3e-3),)  # each k's least: its first sample's
+    assert_pages_free(eng)
+
+
 def test_positions_past_k_relax_toward_the_prior_so_a_low_tail_is_no_trap():
     """A round of k observes positions 1..k only; those past k relax toward the prior. Kept
     as they were, a low estimate at position k + 1 held k below it for good (an H200 run:

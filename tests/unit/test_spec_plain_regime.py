@@ -37,6 +37,8 @@ from tandem.spec.adaptive import (
 # A round of k drafts costs 1 + 0.1 k at 1 row; a plain step 0.5 (cheap: a launch-bound small
 # model with overlap) or 0.9 at 1 row, 3.0 at 64 rows.
 ROUNDS = ((1.0, 1.1, 1.2, 1.3), (4.0, 8.0, 12.0, 16.0))
+# The pure choice, without trying an unserved regime (tested on its own below)
+NO_EXPLORE = AdaptiveSettings(explore_band=0.0)
 
 
 def table(plain: tuple[float, ...]) -> StepCostTable:
@@ -48,23 +50,23 @@ def table(plain: tuple[float, ...]) -> StepCostTable:
 
 def test_plain_wins_where_a_plain_step_beats_the_best_round():
     # prior 0.6: E(3) = 1 + .6 + .36 + .216 = 2.176 tokens per 1.3 s round = 1.67 tokens/s
-    cheap = AdaptivePolicy(table=table((0.5, 3.0)), max_k=3)
+    cheap = AdaptivePolicy(table=table((0.5, 3.0)), max_k=3, settings=NO_EXPLORE)
     assert cheap.plain_wins(1)  # 2 tokens/s plain
-    dear = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3)
+    dear = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3, settings=NO_EXPLORE)
     assert not dear.plain_wins(1)  # 1.11 tokens/s plain
     assert dear.plain_wins(64)  # 64 / 3.0 plain vs 64 * 2.176 / 16.0 at k = 3
     for _ in range(20):  # drafts that always land: speculation wins at 1 row again
         dear.observe("a", 3, 3)
     assert not dear.plain_wins(1)
     # unmeasured plain cost (a table of an older version): never the plain regime
-    assert not AdaptivePolicy(table=table(()), max_k=3).plain_wins(64)
+    assert not AdaptivePolicy(table=table(()), max_k=3, settings=NO_EXPLORE).plain_wins(64)
 
 
 def test_a_request_whose_own_drafts_fail_turns_plain_not_to_k0_rounds():
     """Where a request's own estimate has no row draft, its step would be a k = 0 round (a
     draft-extend and a host read before the next launch): a plain step costs less, so the
     regime turns plain even while the engine-wide estimate still favours rounds."""
-    pol = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3)
+    pol = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3, settings=NO_EXPLORE)
     assert not pol.plain_wins(1, ["a"])  # prior 0.6: rounds pay
     for _ in range(30):  # a's drafts never land: its own p_1 0.03, the engine-wide 0.33
         pol.observe("a", 3, 0)
@@ -72,7 +74,7 @@ def test_a_request_whose_own_drafts_fail_turns_plain_not_to_k0_rounds():
     assert not pol.plain_wins(1)  # the engine-wide estimate: rounds still pay
     assert pol.plain_wins(1, ["a"])  # a's own: a k = 0 round (1.0 s) against 0.9 s plain
     # where a plain step would cost more than the k = 0 round, the round stays
-    dear = AdaptivePolicy(table=table((1.05, 3.0)), max_k=3)
+    dear = AdaptivePolicy(table=table((1.05, 3.0)), max_k=3, settings=NO_EXPLORE)
     for _ in range(30):
         dear.observe("a", 3, 0)
     assert not dear.plain_wins(1, ["a"])
@@ -80,7 +82,7 @@ def test_a_request_whose_own_drafts_fail_turns_plain_not_to_k0_rounds():
 
 def test_the_plain_regime_relaxes_the_estimate_toward_the_prior_slowly():
     pol = AdaptivePolicy(table=table((0.7, 3.0)), max_k=3,
-                         settings=AdaptiveSettings(plain_relax=0.01))
+                         settings=AdaptiveSettings(explore_band=0.0, plain_relax=0.01))
     for _ in range(60):
         pol.observe("a", 3, 0)  # drafts that never land
     low = pol.overall
@@ -97,7 +99,7 @@ def test_unasked_plain_steps_relax_the_estimate_too():
     """While every request is plain the engine runs plain steps without asking `plain_wins`,
     and tells the policy of each (`plain_step`): an engine that went plain comes back."""
     pol = AdaptivePolicy(table=table((0.7, 3.0)), max_k=3,
-                         settings=AdaptiveSettings(plain_relax=0.01))
+                         settings=AdaptiveSettings(explore_band=0.0, plain_relax=0.01))
     for _ in range(60):
         pol.observe("a", 3, 0)
     assert pol.plain_wins(1)
@@ -111,7 +113,8 @@ def test_the_engine_wide_estimate_moves_slower_than_a_request_s():
     prices the plain regime) by overall_alpha: a few unlucky rounds do not turn the engine
     plain where rounds pay."""
     pol = AdaptivePolicy(table=table((0.9, 3.0)), max_k=3,
-                         settings=AdaptiveSettings(alpha=0.1, overall_alpha=0.02))
+                         settings=AdaptiveSettings(explore_band=0.0, alpha=0.1,
+                                                   overall_alpha=0.02))
     for _ in range(5):
         pol.observe("a", 3, 0)
     assert pol.per_request["a"][0] == pytest.approx(0.6 * 0.9**5)
@@ -128,7 +131,7 @@ def test_served_step_times_rescale_what_each_regime_costs():
     wild time (a collection, a first capture) barely moves a scale."""
     # at 1 row: a k=3 round of 2.176 tokens in 1.3 s = 0.597 s a token (x 1.05: 0.627)
     # against a 0.65 s plain step: rounds win, narrowly
-    pol = AdaptivePolicy(table=table((0.65, 3.0)), max_k=3)
+    pol = AdaptivePolicy(table=table((0.65, 3.0)), max_k=3, settings=NO_EXPLORE)
     assert not pol.plain_wins(1)
     pol.served(1, 100.0, None)  # one wild time: the scale moves by alpha x 0.5 at most
     assert pol.plain_scale == pytest.approx(1.0 + 0.02 * 0.5)
@@ -139,7 +142,7 @@ def test_served_step_times_rescale_what_each_regime_costs():
     assert pol.round_scale == pytest.approx(1.0, rel=0.02)
     assert pol.plain_wins(1)
     # rounds served 20% over their price, plain steps at theirs: the same turn
-    other = AdaptivePolicy(table=table((0.65, 3.0)), max_k=3)
+    other = AdaptivePolicy(table=table((0.65, 3.0)), max_k=3, settings=NO_EXPLORE)
     for _ in range(200):
         other.served(1, 1.3 * 1.2, 3)
         other.served(1, 0.65, None)
@@ -151,7 +154,7 @@ def test_a_regime_never_served_takes_the_other_s_scale():
     the prices of both scale alike until plain steps are served too. Scaling rounds alone
     would tilt every tie toward them, and the plain regime, never entered, would never
     correct it (on an H200 the profile priced plain steps 16% over service, rounds 11%)."""
-    pol = AdaptivePolicy(table=table((0.62, 3.0)), max_k=3)
+    pol = AdaptivePolicy(table=table((0.62, 3.0)), max_k=3, settings=NO_EXPLORE)
     assert pol.plain_wins(1)  # 0.62 s a token plain; 1.3 / 2.176 x 1.05 = 0.627 by rounds
     for _ in range(300):
         pol.served(1, 1.3 * 0.9, 3)
@@ -401,7 +404,7 @@ def test_the_arrival_cost_of_rounds_turns_the_choice_plain():
     (`StepCostTable.arrival`), spread over the tokens a request runs. Rounds that beat plain
     steps per token lose once that is counted, the more so the shorter the requests."""
     rounds = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(0.9, 3.0))
-    settings = AdaptiveSettings(margin=0.0, output_len_prior=100.0)
+    settings = AdaptiveSettings(explore_band=0.0, margin=0.0, output_len_prior=100.0)
     assert not AdaptivePolicy(table=rounds, max_k=3, settings=settings).plain_wins(1)
     # at the prior, a 3-round: 1.3 s / 2.176 tokens = 0.597 s a token, plain 0.9 s: rounds win
     # by 0.30 s a token, which an arrival cost of 0.31 s a token (31 s over 100 tokens) undoes
@@ -426,13 +429,13 @@ def test_requests_already_drafting_keep_rounds_through_a_near_tie():
                                       (0.56, True, False),   # plain ahead by 6.2% < margin 7%
                                       (0.55, True, True)):   # plain ahead by 8.6%
         t = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(plain, 3.0))
-        settings = AdaptiveSettings(margin=0.07)
+        settings = AdaptiveSettings(explore_band=0.0, margin=0.07)
         assert AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(1) == unsettled
         assert AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(
             1, settled=True) == settled
     # an arrival priced at 0.31 s a token turns a new request plain, not one drafting already
     t = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(0.9, 3.0), arrival=31.0)
-    settings = AdaptiveSettings(margin=0.0, output_len_prior=100.0)
+    settings = AdaptiveSettings(explore_band=0.0, margin=0.0, output_len_prior=100.0)
     assert AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(1)
     assert not AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(1, settled=True)
 
@@ -461,11 +464,13 @@ def test_near_ties_go_to_the_plain_regime():
     """Rounds must beat a plain step's time per token by `margin`."""
     # at the prior a 3-round costs 0.597 s a token; a plain step of 0.62 s is 3.8% dearer
     t = StepCostTable(batch_sizes=(1, 64), seconds=ROUNDS, plain=(0.62, 3.0))
-    assert not AdaptivePolicy(table=t, max_k=3,
-                              settings=AdaptiveSettings(margin=0.0)).plain_wins(1)
-    assert AdaptivePolicy(table=t, max_k=3, settings=AdaptiveSettings(margin=0.05)).plain_wins(1)
-    assert not AdaptivePolicy(table=t, max_k=3,
-                              settings=AdaptiveSettings(margin=0.03)).plain_wins(1)
+    def wins(margin: float) -> bool:
+        settings = AdaptiveSettings(explore_band=0.0, margin=margin)
+        return AdaptivePolicy(table=t, max_k=3, settings=settings).plain_wins(1)
+
+    assert not wins(0.0)
+    assert wins(0.05)
+    assert not wins(0.03)
     with pytest.raises(ValueError, match="margin"):
         AdaptiveSettings(margin=-0.1)
     with pytest.raises(ValueError, match="output_len_prior"):
@@ -493,7 +498,7 @@ def test_the_engine_tells_the_policy_how_long_requests_ran():
             told.append(num_output_tokens)
 
     model = tiny_target("llama")
-    pol = Told(table=table((0.9, 3.0)), max_k=2)
+    pol = Told(table=table((0.9, 3.0)), max_k=2, settings=NO_EXPLORE)
     eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=2), model, tiny_head(model, "eagle"),
                      policy=pol)
     ps = prompts(3, seed=5)

@@ -1,0 +1,179 @@
+"""What the adaptive policy learns from service (spec/served.py, `AdaptivePolicy.served`,
+`arrived`, `plain_wins`'s exploration): served / priced per regime and per batch size, a
+regime never served near a batch size tried once there, and the arrival price taken from
+served arrival steps. The numbers are an H200's (session 25): its start-up profile, and what
+the same process served at c=16 and c=50."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from spec_helpers import (
+    assert_pages_free,
+    engine_cfg,
+    greedy,
+    one_thread,  # noqa: F401 (autouse fixture)
+    prompts,
+    tiny_head,
+    tiny_target,
+)
+
+from tandem.spec import SpecConfig, SpecEngine
+from tandem.spec.adaptive import AdaptivePolicy, AdaptiveSettings, StepCostTable
+from tandem.spec.served import ServedPrices, grid_weights
+
+MS = 1e-3
+# The profile of an H200 (session 25, SmolLM2 + the shipped head, k = 0..4; plain step last)
+H200 = StepCostTable(
+    batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+    seconds=tuple(tuple(x * MS for x in row) for row in (
+        (1.218, 1.218, 1.218, 1.218, 1.502), (1.333, 1.482, 1.642, 1.642, 1.784),
+        (1.413, 1.751, 1.867, 1.867, 1.913), (1.747, 2.008, 2.021, 2.222, 2.392),
+        (2.151, 2.304, 2.478, 2.504, 2.852), (2.722, 2.793, 3.421, 3.431, 3.435),
+        (3.415, 4.400, 4.614, 5.087, 5.269))),
+    plain=tuple(x * MS for x in (1.013, 1.049, 1.114, 1.199, 1.499, 1.913, 2.786)))
+SERVED_P = (0.61, 0.63, 0.59, 0.61)  # the acceptance it served (conditional, per position)
+
+
+def policy(**settings) -> AdaptivePolicy:
+    pol = AdaptivePolicy(table=H200, max_k=4, settings=AdaptiveSettings(**settings))
+    pol.overall = SERVED_P
+    return pol
+
+
+def test_grid_weights_interpolate_as_the_table_prices():
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    assert grid_weights(sizes, 1) == ((0, 1.0),)
+    assert grid_weights(sizes, 100) == ((6, 1.0),)
+    assert grid_weights(sizes, 16) == ((4, 1.0),)
+    (i, a), (j, b) = grid_weights(sizes, 44)
+    assert (i, j) == (5, 6) and a == pytest.approx(20 / 32) and b == pytest.approx(12 / 32)
+
+
+def test_each_batch_size_keeps_its_own_served_ratio():
+    """Served rounds 15% over their price at 44 rows and 20% under at 16 (the H200's): each
+    batch size is priced by its own, not by one ratio pooled over every step."""
+    pol = policy()
+    for _ in range(300):
+        pol.served(44, 1.15 * H200.cost(4, 44), 4)
+        pol.served(16, 0.8 * H200.cost(4, 16), 4)
+    assert pol.prices.scale(True, 44) == pytest.approx(1.15, rel=0.03)
+    assert pol.prices.scale(True, 16) == pytest.approx(0.8, rel=0.03)
+    assert 0.8 < pol.round_scale < 1.15  # the engine-wide one pools both
+    # plain steps, never served, follow the rounds' engine-wide scale at every size
+    assert pol.prices.scale(False, 44) == pytest.approx(pol.round_scale)
+    assert pol.prices.weight(False, 44) == 0.0 and pol.prices.weight(True, 44) > 0.9
+
+
+def test_an_unserved_plain_regime_is_tried_once_where_the_profile_may_err():
+    """The H200 at c=50: priced from its profile, rounds beat plain steps by ~20% at 44 rows,
+    so the engine drafted; served, plain steps took 1.93 ms (priced 2.27) and rounds 4.84
+    (priced 4.12): plain won by 8%, and the engine ran 0.82x the plain engine. Now a step
+    with arrivals tries the plain regime once where it was never served and lies within the
+    band; served plain steps then decide."""
+    assert not policy(explore_band=0.0).plain_wins(44)  # the profile alone: rounds
+    pol = policy()
+    for _ in range(200):  # rounds served (an earlier run) at their H200 price
+        pol.served(44, 4.84 * MS, 4)
+    assert pol.plain_wins(44)  # an arrival: the plain regime, never served here, is tried
+    assert not pol.plain_wins(44, settled=True)  # never while every request drafts
+    assert not policy(explore_band=0.1).plain_wins(44)  # outside the band: not tried
+    for _ in range(130):  # the c=50 run's plain steps
+        pol.served(45, 1.93 * MS, None)
+    assert pol.prices.scale(False, 45) == pytest.approx(1.93 * MS / H200.plain_cost(45), rel=0.1)
+    assert pol.plain_wins(44, settled=True)  # now by their own price, even for drafters
+    assert pol.plain_wins(44)
+
+
+def test_exploration_happens_once_per_grid_point_and_only_near_a_tie():
+    pol = policy()
+    assert pol.plain_wins(44)  # tried
+    assert not pol.plain_wins(44)  # not again (nothing served: the profile's choice)
+    assert not pol.plain_wins(40)  # 40 is nearest the same grid point (32)
+    assert pol.plain_wins(60)  # nearest 64: tried once there too
+    assert pol.explored == {(False, 5), (False, 6)}
+    # and the other way: where plain steps are chosen, unserved rounds are tried once
+    cheap = AdaptivePolicy(table=StepCostTable(
+        batch_sizes=H200.batch_sizes, seconds=H200.seconds,
+        plain=tuple(0.8 * x for x in H200.plain)), max_k=4)
+    cheap.overall = SERVED_P
+    assert not cheap.plain_wins(44)  # rounds tried
+    assert cheap.plain_wins(44)
+    with pytest.raises(ValueError, match="explore_band"):
+        AdaptiveSettings(explore_band=1.5)
+
+
+def test_served_arrivals_price_the_arrival_in_place_of_the_profile():
+    """The H200 priced an arrival under rounds at 0.00 ms (profile); at c=16 its arrival
+    steps took 5.38 ms under rounds of 2.37 and 1.77 ms in the plain regime, of 1.11: ~2.4 ms
+    a prompt more under rounds. Spread over 120-token answers, that turns 15 rows plain where
+    steady rounds alone win (here: served at 2.2 ms, 10% a token under plain steps)."""
+    pol = policy(explore_band=0.0, output_len_prior=120.0)
+    for _ in range(200):
+        pol.served(15, 2.2 * MS, 3)
+        pol.served(15, 1.11 * MS, None)
+    assert pol.arrival_cost == 0.0 and not pol.plain_wins(15)
+    for _ in range(30):
+        pol.arrived(15, 5.2 * MS, 3, 1)
+        pol.arrived(15, 1.77 * MS, None, 1)
+    assert pol.arrival_cost == pytest.approx((5.2 - 2.2 - (1.77 - 1.11)) * MS, rel=0.1)
+    assert pol.plain_wins(15)
+    assert not pol.plain_wins(15, settled=True)  # paid already by requests drafting
+    # one regime's arrivals alone say nothing of the other's: the profile's price stands
+    one = policy()
+    one.arrived(15, 5.38 * MS, 3, 1)
+    assert one.arrival_cost == H200.arrival
+    # per prompt, never below 0, a wild step capped at ten batch-1 rounds
+    prices = ServedPrices(batch_sizes=(1, 2))
+    prices.add_arrival(True, 0.004)
+    assert prices.arrival(0.0) == 0.0  # (no plain arrival yet)
+    pol2 = policy()
+    pol2.arrived(0, 1000.0, 4, 1)
+    pol2.arrived(0, 1.0 * MS, None, 2)
+    assert pol2.prices.arrival_rounds[0] / pol2.prices.arrival_rounds[1] == pytest.approx(
+        10 * H200.cost(4, 1))
+    assert pol2.prices.arrival_plain[0] / pol2.prices.arrival_plain[1] == pytest.approx(0.5 * MS)
+
+
+class Heard(AdaptivePolicy):
+    """The adaptive policy, recording what the engine tells it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.heard: list[tuple[str, int, int | None, int]] = []
+
+    def served(self, batch_size, seconds, num_drafts):
+        self.heard.append(("steady", batch_size, num_drafts, 0))
+        super().served(batch_size, seconds, num_drafts)
+
+    def arrived(self, batch_size, seconds, num_drafts, prompts):
+        self.heard.append(("arrival", batch_size, num_drafts, prompts))
+        super().arrived(batch_size, seconds, num_drafts, prompts)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_the_engine_reports_arrival_steps_with_their_prompts(plain):
+    """Steps that complete prompts go to `arrived` with the number completed and the batch
+    decoding beside them (under rounds, or in the plain regime); steady steps to `served`."""
+    model = tiny_target("llama")
+    # plain steps priced ~free (the plain regime throughout) or dear (rounds throughout)
+    t = StepCostTable(batch_sizes=(1, 8), seconds=((1.0, 1.1, 1.2), (2.0, 2.2, 2.4)),
+                      plain=(1e-4, 1e-4) if plain else (100.0, 100.0))
+    pol = Heard(table=t, max_k=2, settings=AdaptiveSettings(explore_band=0.0))
+    eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=2), model, tiny_head(model, "eagle"),
+                     policy=pol)
+    ps = prompts(4, seed=9)
+    for p in ps[:2]:
+        eng.add_request(p, greedy(12))
+    for step in itertools.count():
+        if not eng.has_unfinished():
+            break
+        if step == 3:
+            eng.add_request(ps[2], greedy(12))
+        eng.step()
+    arrivals = [h for h in pol.heard if h[0] == "arrival"]
+    assert [(b, p) for _, b, _, p in arrivals] == [(0, 2), (2, 1)]
+    assert all((k is None) == plain for _, _, k, _ in pol.heard)
+    assert sum(h[0] == "steady" for h in pol.heard) >= 8
+    assert_pages_free(eng)
