@@ -59,6 +59,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last is preempted first
         self.num_preemptions = 0  # total, for metrics
+        # False: waiting requests are not admitted for now (the speculative engine draining
+        # its plain regime: spec/scheduler.py `SpecScheduler.plain_regime`)
+        self.admitting = True
         # Prefix caching, totals for metrics (hit rate = hit / query): prompt tokens looked up
         # at admission, and those served from the cache.
         self.num_prefix_query_tokens = 0
@@ -118,7 +121,8 @@ class Scheduler:
             scheduled.add(req.req_id)
             budget -= n
         # Admit waiting requests while budget, slots and pages allow (never preempt for them).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.admitting and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token not read yet: admitted once it is (next step)

@@ -202,6 +202,10 @@ class AdaptiveSettings:
     # (0: never explore.)
     explore_band: float = 0.35
     explore_weight: float = 0.05
+    # Steps a tried rounds regime holds before plain steps may win again: long enough to be
+    # served (an H200 at c=50 tried rounds, then turned plain on the next step, having
+    # served none: the try cost a speculative prompt step and taught nothing)
+    explore_steps: int = 16
 
     def __post_init__(self) -> None:
         for name in ("alpha", "overall_alpha", "prior", "relax", "plain_relax", "margin",
@@ -211,6 +215,8 @@ class AdaptiveSettings:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)}")
         if not self.output_len_prior >= 1.0:
             raise ValueError(f"output_len_prior: must be >= 1, got {self.output_len_prior}")
+        if not self.explore_steps >= 0:
+            raise ValueError(f"explore_steps: must be >= 0, got {self.explore_steps}")
 
 
 @dataclass(slots=True)
@@ -231,6 +237,7 @@ class AdaptivePolicy:
     # `arrived`), and the (regime, grid point) pairs tried once unserved (`plain_wins`)
     prices: ServedPrices = field(init=False)
     explored: set[tuple[bool, int]] = field(default_factory=set, init=False)
+    trial: int = field(default=0, init=False)  # steps a tried rounds regime still holds
 
     def __post_init__(self) -> None:
         self.prices = ServedPrices(batch_sizes=self.table.batch_sizes,
@@ -281,12 +288,11 @@ class AdaptivePolicy:
         plain = self.table.plain_cost(batch_size)
         if plain is None:
             return False
-        plain *= self.prices.scale(False, batch_size)
-        round_scale = self.prices.scale(True, batch_size)
-        per_token = 0.0 if settled else self.arrival_cost / self.output_len
-        rounds = min((round_scale * self.table.cost(k, batch_size)
-                      / (batch_size * expected_tokens(self.overall, k)) + per_token
-                      for k in range(1, self.max_k + 1)), default=float("inf"))
+        if self.trial > 0:  # rounds tried (`_explore`): they hold until served a while
+            self.trial -= 1
+            return False
+        plain, rounds = self._per_token(batch_size, settled)
+        plain *= batch_size  # (seconds a plain step)
         if settled:
             wins = plain / batch_size * (1.0 + self.settings.margin) <= rounds
         else:
@@ -299,12 +305,38 @@ class AdaptivePolicy:
             # request whose drafts had failed.
             ests = [self.per_request.get(r, self.overall) for r in req_ids[:batch_size]]
             idle = plan_round(self.table, ests, self.max_k).num_drafts == 0
-            wins = idle and plain <= round_scale * self.table.cost(0, batch_size)
+            wins = idle and plain <= self.prices.scale(True, batch_size) * self.table.cost(
+                0, batch_size)
         if not settled:
             wins = self._explore(batch_size, wins, plain / batch_size, rounds)
         if wins:
             self.plain_step()
         return wins
+
+    def _per_token(self, batch_size: int, settled: bool) -> tuple[float, float]:
+        """Seconds per committed token at `batch_size`, as served prices say: a plain step's,
+        and the best round's at the engine-wide estimate (plus, unless `settled`, the arrival
+        cost spread over a request's tokens). The table must price plain steps."""
+        plain = self.table.plain_cost(batch_size)
+        assert plain is not None
+        per_token = 0.0 if settled else self.arrival_cost / self.output_len
+        round_scale = self.prices.scale(True, batch_size)
+        rounds = min((round_scale * self.table.cost(k, batch_size)
+                      / (batch_size * expected_tokens(self.overall, k)) + per_token
+                      for k in range(1, self.max_k + 1)), default=float("inf"))
+        return plain * self.prices.scale(False, batch_size) / batch_size, rounds
+
+    def plain_loses(self, batch_size: int) -> bool:
+        """Asked on plain-regime steps while requests wait: whether rounds now beat plain
+        steps at `batch_size` by the margin, plain steps priced by what they served there
+        (only once served: `explore_weight`). Then the engine admits no one until its plain
+        requests are gone, and leaves the regime (`SpecScheduler.plain_regime`); under
+        steady load it would otherwise never end, each arrival turning plain in turn."""
+        if (self.table.plain_cost(batch_size) is None
+                or self.prices.weight(False, batch_size) < self.settings.explore_weight):
+            return False
+        plain, rounds = self._per_token(batch_size, settled=False)
+        return plain > rounds * (1.0 + self.settings.margin)
 
     def _explore(self, batch_size: int, plain_chosen: bool, plain: float, rounds: float
                  ) -> bool:
@@ -322,6 +354,7 @@ class AdaptivePolicy:
         if other > chosen * (1.0 + s.explore_band):
             return plain_chosen
         self.explored.add(key)
+        self.trial = s.explore_steps if try_rounds else 0
         log.info("adaptive speculation: trying %s at batch %d, never served near it (priced "
                  "%+.1f%% a token against %s)", "rounds" if try_rounds else "plain steps",
                  batch_size, 100.0 * (other / chosen - 1.0),

@@ -80,21 +80,35 @@ class SpecScheduler:
         once would never draft again) and is asked again once the plain requests are gone.
         While every request held decodes by rounds (each has its seed: no arrival in this
         step) the policy is asked as `settled`: plain must then win outright, since the turn
-        is for good for requests already drafting."""
+        is for good for requests already drafting. While requests wait and the policy says
+        rounds now win by their served prices (`plain_loses`), the regime drains instead:
+        nobody is admitted until the plain requests are gone, then the waiting ones arrive
+        under rounds (under steady load each arrival would turn plain, and the regime, once
+        entered, would never end)."""
         wins = getattr(self.policy, "plain_wins", None)
-        held = self.scheduler.requests.keys()
+        s = self.scheduler
+        held = s.requests.keys()
+        s.admitting = True
         if not allowed or wins is None or not held:
             return False
+        batch = min(len(held), s.max_num_seqs)
         if held & self._plain:  # plain requests still decode: the regime holds, unasked
             step = getattr(self.policy, "plain_step", None)
             if step is not None:  # but a plain step all the same
                 step()
-        elif not wins(min(len(held), self.scheduler.max_num_seqs), tuple(held),
-                      settled=held <= self._seeds.keys()):
+            # Draining: where rounds now win by the served prices, nobody is admitted until
+            # the plain requests (running ones: a preempted one waits to be re-admitted) are
+            # gone; arrivals would be plain too, and under steady load it would never end.
+            loses = getattr(self.policy, "plain_loses", None)
+            s.admitting = not (loses is not None and s.waiting
+                               and any(r.req_id in self._plain for r in s.running)
+                               and loses(batch))
+        elif not wins(batch, tuple(held), settled=held <= self._seeds.keys()):
             return False
-        for rid in held - self._plain:  # new since the last step: plain too
-            self._plain.add(rid)
-            self.drop_seed(rid)
+        if s.admitting:
+            for rid in held - self._plain:  # new since the last step: plain too
+                self._plain.add(rid)
+                self.drop_seed(rid)
         return True
 
     def step_shape(self) -> tuple[int, int] | None:

@@ -57,7 +57,10 @@ class ServedPrices:
     seconds per prompt an arrival step took over its regime's priced steady step."""
 
     batch_sizes: tuple[int, ...]  # the cost table's grid, ascending
-    alpha: float = 0.02  # EWMA weight of one step (split over the grid points it touches)
+    alpha: float = 0.02  # EWMA weight of one step, engine-wide
+    # ... at the grid points it touches (split between them): faster, so that a regime tried
+    # for a few dozen steps (`AdaptivePolicy._explore`) is priced by what it served
+    grid_alpha: float = 0.05
     arrival_alpha: float = 0.1  # EWMA weight of one arrival step
     plain: Ewma = (0.0, 0.0)
     rounds: Ewma = (0.0, 0.0)
@@ -79,7 +82,7 @@ class ServedPrices:
             self.plain = _moved(self.plain, ratio, self.alpha)
         at = self.rounds_at if rounds else self.plain_at
         for i, w in grid_weights(self.batch_sizes, batch_size):
-            at[i] = _moved(at[i], ratio, self.alpha * w)
+            at[i] = _moved(at[i], ratio, self.grid_alpha * w)
 
     def global_scale(self, rounds: bool) -> float:
         """A regime's served / priced over every batch size: its EWMA, the missing weight

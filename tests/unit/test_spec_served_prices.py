@@ -93,15 +93,22 @@ def test_exploration_happens_once_per_grid_point_and_only_near_a_tie():
     assert not pol.plain_wins(40)  # 40 is nearest the same grid point (32)
     assert pol.plain_wins(60)  # nearest 64: tried once there too
     assert pol.explored == {(False, 5), (False, 6)}
-    # and the other way: where plain steps are chosen, unserved rounds are tried once
+    # and the other way: where plain steps win (by 28% here), unserved rounds are tried once,
+    # and hold for `explore_steps` steps (served meanwhile) before plain steps may win again
     cheap = AdaptivePolicy(table=StepCostTable(
         batch_sizes=H200.batch_sizes, seconds=H200.seconds,
-        plain=tuple(0.8 * x for x in H200.plain)), max_k=4)
+        plain=tuple(0.6 * x for x in H200.plain)), max_k=4)
     cheap.overall = SERVED_P
     assert not cheap.plain_wins(44)  # rounds tried
-    assert cheap.plain_wins(44)
+    for _ in range(cheap.settings.explore_steps):
+        assert not cheap.plain_wins(44, settled=True)
+        cheap.served(44, H200.cost(4, 44), 4)
+    assert cheap.prices.weight(True, 44) > 0.2
+    assert cheap.plain_wins(44, settled=True) and cheap.plain_wins(44)
     with pytest.raises(ValueError, match="explore_band"):
         AdaptiveSettings(explore_band=1.5)
+    with pytest.raises(ValueError, match="explore_steps"):
+        AdaptiveSettings(explore_steps=-1)
 
 
 def test_served_arrivals_price_the_arrival_in_place_of_the_profile():
@@ -176,4 +183,87 @@ def test_the_engine_reports_arrival_steps_with_their_prompts(plain):
     assert [(b, p) for _, b, _, p in arrivals] == [(0, 2), (2, 1)]
     assert all((k is None) == plain for _, _, k, _ in pol.heard)
     assert sum(h[0] == "steady" for h in pol.heard) >= 8
+    assert_pages_free(eng)
+
+
+# ---- leaving the plain regime under load ----------------------------------------------------
+
+
+def test_plain_loses_only_on_served_plain_prices_where_rounds_win_by_the_margin():
+    pol = policy(explore_band=0.0)
+    dear = AdaptivePolicy(table=StepCostTable(
+        batch_sizes=H200.batch_sizes, seconds=H200.seconds,
+        plain=tuple(1.6 * x for x in H200.plain)), max_k=4,
+        settings=AdaptiveSettings(explore_band=0.0))
+    dear.overall = SERVED_P
+    assert not dear.plain_loses(16)  # plain steps never served at 16: no drain on the table
+    for _ in range(40):  # rounds served at their price; plain steps at 1.6x / 0.7x theirs
+        for p in (dear, pol):
+            p.served(16, H200.cost(4, 16), 4)
+        dear.served(16, 1.6 * H200.plain_cost(16), None)
+        pol.served(16, 0.7 * H200.plain_cost(16), None)
+    assert dear.plain_loses(16)  # served: rounds win by far more than the margin
+    assert not pol.plain_loses(16)  # plain steps served 30% under their price: they win
+    assert not pol.plain_loses(1)  # (not served near 1)
+
+
+class Draining:
+    """Plain on the first ask; afterwards, rounds win (`plain_loses`); drafts k = 2."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def plain_wins(self, batch_size, req_ids=(), settled=False):
+        self.asked += 1
+        return self.asked == 1
+
+    def plain_step(self):
+        pass
+
+    def plain_loses(self, batch_size):
+        return True
+
+    def plan(self, req_ids, allow_split):
+        from tandem.spec.adaptive import RoundPlan
+        return RoundPlan(num_drafts=2, drafting=(True,) * len(req_ids))
+
+    def observe(self, req_id, num_drafts, num_accepted):
+        pass
+
+    def forget(self, req_id):
+        pass
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_plain_regime_drains_when_rounds_win_and_arrivals_then_draft(overlap):
+    """Under steady load the plain regime would never end (each arrival turns plain). Where
+    the policy says rounds now win, arrivals wait until the plain requests are gone, then
+    draft; outputs stay plain decoding's, every page back."""
+    from spec_helpers import reference
+
+    model = tiny_target("llama")
+    eng = SpecEngine(engine_cfg(overlap_schedule=overlap), SpecConfig(num_steps=2), model,
+                     tiny_head(model, "eagle"), policy=Draining())
+    first, later = prompts(2, seed=31), prompts(2, seed=32)
+    ids = [eng.add_request(p, greedy(16)) for p in first]
+    out: dict[str, list[int]] = {}
+    waited = seeded_later = False
+    for step in itertools.count():
+        assert step < 300
+        if step == 4:
+            ids += [eng.add_request(p, greedy(16)) for p in later]
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            out.setdefault(o.req_id, []).extend(o.new_token_ids)
+        plain_running = any(eng.spec_scheduler.is_plain(r.req_id)
+                            for r in eng.scheduler.running)
+        if step >= 4 and plain_running:  # the later ones wait while plain ones decode
+            assert {r.req_id for r in eng.scheduler.waiting} == set(ids[2:])
+            waited = True
+        seeded_later |= any(r in eng.seeds for r in ids[2:])
+    assert waited and seeded_later
+    assert not any(eng.spec_scheduler.is_plain(r) for r in ids[2:])
+    want = reference(model, first + later, greedy(16))
+    assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
     assert_pages_free(eng)
