@@ -37,24 +37,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tandem.spec.cost_table import POLICY_VERSION, StepCostTable  # noqa: F401 (also here)
-from tandem.spec.served import ServedPrices
+from tandem.spec.round_plan import (  # noqa: F401 (also here)
+    RoundPlan,
+    break_even,
+    expected_tokens,
+    plan_round,
+)
+from tandem.spec.served import PricedTable, ServedPrices
 
 log = logging.getLogger(__name__)
-
-
-def expected_tokens(p: Sequence[float], k: int) -> float:
-    """E(k) = 1 + sum_{j=1..k} prod_{i<=j} p_i: tokens a k-draft round commits on average."""
-    return _expected_by_k(p, k)[k]
-
-
-def _expected_by_k(p: Sequence[float], max_k: int) -> list[float]:
-    """[E(0), E(1), .., E(max_k)] in one pass (`expected_tokens` for every k)."""
-    out, total, run = [1.0], 1.0, 1.0
-    for j in range(max_k):
-        run *= p[j]
-        total += run
-        out.append(total)
-    return out
 
 
 def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int, alpha: float,
@@ -86,55 +77,6 @@ def relax(p: Sequence[float], prior: Sequence[float], rate: float) -> tuple[floa
     """One unobserved step: the estimate moves `rate` of the way back toward the prior (past
     a drafting round's k, `ewma_update` does the same for the positions it did not observe)."""
     return tuple(x + rate * (q - x) for x, q in zip(p, prior))
-
-
-def break_even(table: StepCostTable, k: int, batch_size: int) -> float:
-    """Expected tokens a request must commit per k-round for its drafting to pay."""
-    return table.cost(k, batch_size) / table.cost(0, batch_size)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RoundPlan:
-    """What one step runs: rows with `drafting[r]` in a round of `num_drafts` drafts, the
-    others (if any) in a plain round (k = 0) of the same step."""
-
-    num_drafts: int  # k of the drafting round (0: the whole step is plain)
-    drafting: tuple[bool, ...]  # [bs] per row of the step, in the caller's order
-
-    @property
-    def splits(self) -> bool:
-        return self.num_drafts > 0 and not all(self.drafting)
-
-
-def plan_round(table: StepCostTable, estimates: Sequence[Sequence[float]], max_k: int,
-               allow_split: bool = True, keep_k: int = 0, keep_margin: float = 0.0) -> RoundPlan:
-    """The plan of highest expected tokens per second for a batch whose rows have
-    `estimates` (per-position acceptance, each at least max_k long); an unsplit round at
-    `keep_k` stands against another unsplit round of k > 0 unless that wins by `keep_margin`."""
-    bs, max_k = len(estimates), min(max_k, table.max_k)
-    best, best_rate = RoundPlan(num_drafts=0, drafting=(False,) * bs), bs / table.cost(0, bs)
-    kept_rate = 0.0  # keep_k's unsplit rate (0: keep_k not among the k tried)
-    by_k = [_expected_by_k(p, max_k) for p in estimates]  # [bs][max_k + 1]: E(0..max_k)
-    for k in range(1, max_k + 1):
-        gains = [e[k] for e in by_k]
-        rate = sum(gains) / table.cost(k, bs)
-        kept_rate = rate if k == keep_k else kept_rate
-        if rate > best_rate:
-            best, best_rate = RoundPlan(num_drafts=k, drafting=(True,) * bs), rate
-        if not allow_split:
-            continue
-        need = break_even(table, k, bs)
-        pays = tuple(g >= need for g in gains)
-        n = sum(pays)
-        if 0 < n < bs:  # split: drafting rows at k, the rest in a plain round
-            split_tokens = sum(g for g, d in zip(gains, pays) if d) + (bs - n)
-            rate = split_tokens / (table.cost(k, n) + table.cost(0, bs - n))
-            if rate > best_rate:
-                best, best_rate = RoundPlan(num_drafts=k, drafting=pays), rate
-    if (kept_rate and best.num_drafts not in (0, keep_k) and not best.splits
-            and best_rate < kept_rate * (1.0 + keep_margin)):
-        return RoundPlan(num_drafts=keep_k, drafting=(True,) * bs)
-    return best
 
 
 class KPolicy(Protocol):
@@ -199,8 +141,10 @@ class AdaptiveSettings:
     # `explore_weight`) is tried once at that grid point, on a step with a request arriving,
     # where its price lies within `explore_band` of the chosen regime's: the profile errs by
     # tens of percent at some batch sizes, and only a regime that runs corrects its price.
-    # (0: never explore.)
-    explore_band: float = 0.35
+    # A try costs: tried plain steps hold for the tried requests' lives (on a 2-core CPU at
+    # c=4, where rounds won by 29%, a band of 0.35 tried plain and lost ~20% of the level's
+    # throughput), tried rounds `explore_steps`. (0: never explore.)
+    explore_band: float = 0.2
     explore_weight: float = 0.05
     # Steps a tried rounds regime holds before plain steps may win again: long enough to be
     # served (an H200 at c=50 tried rounds, then turned plain on the next step, having
@@ -238,10 +182,16 @@ class AdaptivePolicy:
     prices: ServedPrices = field(init=False)
     explored: set[tuple[bool, int]] = field(default_factory=set, init=False)
     trial: int = field(default=0, init=False)  # steps a tried rounds regime still holds
+    priced: PricedTable = field(init=False)  # the table at served prices (what plans use)
+    # ... and per k: the (k, grid point) pairs tried once unserved, the k on trial and the
+    # rounds it still holds (`plan`)
+    explored_k: set[tuple[int, int]] = field(default_factory=set, init=False)
+    k_trial: tuple[int, int] = field(default=(0, 0), init=False)
 
     def __post_init__(self) -> None:
         self.prices = ServedPrices(batch_sizes=self.table.batch_sizes,
                                    alpha=self.settings.served_alpha)
+        self.priced = PricedTable(self.table, self.prices)
         self.max_k = min(self.max_k, self.table.max_k)
         m, fill = self.measured, self.settings.prior
         cond = [b / a if a > 0 else fill for a, b in zip((1.0, *m), m)]
@@ -259,8 +209,13 @@ class AdaptivePolicy:
         """The step's plan (the last step's k unless another wins by `k_switch_margin`); rows
         that will not draft relax toward the prior (not observed)."""
         ests = [self.per_request.setdefault(r, self.overall) for r in req_ids]
-        plan = plan_round(self.table, ests, self.max_k, allow_split, keep_k=self.last_k,
-                          keep_margin=self.settings.k_switch_margin)
+        trial_k, left = self.k_trial
+        plan = plan_round(self.priced, ests, self.max_k, allow_split, keep_k=self.last_k,
+                          keep_margin=float("inf") if left else self.settings.k_switch_margin)
+        if left:
+            self.k_trial = (trial_k, left - 1)
+        elif plan.num_drafts and not plan.splits:
+            plan = self._explore_k(ests, plan)
         self.last_k = 0 if plan.splits else plan.num_drafts
         rate = self.settings.relax
         for rid, drafts in zip(req_ids, plan.drafting):
@@ -268,6 +223,29 @@ class AdaptivePolicy:
                 self.per_request[rid] = relax(self.per_request[rid], self._prior(), rate)
         if plan.num_drafts == 0:
             self.overall = relax(self.overall, self._prior(), rate)
+        return plan
+
+    def _explore_k(self, ests: Sequence[Sequence[float]], plan: RoundPlan) -> RoundPlan:
+        """The unsplit round of `plan`, or of another k never served near this batch whose
+        rate lies within `explore_band` of the plan's: tried for `explore_steps` rounds, once
+        per grid point (the profile's shape in k errs too: one H200 priced a batch-1 round of
+        k=4 23% over k=3 where service said 6%, and k=4 was never drafted)."""
+        s, bs, k = self.settings, len(ests), plan.num_drafts
+        if s.explore_band <= 0:
+            return plan
+        grid = self.prices.nearest(bs)
+        rates = {j: sum(expected_tokens(p, j) for p in ests) / self.priced.cost(j, bs)
+                 for j in range(1, self.max_k + 1)}
+        for other in sorted(rates, key=rates.__getitem__, reverse=True):  # likeliest first
+            if (other == k or (other, grid) in self.explored_k
+                    or self.prices.weight_k(other, bs) >= s.explore_weight):
+                continue
+            if rates[other] * (1.0 + s.explore_band) >= rates[k]:
+                self.explored_k.add((other, grid))
+                self.k_trial = (other, s.explore_steps)
+                log.info("adaptive speculation: trying k=%d at batch %d (never served near it; "
+                         "k=%d chosen)", other, bs, k)
+                return RoundPlan(num_drafts=other, drafting=(True,) * bs)
         return plan
 
     def plain_wins(self, batch_size: int, req_ids: Sequence[str] = (),
@@ -304,9 +282,8 @@ class AdaptivePolicy:
             # step (H200, batch 1: 1.01 ms against 0.77), and served as the c=1 steps of a
             # request whose drafts had failed.
             ests = [self.per_request.get(r, self.overall) for r in req_ids[:batch_size]]
-            idle = plan_round(self.table, ests, self.max_k).num_drafts == 0
-            wins = idle and plain <= self.prices.scale(True, batch_size) * self.table.cost(
-                0, batch_size)
+            idle = plan_round(self.priced, ests, self.max_k).num_drafts == 0
+            wins = idle and plain <= self.priced.cost(0, batch_size)
         if not settled:
             wins = self._explore(batch_size, wins, plain / batch_size, rounds)
         if wins:
@@ -317,14 +294,13 @@ class AdaptivePolicy:
         """Seconds per committed token at `batch_size`, as served prices say: a plain step's,
         and the best round's at the engine-wide estimate (plus, unless `settled`, the arrival
         cost spread over a request's tokens). The table must price plain steps."""
-        plain = self.table.plain_cost(batch_size)
+        plain = self.priced.plain_cost(batch_size)
         assert plain is not None
         per_token = 0.0 if settled else self.arrival_cost / self.output_len
-        round_scale = self.prices.scale(True, batch_size)
-        rounds = min((round_scale * self.table.cost(k, batch_size)
+        rounds = min((self.priced.cost(k, batch_size)
                       / (batch_size * expected_tokens(self.overall, k)) + per_token
                       for k in range(1, self.max_k + 1)), default=float("inf"))
-        return plain * self.prices.scale(False, batch_size) / batch_size, rounds
+        return plain / batch_size, rounds
 
     def plain_loses(self, batch_size: int) -> bool:
         """Asked on plain-regime steps while requests wait: whether rounds now beat plain
@@ -380,7 +356,7 @@ class AdaptivePolicy:
         if not priced or not seconds > 0:
             return
         self.prices.add(num_drafts is not None, batch_size,
-                        min(1.5, max(2 / 3, seconds / priced)))
+                        min(1.5, max(2 / 3, seconds / priced)), num_drafts)
 
     def arrived(self, batch_size: int, seconds: float, num_drafts: int | None,
                 prompts: int) -> None:
@@ -391,8 +367,10 @@ class AdaptivePolicy:
         if prompts < 1 or not seconds > 0:
             return
         rounds = num_drafts is not None
-        priced = ((self._priced(batch_size, num_drafts) or 0.0)
-                  * self.prices.scale(rounds, batch_size) if batch_size > 0 else 0.0)
+        priced = 0.0
+        if batch_size > 0:
+            priced = (self.priced.cost(min(num_drafts, self.max_k), batch_size) if rounds
+                      else self.priced.plain_cost(batch_size) or 0.0)
         cap = 10.0 * self.table.cost(self.table.max_k, 1)
         self.prices.add_arrival(rounds, min(cap, max(0.0, seconds - priced) / prompts))
 

@@ -23,6 +23,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tandem.spec.cost_table import StepCostTable
+
 Ewma = tuple[float, float]  # (sum of weighted values, sum of weights): mean = sum / weight
 
 
@@ -66,6 +68,9 @@ class ServedPrices:
     rounds: Ewma = (0.0, 0.0)
     plain_at: list[Ewma] = field(default_factory=list)  # [len(batch_sizes)]
     rounds_at: list[Ewma] = field(default_factory=list)  # [len(batch_sizes)]
+    # rounds of one k at a grid point: (k, grid index) -> EWMA (the k's shape against the
+    # table's: one H200 profile priced k=4 23% over k=3 at batch 1, service 6%)
+    k_at: dict[tuple[int, int], Ewma] = field(default_factory=dict)
     arrival_plain: Ewma = (0.0, 0.0)  # extra seconds per prompt, plain regime
     arrival_rounds: Ewma = (0.0, 0.0)  # ... under rounds
 
@@ -74,8 +79,9 @@ class ServedPrices:
         self.plain_at = self.plain_at or [(0.0, 0.0)] * n
         self.rounds_at = self.rounds_at or [(0.0, 0.0)] * n
 
-    def add(self, rounds: bool, batch_size: int, ratio: float) -> None:
-        """A steady step of `batch_size` requests took `ratio` x its price."""
+    def add(self, rounds: bool, batch_size: int, ratio: float, k: int | None = None) -> None:
+        """A steady step of `batch_size` requests took `ratio` x its price (a round: of `k`
+        drafts, where given)."""
         if rounds:
             self.rounds = _moved(self.rounds, ratio, self.alpha)
         else:
@@ -83,6 +89,9 @@ class ServedPrices:
         at = self.rounds_at if rounds else self.plain_at
         for i, w in grid_weights(self.batch_sizes, batch_size):
             at[i] = _moved(at[i], ratio, self.grid_alpha * w)
+            if rounds and k is not None:
+                self.k_at[k, i] = _moved(self.k_at.get((k, i), (0.0, 0.0)), ratio,
+                                         self.grid_alpha * w)
 
     def global_scale(self, rounds: bool) -> float:
         """A regime's served / priced over every batch size: its EWMA, the missing weight
@@ -103,6 +112,17 @@ class ServedPrices:
         """How much the regime has been served near `batch_size` (0: never; -> 1)."""
         at = self.rounds_at if rounds else self.plain_at
         return sum(w * at[i][1] for i, w in grid_weights(self.batch_sizes, batch_size))
+
+    def scale_k(self, k: int, batch_size: int) -> float:
+        """Rounds of `k` drafts at `batch_size`: their own grid EWMAs, the missing weight
+        taken at the rounds' ratio there (`scale`)."""
+        g = self.global_scale(True)
+        return sum(w * _filled(self.k_at.get((k, i), (0.0, 0.0)), _filled(self.rounds_at[i], g))
+                   for i, w in grid_weights(self.batch_sizes, batch_size))
+
+    def weight_k(self, k: int, batch_size: int) -> float:
+        return sum(w * self.k_at.get((k, i), (0.0, 0.0))[1]
+                   for i, w in grid_weights(self.batch_sizes, batch_size))
 
     def nearest(self, batch_size: int) -> int:
         """The grid point that weighs most at `batch_size` (exploration is marked on it)."""
@@ -138,3 +158,24 @@ class ServedPrices:
 
 def _mean_ms(e: Ewma) -> float | None:
     return round(e[0] / e[1] * 1e3, 3) if e[1] > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class PricedTable:
+    """The cost table as served: a round's price times its k's served / priced ratio at the
+    batch (`ServedPrices.scale_k`), a plain step's times the plain regime's (`scale`). What
+    the policy plans and compares with (`round_plan.plan_round` takes it as its `Prices`)."""
+
+    table: StepCostTable
+    prices: ServedPrices
+
+    @property
+    def max_k(self) -> int:
+        return self.table.max_k
+
+    def cost(self, k: int, batch_size: int) -> float:
+        return self.table.cost(k, batch_size) * self.prices.scale_k(k, batch_size)
+
+    def plain_cost(self, batch_size: int) -> float | None:
+        c = self.table.plain_cost(batch_size)
+        return None if c is None else c * self.prices.scale(False, batch_size)

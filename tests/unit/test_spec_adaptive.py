@@ -44,6 +44,8 @@ from tandem.spec.adaptive import (
 
 # Memory-bound at 1..4 rows (a draft costs 10% of a plain step), compute-bound by 64 (each
 # verified token costs as much as a plain row's).
+# The pure choice, without trying a k never served (tested in test_spec_served_prices.py)
+NO_EXPLORE = AdaptiveSettings(explore_band=0.0)
 TABLE = StepCostTable(batch_sizes=(1, 4, 64),
                       seconds=((1.0, 1.1, 1.2, 1.3), (1.0, 1.1, 1.2, 1.3),
                                (4.0, 8.0, 12.0, 16.0)))
@@ -131,22 +133,25 @@ def test_the_policy_keeps_its_k_unless_another_wins_by_the_switch_margin():
     assert plan_round(TABLE, [p], 3).num_drafts == 3
     assert plan_round(TABLE, [p], 3, keep_k=2, keep_margin=0.03).num_drafts == 2
     assert plan_round(TABLE, [p], 3, keep_k=2, keep_margin=0.02).num_drafts == 3
-    kept = AdaptivePolicy(table=TABLE, max_k=3, overall=p, last_k=2)
+    kept = AdaptivePolicy(table=TABLE, max_k=3, overall=p, last_k=2, settings=NO_EXPLORE)
     assert kept.plan(["a"], True).num_drafts == 2  # 2.5% better: not worth the switch
     assert kept.last_k == 2
     free = AdaptivePolicy(table=TABLE, max_k=3, overall=p, last_k=2,
-                          settings=AdaptiveSettings(k_switch_margin=0.0))
+                          settings=AdaptiveSettings(k_switch_margin=0.0, explore_band=0.0))
     assert free.plan(["a"], True).num_drafts == 3 and free.last_k == 3
-    good = AdaptivePolicy(table=TABLE, max_k=3, overall=(0.9, 0.9, 0.9), last_k=2)
+    good = AdaptivePolicy(table=TABLE, max_k=3, overall=(0.9, 0.9, 0.9), last_k=2,
+                          settings=NO_EXPLORE)
     assert good.plan(["a"], True).num_drafts == 3  # 2.645 against 2.258: switch
-    bad = AdaptivePolicy(table=TABLE, max_k=3, overall=(0.05, 0.05, 0.05), last_k=3)
+    bad = AdaptivePolicy(table=TABLE, max_k=3, overall=(0.05, 0.05, 0.05), last_k=3,
+                         settings=NO_EXPLORE)
     assert bad.plan(["a"], True).num_drafts == 0 and bad.last_k == 0  # k = 0 is never held off
     with pytest.raises(ValueError, match="k_switch_margin"):
         AdaptiveSettings(k_switch_margin=-0.01)
 
 
 def test_policy_learns_per_request_and_a_muted_request_comes_back():
-    pol = AdaptivePolicy(table=TABLE, max_k=3, settings=AdaptiveSettings(alpha=0.5, relax=0.01))
+    pol = AdaptivePolicy(table=TABLE, max_k=3,
+                         settings=AdaptiveSettings(alpha=0.5, relax=0.01, explore_band=0.0))
     assert pol.plan(["a"], True).num_drafts == 3  # prior 0.6: drafting pays
     for _ in range(8):
         pol.observe("a", 3, 0)
@@ -411,7 +416,7 @@ def test_positions_past_k_relax_toward_the_prior_so_a_low_tail_is_no_trap():
         (0.75, 0.625 / 0.75, 0.7, 0.3))
     table = StepCostTable(batch_sizes=(1,), seconds=((1.0, 1.205, 1.275, 1.35, 1.414),))
     pol = AdaptivePolicy(table=table, max_k=4, measured=(0.62, 0.40, 0.24, 0.16),
-                         overall=(0.9, 0.9, 0.9, 0.05))
+                         overall=(0.9, 0.9, 0.9, 0.05), settings=NO_EXPLORE)
     assert pol.plan(["a"], True).num_drafts == 3
     ks = []
     for _ in range(60):

@@ -73,7 +73,8 @@ def test_an_unserved_plain_regime_is_tried_once_where_the_profile_may_err():
     with arrivals tries the plain regime once where it was never served and lies within the
     band; served plain steps then decide."""
     assert not policy(explore_band=0.0).plain_wins(44)  # the profile alone: rounds
-    pol = policy()
+    assert not policy().plain_wins(44)  # plain 30% dearer: outside the default band (0.2)
+    pol = policy(explore_band=0.35)  # (the default, 0.2, would not try a 20% gap)
     for _ in range(200):  # rounds served (an earlier run) at their H200 price
         pol.served(44, 4.84 * MS, 4)
     assert pol.plain_wins(44)  # an arrival: the plain regime, never served here, is tried
@@ -87,7 +88,7 @@ def test_an_unserved_plain_regime_is_tried_once_where_the_profile_may_err():
 
 
 def test_exploration_happens_once_per_grid_point_and_only_near_a_tie():
-    pol = policy()
+    pol = policy(explore_band=0.35)
     assert pol.plain_wins(44)  # tried
     assert not pol.plain_wins(44)  # not again (nothing served: the profile's choice)
     assert not pol.plain_wins(40)  # 40 is nearest the same grid point (32)
@@ -97,7 +98,8 @@ def test_exploration_happens_once_per_grid_point_and_only_near_a_tie():
     # and hold for `explore_steps` steps (served meanwhile) before plain steps may win again
     cheap = AdaptivePolicy(table=StepCostTable(
         batch_sizes=H200.batch_sizes, seconds=H200.seconds,
-        plain=tuple(0.6 * x for x in H200.plain)), max_k=4)
+        plain=tuple(0.6 * x for x in H200.plain)), max_k=4,
+        settings=AdaptiveSettings(explore_band=0.35))
     cheap.overall = SERVED_P
     assert not cheap.plain_wins(44)  # rounds tried
     for _ in range(cheap.settings.explore_steps):
@@ -109,6 +111,31 @@ def test_exploration_happens_once_per_grid_point_and_only_near_a_tie():
         AdaptiveSettings(explore_band=1.5)
     with pytest.raises(ValueError, match="explore_steps"):
         AdaptiveSettings(explore_steps=-1)
+
+
+def test_a_k_never_served_is_tried_and_then_priced_by_its_own_rounds():
+    """The profile's shape in k errs too (one H200 priced a batch-1 round of k=4 23% over
+    k=3, where its service said 6%), and a k the policy never drafts is never served. An
+    unserved k whose rate lies within the band is tried for `explore_steps` rounds, the
+    likeliest first, once per grid point; then its own rounds price it."""
+    t = StepCostTable(batch_sizes=(1, 8), seconds=((1.0, 1.1, 1.2, 1.3, 1.6),
+                                                   (2.0, 2.2, 2.4, 2.6, 3.2)))
+    p = (0.8, 0.8, 0.8, 0.8)  # E(3) 2.952 / 1.3 = 2.27 a second; E(4) 3.362 / 1.6 = 2.10
+    fixed = AdaptivePolicy(table=t, max_k=4, overall=p,
+                           settings=AdaptiveSettings(explore_band=0.0))
+    assert fixed.plan(["a"], True).num_drafts == 3
+    pol = AdaptivePolicy(table=t, max_k=4, overall=p)
+    ks = []
+    for _ in range(60):  # served: k=4 rounds take 1.35 s, every other k its price
+        ks.append(pol.plan(["a"], True).num_drafts)
+        pol.served(1, 1.35 if ks[-1] == 4 else t.cost(ks[-1], 1), ks[-1])
+        pol.observe("a", ks[-1], ks[-1])  # (keeps the estimate high)
+    n = pol.settings.explore_steps
+    assert ks[: n + 1] == [4] * (n + 1)  # the likeliest unserved k, held while served
+    assert pol.prices.scale_k(4, 1) == pytest.approx(1.35 / 1.6, rel=0.05)
+    assert ks[-5:] == [4] * 5  # priced as served, k=4 wins: 3.36 / 1.35 = 2.49 a second
+    assert (4, 0) in pol.explored_k and (1, 0) not in pol.explored_k  # k=1: out of the band
+    assert pol.plan(["a"], True).num_drafts == 4
 
 
 def test_served_arrivals_price_the_arrival_in_place_of_the_profile():
