@@ -39,6 +39,7 @@ from typing import Protocol
 from tandem.spec.cost_table import POLICY_VERSION, StepCostTable  # noqa: F401 (also here)
 from tandem.spec.round_plan import (  # noqa: F401 (also here)
     RoundPlan,
+    _expected_by_k,
     break_even,
     expected_tokens,
     plan_round,
@@ -61,15 +62,20 @@ def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int, alpha: f
     near the prior long after p_1 had converged and E(4) read ~0.1-0.2 tokens high: at a
     tie, as SmolLM2 at batch 1 on an H200 is, that kept the engine drafting at a loss.)"""
     out = list(p)
+    n = len(out)
+    k = num_drafts if num_drafts < n else n
+    keep = 1.0 - alpha
     q_prev_old = q_prev_new = 1.0  # q_0
-    for j in range(min(num_drafts, len(out))):
+    for j in range(k):  # (on the host's critical path, once per row a step: no min/max calls)
         q_old = q_prev_old * out[j]
-        q_new = (1 - alpha) * q_old + alpha * (1.0 if j < num_accepted else 0.0)
+        q_new = keep * q_old + (alpha if j < num_accepted else 0.0)
         if q_prev_new > 1e-12:
-            out[j] = min(1.0, max(0.0, q_new / q_prev_new))
+            v = q_new / q_prev_new
+            out[j] = 1.0 if v > 1.0 else (0.0 if v < 0.0 else v)
         q_prev_old, q_prev_new = q_old, q_new
-    for j in range(num_drafts, min(len(out), len(prior))):
-        out[j] += rate * (prior[j] - out[j])
+    if rate:
+        for j in range(k, min(n, len(prior))):
+            out[j] += rate * (prior[j] - out[j])
     return tuple(out)
 
 
@@ -187,6 +193,9 @@ class AdaptivePolicy:
     # rounds it still holds (`plan`)
     explored_k: set[tuple[int, int]] = field(default_factory=set, init=False)
     k_trial: tuple[int, int] = field(default=(0, 0), init=False)
+    # plain_wins' plan of the step's requests, which `plan` takes when asked for the same
+    # ones at the same prices: (req_ids, prices.version, plan), or None
+    _planned: tuple | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.prices = ServedPrices(batch_sizes=self.table.batch_sizes,
@@ -210,8 +219,12 @@ class AdaptivePolicy:
         that will not draft relax toward the prior (not observed)."""
         ests = [self.per_request.setdefault(r, self.overall) for r in req_ids]
         trial_k, left = self.k_trial
-        plan = plan_round(self.priced, ests, self.max_k, allow_split, keep_k=self.last_k,
-                          keep_margin=float("inf") if left else self.settings.k_switch_margin)
+        cached, self._planned = self._planned, None
+        if (allow_split and cached is not None and cached[1] == self.prices.version
+                and cached[0] == tuple(req_ids)):
+            plan = cached[2]
+        else:
+            plan = self._plan_round(ests, allow_split)
         if left:
             self.k_trial = (trial_k, left - 1)
         elif plan.num_drafts and not plan.splits:
@@ -225,21 +238,27 @@ class AdaptivePolicy:
             self.overall = relax(self.overall, self._prior(), rate)
         return plan
 
+    def _plan_round(self, ests: Sequence[Sequence[float]], allow_split: bool) -> RoundPlan:
+        """`plan_round` at served prices, the last k kept (for good while a k is on trial)."""
+        return plan_round(self.priced, ests, self.max_k, allow_split, keep_k=self.last_k,
+                          keep_margin=(float("inf") if self.k_trial[1]
+                                       else self.settings.k_switch_margin))
+
     def _explore_k(self, ests: Sequence[Sequence[float]], plan: RoundPlan) -> RoundPlan:
         """The unsplit round of `plan`, or of another k never served near this batch whose
         rate lies within `explore_band` of the plan's: tried for `explore_steps` rounds, once
         per grid point (the profile's shape in k errs too: one H200 priced a batch-1 round of
         k=4 23% over k=3 where service said 6%, and k=4 was never drafted)."""
         s, bs, k = self.settings, len(ests), plan.num_drafts
-        if s.explore_band <= 0:
-            return plan
         grid = self.prices.nearest(bs)
-        rates = {j: sum(expected_tokens(p, j) for p in ests) / self.priced.cost(j, bs)
-                 for j in range(1, self.max_k + 1)}
-        for other in sorted(rates, key=rates.__getitem__, reverse=True):  # likeliest first
-            if (other == k or (other, grid) in self.explored_k
-                    or self.prices.weight_k(other, bs) >= s.explore_weight):
-                continue
+        untried = [j for j in range(1, self.max_k + 1)
+                   if j != k and (j, grid) not in self.explored_k
+                   and self.prices.weight_k(j, bs) < s.explore_weight]
+        if s.explore_band <= 0 or not untried:
+            return plan
+        by_k = [_expected_by_k(p, self.max_k) for p in ests]
+        rates = {j: sum(e[j] for e in by_k) / self.priced.cost(j, bs) for j in (k, *untried)}
+        for other in sorted(untried, key=rates.__getitem__, reverse=True):  # likeliest first
             if rates[other] * (1.0 + s.explore_band) >= rates[k]:
                 self.explored_k.add((other, grid))
                 self.k_trial = (other, s.explore_steps)
@@ -281,8 +300,11 @@ class AdaptivePolicy:
             # draft-extends and reads the host before the next launch -- dearer than a plain
             # step (H200, batch 1: 1.01 ms against 0.77), and served as the c=1 steps of a
             # request whose drafts had failed.
-            ests = [self.per_request.get(r, self.overall) for r in req_ids[:batch_size]]
-            idle = plan_round(self.priced, ests, self.max_k).num_drafts == 0
+            ids = tuple(req_ids[:batch_size])
+            planned = self._plan_round([self.per_request.get(r, self.overall) for r in ids],
+                                       True)  # (what `plan` takes, asked for these rows)
+            self._planned = (ids, self.prices.version, planned)
+            idle = planned.num_drafts == 0
             wins = idle and plain <= self.priced.cost(0, batch_size)
         if not settled:
             wins = self._explore(batch_size, wins, plain / batch_size, rounds)
@@ -403,6 +425,7 @@ class AdaptivePolicy:
         a warm-up fluctuation against the head's 0.66, held the engine at k <= 3 for 50
         requests: tau 2.23 against 2.47 at k = 4.)"""
         s, prior = self.settings, self._prior()
+        self._planned = None
         own = self.per_request.get(req_id, self.overall)  # (before this round counts in it)
         self.overall = ewma_update(self.overall, num_drafts, num_accepted, s.overall_alpha,
                                    prior, s.relax)
@@ -411,6 +434,7 @@ class AdaptivePolicy:
 
     def forget(self, req_id: str) -> None:
         self.per_request.pop(req_id, None)
+        self._planned = None
 
     def finished(self, num_output_tokens: int) -> None:
         """A request ended by its stop conditions after `num_output_tokens` (aborted and

@@ -73,6 +73,7 @@ class ServedPrices:
     k_at: dict[tuple[int, int], Ewma] = field(default_factory=dict)
     arrival_plain: Ewma = (0.0, 0.0)  # extra seconds per prompt, plain regime
     arrival_rounds: Ewma = (0.0, 0.0)  # ... under rounds
+    version: int = 0  # counts the writes (`PricedTable` memoizes within one version)
 
     def __post_init__(self) -> None:
         n = len(self.batch_sizes)
@@ -82,6 +83,7 @@ class ServedPrices:
     def add(self, rounds: bool, batch_size: int, ratio: float, k: int | None = None) -> None:
         """A steady step of `batch_size` requests took `ratio` x its price (a round: of `k`
         drafts, where given)."""
+        self.version += 1
         if rounds:
             self.rounds = _moved(self.rounds, ratio, self.alpha)
         else:
@@ -131,6 +133,7 @@ class ServedPrices:
     def add_arrival(self, rounds: bool, extra_per_prompt: float) -> None:
         """An arrival step took `extra_per_prompt` seconds per completed prompt over its
         regime's priced steady step."""
+        self.version += 1
         if rounds:
             self.arrival_rounds = _moved(self.arrival_rounds, extra_per_prompt, self.arrival_alpha)
         else:
@@ -160,7 +163,7 @@ def _mean_ms(e: Ewma) -> float | None:
     return round(e[0] / e[1] * 1e3, 3) if e[1] > 0 else None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PricedTable:
     """The cost table as served: a round's price times its k's served / priced ratio at the
     batch (`ServedPrices.scale_k`), a plain step's times the plain regime's (`scale`). What
@@ -168,13 +171,24 @@ class PricedTable:
 
     table: StepCostTable
     prices: ServedPrices
+    # (k, batch size) -> seconds, for `_version` of the prices: a step asks the same few
+    # dozen times (plain_wins, plan), on the host's critical path
+    _memo: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    _version: int = field(default=-1, repr=False)
 
     @property
     def max_k(self) -> int:
         return self.table.max_k
 
     def cost(self, k: int, batch_size: int) -> float:
-        return self.table.cost(k, batch_size) * self.prices.scale_k(k, batch_size)
+        if self._version != self.prices.version:
+            self._memo.clear()
+            self._version = self.prices.version
+        got = self._memo.get((k, batch_size))
+        if got is None:
+            got = self._memo[k, batch_size] = (self.table.cost(k, batch_size)
+                                               * self.prices.scale_k(k, batch_size))
+        return got
 
     def plain_cost(self, batch_size: int) -> float | None:
         c = self.table.plain_cost(batch_size)
