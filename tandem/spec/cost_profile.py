@@ -73,7 +73,12 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "TANDEM_SPEC_COST_CACHE"  # "0": profile every start, never read or write a file
 GPU_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CPU_BATCH_SIZES = (1, 2, 4)
-_PROMPT = tuple(range(1, 9))  # profiling prompt: 8 token ids every vocabulary has
+# Profiling prompt: 64 token ids every vocabulary has. Each sample starts fresh requests
+# from it, so every k and the plain step are timed over the same contexts, ~64-170 tokens
+# (a chat prompt and its answer): requests kept through every sample had grown by ~500
+# tokens before the plain steps, timed last, and priced them up to 1.6x their service at
+# 16-64 rows on H200s (session 25).
+_PROMPT = tuple(range(1, 65))
 _ARRIVING = tuple(range(1, 33))  # a prompt arriving while they decode (its price: `arrival`)
 ARRIVAL_BATCH = 8  # the batch size the arrival is priced at (the largest profiled up to it)
 
@@ -153,8 +158,9 @@ def profile(eng: SpecEngine, repeats: int,
             batch_sizes: tuple[int, ...] | None = None, samples: int = 1) -> StepCostTable:
     """Time whole engine steps at each batch size over fresh requests (aborted after): for
     every k in 0 .. num_steps, `repeats` steps back to back (after two warm-ups; the least
-    mean of `samples` such runs, each sample going over every k in turn) with the policy
-    forced to k; then plain engine steps (`plain_step`) over the same requests. A step's
+    mean of `samples` such runs, each sample over requests of its own and every k in turn)
+    with the policy forced to k; then plain engine steps (`plain_step`) over fresh requests
+    again. A step's
     time covers all it does -- the round (drafting, verify, draft-extend), its host read, the
     commit's stop checks and detokenizing -- since a plain step overlaps that host work with
     the GPU and a round does not, pricing rounds alone made them look cheaper than they run.
@@ -181,23 +187,32 @@ def profile(eng: SpecEngine, repeats: int,
         ahead.verify_batch = 0
     try:
         for b in sizes:
-            # Seeded under a fixed k: a policy whose plain regime holds would never seed them
+            # Each sample times every k in turn (the least per k kept), over requests of its
+            # own: a drift of the host's speed touches every k alike, and every k (and the
+            # plain step below) runs over the same contexts.
+            row = [float("inf")] * (eng.spec.num_steps + 1)
+            by_rounds = 0.0
+            for sample in range(samples):
+                # Seeded under a fixed k: a policy whose plain regime holds would never seed
+                sched.policy = FixedK(eng.spec.num_steps)
+                req_ids = _seeded_requests(eng, b)
+                try:
+                    for k in range(len(row)):
+                        sched.policy = FixedK(k)
+                        before = ahead.counts() if ahead is not None else {}
+                        took = _time_steps(eng, eng.step, repeats)
+                        row[k] = min(row[k], took)
+                        after = ahead.counts() if ahead is not None else {}
+                        log.debug("spec cost, batch %d, k %d: %.3f ms; queued ahead since: %s",
+                                  b, k, took * 1e3, {n: after[n] - before[n] for n in after})
+                    if sample == 0 and b == arrival_at:  # (still under k = num_steps)
+                        by_rounds = _arrival(eng, eng.step, repeats)
+                finally:
+                    for rid in req_ids:
+                        eng.abort(rid)
             sched.policy = FixedK(eng.spec.num_steps)
             req_ids = _seeded_requests(eng, b)
             try:
-                # Each sample times every k in turn (the least per k kept): a drift of the
-                # host's speed while profiling touches every k alike, not the last ones.
-                row = [float("inf")] * (eng.spec.num_steps + 1)
-                for _, k in itertools.product(range(samples), range(len(row))):
-                    sched.policy = FixedK(k)
-                    before = ahead.counts() if ahead is not None else {}
-                    took = _time_steps(eng, eng.step, repeats)
-                    row[k] = min(row[k], took)
-                    after = ahead.counts() if ahead is not None else {}
-                    log.debug("spec cost, batch %d, k %d: %.3f ms; queued ahead since: %s", b,
-                              k, took * 1e3, {n: after[n] - before[n] for n in after})
-                by_rounds = (_arrival(eng, eng.step, repeats) if b == arrival_at
-                             else 0.0)  # (still under k = num_steps)
                 sched.policy = policy
                 for rid in req_ids:  # plain from here: the plain engine's own steps
                     sched.drop_seed(rid)
@@ -231,11 +246,13 @@ def profile(eng: SpecEngine, repeats: int,
 
 
 def _growth(eng: SpecEngine, repeats: int, samples: int = 1) -> int:
-    """Tokens a profiling request may gain: every k's steps (2 warm-ups + the timed ones)
-    commit at most k + 1 each, then the plain steps one each."""
-    k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * samples * (2 + repeats)
+    """Tokens a profiling request may gain: in one sample, every k's steps (2 warm-ups +
+    the timed ones) commit at most k + 1 each, then an arrival's steps; or, made plain, its
+    plain steps one each and an arrival's."""
     arrivals = (1 + 2 * max(2, repeats)) * (eng.spec.num_steps + 2)  # `_arrival`, both ways
-    return k_steps + 2 + samples * max(4, 4 * repeats) + 1 + arrivals
+    k_steps = sum(k + 1 for k in range(eng.spec.num_steps + 1)) * (2 + repeats)
+    plain_steps = 2 + samples * max(4, 4 * repeats)
+    return max(k_steps, plain_steps) + 1 + arrivals
 
 
 def _max_batch(eng: SpecEngine, repeats: int, samples: int = 1) -> int:

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 # launches split finer, chain draft steps skip the normalizer: plain steps and rounds both.
 # 8: the table prices a prompt's arrival under rounds (`StepCostTable.arrival`). 9: rounds
 # are timed without verifying ahead (spec/ahead.py, cost_profile.profile). 10: each sample
-# times every k in turn, 5 samples on a GPU, 3 on the CPU (an H200 priced a batch-1 round of
-# k=4 23% over k=3, served 6% over: the profile's noise, not the rounds).
+# times every k in turn over fresh requests of a 64-token prompt, and so do the plain steps;
+# 5 samples on a GPU, 3 on the CPU (an H200 priced a batch-1 round of k=4 23% over k=3,
+# served 6% over; H200s priced plain steps at 16-64 rows up to 1.6x over service, timed last
+# over requests grown by ~500 tokens).
 POLICY_VERSION = 10
 
 

@@ -386,14 +386,18 @@ def test_profile_returns_the_envelope(monkeypatch):
 
 def test_each_profiling_sample_times_every_k_in_turn(monkeypatch):
     """A drift of the host's speed while profiling must touch every k alike: each sample
-    times k = 0 .. num_steps in turn, and each k keeps its least (an H200 priced a batch-1
+    times k = 0 .. num_steps in turn, over requests of its own, and each k keeps its least (an H200 priced a batch-1
     round of k=4 23% over k=3 when every k's samples ran back to back; served: 6%)."""
     timed: list[int | None] = []
+    contexts: list[int] = []  # the longest request's tokens at each timing
     drift = iter(range(1, 1000))
 
     def fake(eng, step, n, samples=1):
         k = getattr(eng.spec_scheduler.policy, "k", None) if step == eng.step else None
         timed.append(k)
+        contexts.append(max(r.num_tokens for r in eng.scheduler.running))
+        for _ in range(2):  # the requests grow as timed steps would grow them
+            step()
         return next(drift) * 1e-3  # every run slower than the one before
 
     monkeypatch.setattr(cost_profile, "_time_steps", fake)
@@ -401,6 +405,9 @@ def test_each_profiling_sample_times_every_k_in_turn(monkeypatch):
     eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=2), model, tiny_head(model, "eagle"))
     table = cost_profile.profile(eng, repeats=1, batch_sizes=(1,), samples=2)
     assert timed[:6] == [0, 1, 2, 0, 1, 2] and timed[6:] == [None]  # then plain steps
+    # each sample, and the plain steps, over fresh requests: the same contexts again (kept
+    # through every sample, requests had grown ~500 tokens by the plain steps on a GPU)
+    assert contexts[3:6] == contexts[:3] and contexts[6] == contexts[0]
     assert table.seconds == ((1e-3, 2e-3, 3e-3),)  # each k's least: its first sample's
     assert_pages_free(eng)
 
