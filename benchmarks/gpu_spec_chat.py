@@ -79,7 +79,7 @@ def policy_state(eng: LLMEngine) -> dict | None:
             # served / priced per grid point of the cost table, served arrival extras, and
             # the (regime is rounds, grid point) pairs tried once unserved (spec/served.py)
             "prices": pol.prices.summary(), "arrival_ms": round(pol.arrival_cost * 1e3, 3),
-            "explored": sorted(pol.explored),
+            "explored": sorted(pol.explored), "explored_k": sorted(pol.explored_k),
             # draftings queued ahead that the next round used / had to drop (a change of k,
             # of the batch, or a plain step in between drops it: spec/ahead.py)
             "ahead_used": eng.draft_ahead.used, "ahead_dropped": eng.draft_ahead.dropped}

@@ -326,7 +326,7 @@ class AdaptivePolicy:
 
     def plain_loses(self, batch_size: int) -> bool:
         """Asked on plain-regime steps while requests wait: whether rounds now beat plain
-        steps at `batch_size` by the margin, plain steps priced by what they served there
+        steps at `batch_size` by twice the margin, plain steps priced by what they served there
         (only once served: `explore_weight`). Then the engine admits no one until its plain
         requests are gone, and leaves the regime (`SpecScheduler.plain_regime`); under
         steady load it would otherwise never end, each arrival turning plain in turn."""
@@ -334,7 +334,7 @@ class AdaptivePolicy:
                 or self.prices.weight(False, batch_size) < self.settings.explore_weight):
             return False
         plain, rounds = self._per_token(batch_size, settled=False)
-        return plain > rounds * (1.0 + self.settings.margin)
+        return plain > rounds * (1.0 + 2.0 * self.settings.margin)  # (a drain is no tie-break)
 
     def _explore(self, batch_size: int, plain_chosen: bool, plain: float, rounds: float
                  ) -> bool:
