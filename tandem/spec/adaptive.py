@@ -374,7 +374,8 @@ class AdaptivePolicy:
         profiled 0.77 ms, served 0.66; rounds 1.46 ms and 1.31): the regimes' ratio errs by
         ~5%, all of a tie at batch 1, and by more at other batch sizes. One ratio counts
         within [2/3, 3/2]: a collection or a first capture does not swing the scale."""
-        priced = self._priced(batch_size, num_drafts)
+        priced = (self.table.plain_cost(batch_size) if num_drafts is None
+                  else self.table.cost(min(num_drafts, self.table.max_k), batch_size))
         if not priced or not seconds > 0:
             return
         self.prices.add(num_drafts is not None, batch_size,
@@ -395,11 +396,6 @@ class AdaptivePolicy:
                       else self.priced.plain_cost(batch_size) or 0.0)
         cap = 10.0 * self.table.cost(self.table.max_k, 1)
         self.prices.add_arrival(rounds, min(cap, max(0.0, seconds - priced) / prompts))
-
-    def _priced(self, batch_size: int, num_drafts: int | None) -> float | None:
-        if num_drafts is None:
-            return self.table.plain_cost(batch_size)
-        return self.table.cost(min(num_drafts, self.table.max_k), batch_size)
 
     @property
     def arrival_cost(self) -> float:

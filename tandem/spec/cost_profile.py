@@ -16,7 +16,6 @@ plain step (whose host work overlaps the GPU's where the engine overlaps)."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
 import re

@@ -233,10 +233,11 @@ class SpecEngine(HandoffSide, LLMEngine):
             for rows, inp in rounds:  # a step's only round may draft the next one ahead
                 result, nxt = self._spec_round(inp, ahead=rows if len(rounds) == 1 else ())
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
-        prompts = sum(c.samples and not spec_sched.is_plain(c.req_id) for c in plan.chunks)
-        if shape is not None and len(rounds) <= 1 and (prompts if shape[1] else not plan.chunks):
-            k = rounds[0][1].num_drafts if rounds else self.spec.num_steps  # (split: unpriced)
-            spec_sched.served(len(reqs), time.perf_counter() - t0, k, prompts)
+        if shape is not None and len(rounds) <= 1:  # (a split step: unpriced)
+            prompts = sum(c.samples and not spec_sched.is_plain(c.req_id) for c in plan.chunks)
+            if prompts if shape[1] else not plan.chunks:
+                k = rounds[0][1].num_drafts if rounds else self.spec.num_steps
+                spec_sched.served(len(reqs), time.perf_counter() - t0, k, prompts)
         return outputs
 
     def plain_step(self) -> list[RequestOutput]:
@@ -430,9 +431,8 @@ class SpecEngine(HandoffSide, LLMEngine):
     def _commit_row(self, req: Request, toks: tuple[int, ...], seed: DraftSeed, num_drafts: int,
                     logprobs: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
         """logprobs: [len(toks)] when the request asks, else ()."""
-        # tau measures the draft: it counts what verification accepted, even when a stop
-        # condition then ends the request inside the accepted run. A plain (k = 0) round
-        # proposed nothing: it is no round of the draft's.
+        # tau measures the draft: what verification accepted, even when a stop condition then
+        # ends the request inside the accepted run; a k = 0 round proposed nothing (no round).
         if num_drafts > 0:
             self.spec_stats.record(len(toks) - 1, num_drafts)
             self.spec_scheduler.observe(req.req_id, num_drafts, len(toks) - 1)

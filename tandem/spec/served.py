@@ -30,7 +30,8 @@ Ewma = tuple[float, float]  # (sum of weighted values, sum of weights): mean = s
 
 def grid_weights(sizes: Sequence[int], batch_size: int) -> tuple[tuple[int, float], ...]:
     """(grid index, weight) pairs that interpolate `batch_size` linearly between the grid's
-    two neighbouring sizes (one pair at or past either end), as `StepCostTable` prices."""
+    two neighbouring sizes, as `StepCostTable` prices inside its grid; at or past either end
+    one pair, the end point (the table extrapolates its prices there, a ratio is held)."""
     if batch_size <= sizes[0] or len(sizes) == 1:
         return ((0, 1.0),)
     if batch_size >= sizes[-1]:

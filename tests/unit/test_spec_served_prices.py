@@ -42,7 +42,7 @@ def policy(**settings) -> AdaptivePolicy:
     return pol
 
 
-def test_grid_weights_interpolate_as_the_table_prices():
+def test_grid_weights_interpolate_inside_the_grid_and_hold_past_it():
     sizes = (1, 2, 4, 8, 16, 32, 64)
     assert grid_weights(sizes, 1) == ((0, 1.0),)
     assert grid_weights(sizes, 100) == ((6, 1.0),)
