@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--abab", action="store_true",
                     help="time each engine twice, alternating (a drift of the host over time "
                          "would show as the later run's cost)")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="then this many more timings of each engine, alternating which goes "
+                         "first; prints the regime's step over plain's per pair")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "cuda"
@@ -143,7 +146,7 @@ def main() -> None:
                                      .to_json()))
         res["tables"] = tables
         held = adaptive.AdaptivePolicy.plain_wins
-        adaptive.AdaptivePolicy.plain_wins = lambda self, b: True  # hold the plain regime
+        adaptive.AdaptivePolicy.plain_wins = lambda self, *a, **k: True  # hold the plain regime
         try:
             for b in [int(x) for x in args.batches.split(",")]:
                 row = {}
@@ -153,6 +156,17 @@ def main() -> None:
                 for name, eng in order:
                     row[name] = timed(eng, b, args.steps, profile=False)
                     row[name + "_profiled"] = timed(eng, b, args.steps // 2, profile=True)
+                if args.pairs:  # unprofiled pairs, the order alternating: paired ratios
+                    ratios = []
+                    for i in range(args.pairs):
+                        ms = {}
+                        for name, eng in order[:2] if i % 2 == 0 else order[1::-1]:
+                            ms[name] = timed(eng, b, args.steps, profile=False)["ms"]
+                        ratios.append(ms["spec_plain_regime"] / ms["plain"])
+                    pairs = ratios
+                    print(f"batch {b}: the regime's step over plain's, {args.pairs} pairs: median "
+                          f"{statistics.median(ratios):.3f} (" + " ".join(
+                              f"{x:.3f}" for x in ratios) + ")", flush=True)
                 print(f"batch {b}: CPU probe after each timing (ms): " + ", ".join(
                     f"{n} {r['cpu_probe_ms']:.2f}" for n, r in row.items()), flush=True)
                 if args.abab:
@@ -160,6 +174,8 @@ def main() -> None:
                           f"plain regime {row['spec_plain_regime_again']['ms']:.3f} ms/step",
                           flush=True)
                 res[f"b{b}"] = row
+                if args.pairs:
+                    res[f"b{b}_pairs"] = pairs
                 print(f"batch {b}: plain {row['plain']['ms']:.3f} ms/step (overlap "
                       f"{row['plain']['overlap']}), spec in the plain regime "
                       f"{row['spec_plain_regime']['ms']:.3f} ms/step (overlap "

@@ -171,7 +171,30 @@ def step_summary(steps: list[tuple[float, int, bool, str, int]]) -> dict:
             # the served price of each k, next to the cost table's (k0: a split step)
             "other_rounds_by_k": {f"k{k}": part(r for r in other if r[3] == "round"
                                                 and r[4] == k)
-                                  for k in sorted({r[4] for r in other if r[3] == "round"})}}
+                                  for k in sorted({r[4] for r in other if r[3] == "round"})},
+            # plain steps (engine or regime) without an arrival, by requests held: {held:
+            # [steps, mean ms]}, what `matched_step_ratio` pairs across engines
+            "plain_by_held": {h: [len(ms), 1e3 * sum(ms) / len(ms)] for h, ms in sorted(
+                _by_held(r for r in other if r[3] == "plain").items())}}
+
+
+def _by_held(rows) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for r in rows:
+        out.setdefault(r[1], []).append(r[0])
+    return out
+
+
+def matched_step_ratio(a: dict, b: dict) -> float | None:
+    """Mean plain-step time of run `a` over run `b` at the same numbers of requests held
+    (`plain_by_held`, keys may be str after JSON), each held count weighted by the fewer
+    steps either ran there: the step's own cost, apart from how a run's tail went."""
+    num = den = 0.0
+    for h, (n, ms) in a.items():
+        if h in b:
+            w = min(n, b[h][0])
+            num, den = num + w * ms, den + w * b[h][1]
+    return num / den if den else None
 
 
 class GcMeter:
@@ -352,6 +375,8 @@ def main() -> None:
                     mid.pop("outputs")
                 mid["runs"] = [r["tokens_per_s"] for r in runs]
                 mid["runs_gc"] = [r["gc"] for r in runs]
+                if phase != "b1":
+                    mid["runs_plain_by_held"] = [r["steps"]["plain_by_held"] for r in runs]
                 rows[name][phase] = mid
             print(phase, json.dumps({n: round(rows[n][phase]["tokens_per_s"], 1)
                                      for n in names}), flush=True)
@@ -389,6 +414,11 @@ def main() -> None:
                                / p[f"c{c}"]["tokens_per_s"],
                                "paired_ratios": paired,
                                "paired_ratio_median": statistics.median(paired),
+                               # plain steps at equal held counts, per repeat: a plain
+                               # regime's step over the plain engine's (None: no plain steps)
+                               "plain_step_ratios": [matched_step_ratio(x, y) for x, y in zip(
+                                   s[f"c{c}"]["runs_plain_by_held"],
+                                   p[f"c{c}"]["runs_plain_by_held"])],
                                "identical_answers": f"{same}/{len(prompts)}"}
             c = levels[-1]
             sm["divergences"] = divergences(engines["plain"], prompts,
@@ -449,6 +479,10 @@ def main() -> None:
             f"c={c} {sm[f'c{c}']['paired_ratio_median']:.2f}x "
             f"({min(sm[f'c{c}']['paired_ratios']):.2f}-{max(sm[f'c{c}']['paired_ratios']):.2f})"
             for c in levels))
+    for name, sm in summary.items():
+        print(f"{name} plain steps over plain's at equal requests held, per repeat: " + "; ".join(
+            f"c={c} " + " ".join("-" if x is None else f"{x:.3f}"
+                                 for x in sm[f'c{c}']['plain_step_ratios']) for c in levels))
     for name, sm in summary.items():
         taus = " ".join(f"c={c}: {res[name][f'c{c}']['acceptance']['tau']:.2f}" for c in levels)
         same = " ".join(f"c={c}: {sm[f'c{c}']['identical_answers']}" for c in levels)

@@ -144,10 +144,8 @@ class LLMEngine:
         max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         need = self.scheduler.pages_needed(max_total)
         if need > self.allocator.num_usable:
-            raise PoolTooSmall(
-                f"max_new_tokens: prompt + max_new_tokens needs {need} KV pages; the pool has "
-                f"{self.allocator.num_usable}"
-            )
+            raise PoolTooSmall(f"max_new_tokens: prompt + max_new_tokens needs {need} KV "
+                               f"pages; the pool has {self.allocator.num_usable}")
         req_id = req_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy and params.seed is not None:
@@ -186,11 +184,10 @@ class LLMEngine:
         return bool(dp.all_reduce_max(int(self.has_unfinished()), self.device))
 
     def dp_join(self, has_work: bool) -> bool:
-        """DP attention, before a phase that runs a target forward (prefill chunk, verify):
-        the ranks agree whether any of them runs it, and a rank without work then runs the
-        empty forward, so every rank issues the same MLP/MoE collectives. Returns whether this
-        rank runs its own forward. Every rank must call this at the same points of its step.
-        Without DP: `has_work`, no communication."""
+        """DP attention, before a phase that runs a target forward (prefill chunk, verify): the
+        ranks agree whether any runs it; a rank without work runs the empty forward, so every
+        rank issues the same MLP/MoE collectives. Whether this rank runs its own; every rank
+        calls it at the same points of its step. Without DP: `has_work`, no communication."""
         dp = self.model.par.dp
         if dp.size == 1:
             return has_work
@@ -217,9 +214,8 @@ class LLMEngine:
     PLAIN_STEPS = True
 
     def dp_graphs_ok(self, cfg: EngineConfig) -> bool:
-        """Whether decode graphs may be captured under DP attention: asked for
-        (`dp_decode_graphs`), plain steps, and no MoE dispatch that reads split sizes on the
-        host."""
+        """Whether decode graphs may be captured under DP attention: asked for (`dp_decode_graphs`),
+        plain steps, and no MoE dispatch that reads split sizes on the host."""
         return cfg.dp_decode_graphs and self.PLAIN_STEPS and cfg.moe_dispatch != "alltoall"
 
     # A step never records autograd, whoever calls it (Ray worker loops, the CLI, tests): the
@@ -357,6 +353,9 @@ class LLMEngine:
         return RequestOutput(req_id=req.req_id, new_token_ids=(), text_delta="", finished=True,
                              finish_reason=FinishReason.ERROR, error=error)
 
+    def _finished(self, req: Request, reason: FinishReason) -> None:
+        """A hook: `req` just ended by its stop conditions (`_append`, which runs per row)."""
+
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None
                 ) -> RequestOutput:
         """`token` through the stop checks; `logprob` (None: the request did not ask) goes
@@ -402,6 +401,7 @@ class LLMEngine:
             req.text = req.text[:visible_end]
             self.scheduler.finish(req, reason)
             self._detok.pop(req.req_id, None)
+            self._finished(req, reason)
         queued = (req.scheduled_time - req.arrival_time
                   if reason is not None and req.scheduled_time is not None else None)
         return RequestOutput(req_id=req.req_id, new_token_ids=new_token_ids, text_delta=delta,

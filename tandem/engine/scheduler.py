@@ -62,6 +62,11 @@ class Scheduler:
         # False: waiting requests are not admitted for now (the speculative engine draining
         # its plain regime: spec/scheduler.py `SpecScheduler.plain_regime`)
         self.admitting = True
+        # Running requests the last plan left part-way through their prompt (chunked
+        # prefill), and requests removed so far (finished, aborted, detached): what the
+        # speculative scheduler reads each step without walking the batch.
+        self.num_partial = 0
+        self.num_removed = 0
         # Prefix caching, totals for metrics (hit rate = hit / query): prompt tokens looked up
         # at admission, and those served from the cache.
         self.num_prefix_query_tokens = 0
@@ -89,6 +94,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         del self.requests[req.req_id]
+        self.num_removed += 1
         pages = list(req.page_ids)
         req.page_ids.clear()
         return pages
@@ -147,6 +153,7 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             scheduled.add(req.req_id)
             budget -= n
+        self.num_partial = sum(not c.samples for c in chunks)
         return StepPlan(chunks=tuple(chunks), preempted=tuple(preempted))
 
     def _match(self, req: Request) -> list[int]:
@@ -269,3 +276,4 @@ class Scheduler:
             self.allocator.free(req.page_ids)
             req.page_ids.clear()
         del self.requests[req.req_id]
+        self.num_removed += 1

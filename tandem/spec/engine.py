@@ -66,7 +66,6 @@ from tandem.spec.tree_graphs import (
 )
 
 log = logging.getLogger(__name__)
-_STOPPED = (FinishReason.STOP, FinishReason.LENGTH)  # a request's own end: not abort or error
 
 
 def target_features(out: ForwardOutput, head: EagleHead) -> torch.Tensor:
@@ -186,16 +185,12 @@ class SpecEngine(HandoffSide, LLMEngine):
         self.handoff_only.discard(req.req_id)
         return super()._fail_request(req, error)
 
-    def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None
-                ) -> RequestOutput:
-        """As LLMEngine's; a request its stop conditions end tells the k policy its length
+    def _finished(self, req: Request, reason: FinishReason) -> None:
+        """A request its stop conditions end tells the k policy its length
         (`AdaptivePolicy.finished`: what the arrival cost of rounds is spread over)."""
-        out = super()._append(req, token, logprob)
-        if out.finished and out.finish_reason in _STOPPED:
-            told = getattr(self.spec_scheduler.policy, "finished", None)
-            if told is not None:
-                told(len(req.output_ids))
-        return out
+        told = getattr(self.spec_scheduler.policy, "finished", None)
+        if told is not None:
+            told(len(req.output_ids))
 
     # Disaggregation (add_prefill_request, take_handoffs, free_pages, admit_prefilled):
     # spec/handoff_side.py.
@@ -205,10 +200,17 @@ class SpecEngine(HandoffSide, LLMEngine):
     @torch.inference_mode()  # as LLMEngine.step
     def step(self) -> list[RequestOutput]:
         spec_sched = self.spec_scheduler
-        spec_sched.drop_unrunnable()
         # The policy hears what steps take; not on a worker of ranks, which must choose alike.
+        timed = self.model.par.every_rank.size == 1
+        if spec_sched.plain_held():  # the plain regime, nothing changed: no walk, no policy
+            t0, batch = time.perf_counter(), len(self.scheduler.running)
+            outputs = self.plain_step()
+            spec_sched.defer_plain(batch, time.perf_counter() - t0 if timed else None)
+            return outputs
+        spec_sched.flush_plain()
+        spec_sched.drop_unrunnable()
         t0 = time.perf_counter()
-        shape = spec_sched.step_shape() if self.model.par.every_rank.size == 1 else None
+        shape = spec_sched.step_shape() if timed else None
         if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):
             outputs = self.plain_step()
             if shape is not None:

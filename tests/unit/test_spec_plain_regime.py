@@ -290,6 +290,7 @@ def test_the_engine_tells_the_policy_what_steady_steps_took():
             arrived = True
         before = len(policy.served_steps)
         eng.step()
+        eng.spec_scheduler.flush_plain()  # what a steady plain-regime step defers (next test)
         added = policy.served_steps[before:]
         assert len(added) <= 1 and not (arrived and added)
         arrivals += arrived
@@ -540,3 +541,49 @@ def test_profiling_prices_an_arrival_as_rounds_minus_plain_steps(monkeypatch):
                       tiny_head(model, "eagle"))
     assert cost_profile.profile(four, repeats=1, batch_sizes=(1, 4)).batch_sizes == (1, 4)
     assert_pages_free(four)
+
+
+def test_steady_plain_regime_steps_reach_the_policy_late_all_and_in_order():
+    """A steady step of the plain regime (`SpecScheduler.plain_held`: every request held plain,
+    none waiting, none gone) runs without asking the policy or walking the requests; what it
+    tells the policy (an unobserved step, its time) waits for `flush_plain` -- 32 such steps,
+    a request leaving, or the next step that asks. The policy hears the same steps in the same
+    order as when told at once, and nothing stays untold once the engine is idle."""
+    class Timed(ForcedRegime):
+        def __init__(self, regime):
+            super().__init__(regime)
+            self.heard: list[tuple[str, int | None]] = []
+
+        def plain_step(self):
+            super().plain_step()
+            self.heard.append(("unobserved", None))
+
+        def served(self, batch_size, seconds, num_drafts):
+            self.heard.append(("served", batch_size))
+
+    def run(flush_each_step: bool) -> tuple[Timed, list[int]]:
+        model = tiny_target("llama")
+        policy = Timed(REGIME)
+        eng = SpecEngine(engine_cfg(overlap_schedule=True), SPEC, model,
+                         tiny_head(model, "eagle"), policy=policy)
+        for p in prompts(3, seed=7):
+            eng.add_request(p, greedy(60))
+        lag = []  # per step: steps the policy has not heard of yet
+        for step in itertools.count():
+            if not eng.has_unfinished():
+                break
+            if step == 50:
+                eng.add_request(prompts(1, seed=8)[0], greedy(10))
+            eng.step()
+            if flush_each_step:
+                eng.spec_scheduler.flush_plain()
+            lag.append(len(eng.spec_scheduler._deferred))
+        assert not eng.spec_scheduler._deferred
+        assert_pages_free(eng)
+        return policy, lag
+
+    deferred, lag = run(flush_each_step=False)
+    at_once, no_lag = run(flush_each_step=True)
+    assert max(no_lag) == 0 and 20 < max(lag) <= 31  # it deferred, 32 at most
+    assert deferred.heard == at_once.heard and deferred.unasked == at_once.unasked > 40
+    assert deferred.asked == at_once.asked
