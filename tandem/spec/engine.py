@@ -186,8 +186,7 @@ class SpecEngine(HandoffSide, LLMEngine):
         return super()._fail_request(req, error)
 
     def _finished(self, req: Request, reason: FinishReason) -> None:
-        """A request its stop conditions end tells the k policy its length
-        (`AdaptivePolicy.finished`: what the arrival cost of rounds is spread over)."""
+        """Its length to the k policy (`finished`: what a round's arrival cost spreads over)."""
         told = getattr(self.spec_scheduler.policy, "finished", None)
         if told is not None:
             told(len(req.output_ids))
@@ -207,8 +206,7 @@ class SpecEngine(HandoffSide, LLMEngine):
             outputs = self.plain_step()
             spec_sched.defer_plain(batch, time.perf_counter() - t0 if timed else None)
             return outputs
-        spec_sched.flush_plain()
-        spec_sched.drop_unrunnable()
+        spec_sched.drop_unrunnable()  # (first tells the policy of the steps `plain_held` ran)
         t0 = time.perf_counter()
         shape = spec_sched.step_shape() if timed else None
         if spec_sched.plain_regime(allowed=not self.handoff_only and self.model.par.dp.size == 1):

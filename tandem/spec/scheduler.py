@@ -177,7 +177,9 @@ class SpecScheduler:
           but the rope table and the context end at max_model_len: past it the forward
           indexes out of bounds. A request that close to the end finishes with plain decode
           steps (the scheduler runs a seedless request like any other), which never look past
-          their token."""
+          their token.
+        First the policy hears of the steps `plain_held` ran (`flush_plain`)."""
+        self.flush_plain()
         self._drop_stale()
         limit = self.max_model_len - self.spec.num_steps
         for rid in [rid for rid, s in self._seeds.items() if s.num_cached >= limit]:
