@@ -94,6 +94,15 @@ class Request:
             return self.prompt_ids + self.output_ids + [PENDING] * self.num_pending
         return self.prompt_ids + self.output_ids
 
+    def ids_between(self, start: int, stop: int) -> tuple[int, ...]:
+        """all_ids[start:stop], without building all_ids (the scheduler asks for every row's
+        chunk each step: a decode row's one token of a request thousands long)."""
+        p = len(self.prompt_ids)
+        if start < p:
+            return tuple(self.all_ids[start:stop])
+        out = self.output_ids[start - p : stop - p]
+        return (*out, *(PENDING,) * (min(stop, self.num_tokens) - start - len(out)))
+
     @property
     def num_tokens(self) -> int:
         """Tokens known to exist, the pending ones included (what the scheduler plans with)."""

@@ -113,10 +113,14 @@ class Scheduler:
         preempted: list[str] = []
         scheduled: set[str] = set()
         # Decoding requests first (one token each), then running prefills, in admission order.
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1):
+        # (No prompt left part-done by the last plan: admission order already; a copy, as
+        # preemption below edits `running`.)
+        order = (list(self.running) if not self.num_partial else
+                 sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1))
+        for req in order:
             if budget == 0:
                 break
-            if req.req_id in scheduled or req.req_id in exclude or req not in self.running:
+            if req.req_id in scheduled or req.req_id in exclude or req.req_id in preempted:
                 continue  # handled elsewhere, or preempted by an earlier allocation
             if req.pending_reaches_length:
                 continue  # overlap scheduling: its pending token ends it when read
@@ -196,7 +200,7 @@ class Scheduler:
                     raise PageError(f"page {p}: '{req.req_id}' would write a shared page")
         return ScheduledChunk(
             req_id=req.req_id, page_ids=tuple(req.page_ids), num_cached=start,
-            token_ids=tuple(req.all_ids[start : start + n]), samples=start + n == req.num_tokens,
+            token_ids=req.ids_between(start, start + n), samples=start + n == req.num_tokens,
         )
 
     def reserve(self, req: Request, num_slots: int, protected: set[str]) -> tuple[bool, list[str]]:
