@@ -53,9 +53,19 @@ def target():
     return model, head
 
 
+def _planned(make):
+    """An engine whose chain verify and draft-extend are planned on the host (FlashInfer
+    plans; TANDEM_DEVICE_VERIFY=0): what the replay == eager-of-the-same-plan tests compare
+    (`_verify_planner`, "plan a batch of this size first"). The default, device metadata, is
+    checked end to end below (float32 equality with drafting ahead, the k schedule)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_DEVICE_VERIFY", "0")
+        return make()
+
+
 @pytest.fixture(scope="module")
 def chain_engine(target):
-    return SpecEngine(_cfg(True), CHAIN, *target)
+    return _planned(lambda: SpecEngine(_cfg(True), CHAIN, *target))
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +388,7 @@ KS = (4, 0, 1, 0, 2, 3, 1, 4, 0, 3)
 
 @pytest.fixture(scope="module")
 def k_engine(target):
-    return SpecEngine(_cfg(True), CHAIN, *target, policy=_Schedule(KS))
+    return _planned(lambda: SpecEngine(_cfg(True), CHAIN, *target, policy=_Schedule(KS)))
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
