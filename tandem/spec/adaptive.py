@@ -428,6 +428,17 @@ class AdaptivePolicy:
         self.per_request[req_id] = ewma_update(own, num_drafts, num_accepted, s.alpha, prior,
                                                s.relax)
 
+    def observe_many(self, num_drafts: int, rows: Sequence[tuple[str, int]]) -> None:
+        """`observe` of each (req_id, num_accepted) of one round, in order, in one call."""
+        s, prior, per = self.settings, self._prior(), self.per_request
+        self._planned = None
+        overall = self.overall
+        for rid, a in rows:
+            own = per.get(rid, overall)
+            overall = ewma_update(overall, num_drafts, a, s.overall_alpha, prior, s.relax)
+            per[rid] = ewma_update(own, num_drafts, a, s.alpha, prior, s.relax)
+        self.overall = overall
+
     def forget(self, req_id: str) -> None:
         self.per_request.pop(req_id, None)
         self._planned = None

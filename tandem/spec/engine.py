@@ -409,13 +409,14 @@ class SpecEngine(HandoffSide, LLMEngine):
             input_ids=verify.tokens.reshape(-1), positions=layout.positions, attn=layout.attn,
             logits_indices=torch.arange(n, device=self.device), capture_layers=self.capture))
 
-    def _commit(self, reqs, result: VerifyResult, nxt: DraftInput,
-                num_drafts: int) -> list[RequestOutput]:
+    def _commit(self, reqs, result: VerifyResult, nxt: DraftInput, num_drafts: int) -> list:
         """Append each request's accepted tokens + bonus (through the usual stop checks, one by
         one) and report them as ONE output per request: a round is one streaming chunk. A row
         that failed acceptance, or whose stop checks raise, fails its own request only."""
-        outputs = []
-        next_seeds = nxt.seeds()
+        outputs, next_seeds = [], nxt.seeds()
+        self.spec_scheduler.observe_round(num_drafts, [  # (every row acceptance did not fail)
+            (req.req_id, len(t) - 1) for r, (req, t) in enumerate(zip(reqs, result.new_tokens))
+            if not result.error_of(r)])
         for r, (req, toks, seed) in enumerate(zip(reqs, result.new_tokens, next_seeds)):
             if result.error_of(r):
                 outputs.append(self._fail_request(req, result.error_of(r)))
@@ -433,9 +434,8 @@ class SpecEngine(HandoffSide, LLMEngine):
         """logprobs: [len(toks)] when the request asks, else ()."""
         # tau measures the draft: what verification accepted, even when a stop condition then
         # ends the request inside the accepted run; a k = 0 round proposed nothing (no round).
-        if num_drafts > 0:
+        if num_drafts > 0:  # (the policy heard of it: `_commit`)
             self.spec_stats.record(len(toks) - 1, num_drafts)
-            self.spec_scheduler.observe(req.req_id, num_drafts, len(toks) - 1)
         parts = []
         for i, tok in enumerate(toks):  # an EOS or stop string ends the request at its token
             parts.append(self._append(req, tok, logprobs[i] if logprobs else None))

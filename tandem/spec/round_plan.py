@@ -58,18 +58,24 @@ def plan_round(table: Prices, estimates: Sequence[Sequence[float]], max_k: int,
     `estimates` (per-position acceptance, each at least max_k long); an unsplit round at
     `keep_k` stands against another unsplit round of k > 0 unless that wins by `keep_margin`."""
     bs, max_k = len(estimates), min(max_k, table.max_k)
-    best, best_rate = RoundPlan(num_drafts=0, drafting=(False,) * bs), bs / table.cost(0, bs)
+    plain = table.cost(0, bs)
+    best, best_rate = RoundPlan(num_drafts=0, drafting=(False,) * bs), bs / plain
     kept_rate = 0.0  # keep_k's unsplit rate (0: keep_k not among the k tried)
-    by_k = [_expected_by_k(p, max_k) for p in estimates]  # [bs][max_k + 1]: E(0..max_k)
+    # (on the host's critical path every round: E(k) of every row by k in one pass, each
+    # row's cumulative product carried from one k to the next)
+    gains, run = [1.0] * bs, [1.0] * bs
     for k in range(1, max_k + 1):
-        gains = [e[k] for e in by_k]
-        rate = sum(gains) / table.cost(k, bs)
+        for r, p in enumerate(estimates):
+            run[r] *= p[k - 1]
+            gains[r] += run[r]
+        cost = table.cost(k, bs)
+        rate = sum(gains) / cost
         kept_rate = rate if k == keep_k else kept_rate
         if rate > best_rate:
             best, best_rate = RoundPlan(num_drafts=k, drafting=(True,) * bs), rate
         if not allow_split:
             continue
-        need = break_even(table, k, bs)
+        need = cost / plain  # `break_even`
         pays = tuple(g >= need for g in gains)
         n = sum(pays)
         if 0 < n < bs:  # split: drafting rows at k, the rest in a plain round

@@ -239,6 +239,19 @@ class SpecScheduler:
         if self.policy is not None and num_drafts > 0:
             self.policy.observe(req_id, num_drafts, num_accepted)
 
+    def observe_round(self, num_drafts: int, rows: Sequence[tuple[str, int]]) -> None:
+        """`observe` for a round's rows, (req_id, drafts accepted) each, in order: at once
+        where the policy takes them so (`observe_many`: per row is on the host's critical
+        path, ~1.5 us a row on this VM)."""
+        if self.policy is None or num_drafts <= 0:
+            return
+        many = getattr(self.policy, "observe_many", None)
+        if many is not None:
+            many(num_drafts, rows)
+            return
+        for req_id, num_accepted in rows:
+            self.policy.observe(req_id, num_drafts, num_accepted)
+
     def commit_round(self, req: Request, seed: DraftSeed | None) -> None:
         """A round's tokens went through `req`'s stop checks. Still running (`seed` given): the
         target KV now holds the old root and the accepted drafts (num_computed =

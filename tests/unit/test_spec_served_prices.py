@@ -294,3 +294,17 @@ def test_the_plain_regime_drains_when_rounds_win_and_arrivals_then_draft(overlap
     want = reference(model, first + later, greedy(16))
     assert [out[r] for r in ids] == [list(c.output_ids) for c in want]
     assert_pages_free(eng)
+
+
+def test_a_round_observed_at_once_teaches_what_each_row_observed_in_turn_does():
+    """`observe_many` (one call per round, on the host's critical path) leaves the engine-wide
+    and per-request estimates exactly where `observe` row by row leaves them."""
+    rows = [("a", 2), ("b", 0), ("a", 4), ("c", 1), ("d", 3)]
+    one, many = policy(), policy()
+    for pol in (one, many):
+        pol.observe("a", 4, 1)  # "a" known before the round; "b", "c", "d" new to it
+    for rid, a in rows:
+        one.observe(rid, 4, a)
+    many.observe_many(4, rows)
+    assert many.overall == one.overall and many.per_request == one.per_request
+    assert one.overall != policy().overall  # the round moved them
