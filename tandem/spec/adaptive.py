@@ -319,8 +319,8 @@ class AdaptivePolicy:
         plain = self.priced.plain_cost(batch_size)
         assert plain is not None
         per_token = 0.0 if settled else self.arrival_cost / self.output_len
-        rounds = min((self.priced.cost(k, batch_size)
-                      / (batch_size * expected_tokens(self.overall, k)) + per_token
+        e = _expected_by_k(self.overall, self.max_k)  # E(0..max_k), one pass
+        rounds = min((self.priced.cost(k, batch_size) / (batch_size * e[k]) + per_token
                       for k in range(1, self.max_k + 1)), default=float("inf"))
         return plain / batch_size, rounds
 
