@@ -37,11 +37,7 @@ from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from tandem.spec import SpecConfig, SpecEngine  # noqa: E402
 from tandem.spec.draft_runner import draft_kv_group  # noqa: E402
 from tandem.spec.shipped import SHIPPED_HEADS  # noqa: E402
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from gpu_plain_regime import sync  # noqa: E402  (benchmarks/ on sys.path)
 
 
 def block_ms(eng: LLMEngine, steps: int) -> float:
