@@ -117,8 +117,10 @@ class Scheduler:
         # preemption below edits `running`.)
         order = (list(self.running) if not self.num_partial else
                  sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1))
-        for req in order:
+        unplanned: list[Request] = []  # running rows left out for budget or pages
+        for i, req in enumerate(order):
             if budget == 0:
+                unplanned += order[i:]
                 break
             if req.req_id in scheduled or req.req_id in exclude or req.req_id in preempted:
                 continue  # handled elsewhere, or preempted by an earlier allocation
@@ -126,6 +128,7 @@ class Scheduler:
                 continue  # overlap scheduling: its pending token ends it when read
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, n, preempted, scheduled):
+                unplanned.append(req)
                 continue
             chunks.append(self._chunk(req, n))
             scheduled.add(req.req_id)
@@ -157,7 +160,13 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             scheduled.add(req.req_id)
             budget -= n
-        self.num_partial = sum(not c.samples for c in chunks)
+        # Prompts part-done after this plan (more than one token left: the sort key above):
+        # its chunks that stop short of that, and rows it left out mid-prompt. Exact, or the
+        # next plan would not sort them after the decoding rows.
+        self.num_partial = sum(
+            self.requests[c.req_id].num_tokens - c.num_cached - len(c.token_ids) > 1
+            for c in chunks if not c.samples) + sum(
+            r.num_tokens - r.num_computed > 1 for r in unplanned if r.req_id not in preempted)
         return StepPlan(chunks=tuple(chunks), preempted=tuple(preempted))
 
     def _match(self, req: Request) -> list[int]:

@@ -166,3 +166,31 @@ def test_unseeded_rows_sample_together_each_from_its_own_distribution():
 
     alone, mixed = seeded_alone_and_mixed()
     assert alone == mixed
+
+
+@pytest.mark.parametrize("num_pages", [256, 14])  # 14: page pressure, rows left out
+def test_the_count_of_prompts_left_part_done_is_exact_after_every_step(llama_dir, num_pages):
+    """`Scheduler.num_partial` (what decides whether the next plan sorts decoding rows before
+    prefill chunks, and what the speculative scheduler prices a step by) equals the running
+    requests still mid-prompt after each step: chunked prompts, budgets that run out, rows
+    left out for pages, preemption."""
+    eng = _engine(llama_dir, num_pages=num_pages, max_num_batched_tokens=7)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ps = _prompts(8, seed=4)
+    for p in ps[:5]:
+        eng.add_request(p, params)
+    seen = set()
+    for step in range(400):
+        if not eng.has_unfinished():
+            break
+        if step == 3:
+            for p in ps[5:]:
+                eng.add_request(p, params)
+        eng.step()
+        s = eng.scheduler
+        partial = sum(r.num_tokens - r.num_computed > 1 for r in s.running)
+        assert s.num_partial == partial, step
+        seen.add(partial)
+    assert not eng.has_unfinished() and max(seen) >= 1  # prompts were left part-done
+    assert (eng.scheduler.num_preemptions > 0) == (num_pages == 14)
+    assert eng.allocator.num_free == eng.allocator.num_usable
