@@ -73,7 +73,7 @@ def ewma_update(p: Sequence[float], num_drafts: int, num_accepted: int, alpha: f
             v = q_new / q_prev_new
             out[j] = 1.0 if v > 1.0 else (0.0 if v < 0.0 else v)
         q_prev_old, q_prev_new = q_old, q_new
-    if rate:
+    if rate and k < n:  # (k == n, the usual round of max_k, relaxes nothing)
         for j in range(k, min(n, len(prior))):
             out[j] += rate * (prior[j] - out[j])
     return tuple(out)

@@ -76,7 +76,7 @@ def plan_round(table: Prices, estimates: Sequence[Sequence[float]], max_k: int,
         if not allow_split:
             continue
         need = cost / plain  # `break_even`
-        pays = tuple(g >= need for g in gains)
+        pays = tuple([g >= need for g in gains])
         n = sum(pays)
         if 0 < n < bs:  # split: drafting rows at k, the rest in a plain round
             split_tokens = sum(g for g, d in zip(gains, pays) if d) + (bs - n)

@@ -228,8 +228,10 @@ class SpecScheduler:
         if self.policy is None:
             return [(list(reqs), self.round_input(reqs))]
         plan = self.policy.plan([r.req_id for r in reqs], allow_split)
-        drafting = [r for r, d in zip(reqs, plan.drafting) if d or not plan.splits]
-        plain = [r for r, d in zip(reqs, plan.drafting) if plan.splits and not d]
+        if not plan.splits:  # (as the split's filter below: no rows, no round)
+            return [(list(reqs), self.round_input(reqs, plan.num_drafts))] if reqs else []
+        drafting = [r for r, d in zip(reqs, plan.drafting) if d]
+        plain = [r for r, d in zip(reqs, plan.drafting) if not d]
         return [(rows, self.round_input(rows, k))
                 for rows, k in ((drafting, plan.num_drafts), (plain, 0)) if rows]
 
