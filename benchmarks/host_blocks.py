@@ -11,7 +11,10 @@ the machine's drift cancels; printed: the median per-step difference of each pai
     python benchmarks/host_blocks.py [--batches 4,16,48] [--pairs 30]
 
 Session 26 (this VM): the regime +45 / +82 us a step at batch 4 / 48 before `plain_held`,
-+21 / +34 after; adaptive rounds +45-65 / +120 us at batch 4 / 16 over fixed-k rounds.
++10-30 / +14-38 after; adaptive rounds +45-65 / +120 us at batch 4 / 16 over fixed-k rounds
+before that session's cuts, +43-78 / +78-123 after. The medians move by up to +-40 us from
+run to run; and the adaptive engine tries each unserved k for 16 rounds, so its rounds are
+not all of the fixed engine's k.
 """
 
 from __future__ import annotations
