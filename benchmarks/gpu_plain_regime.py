@@ -40,6 +40,17 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def engine_config(model: str, device: str, kv_gib: int) -> EngineConfig:
+    """SmolLM2 (a directory: its weights; else a preset's shape, dummy weights) for 64
+    requests: bf16, FlashInfer and graphs on the GPU, float32 torch attention on the CPU."""
+    gpu = device == "cuda"
+    return EngineConfig(model=model, load_format="auto" if Path(model).is_dir() else "dummy",
+                        device=device, dtype="bfloat16" if gpu else "float32",
+                        attention_backend="flashinfer" if gpu else "torch", cuda_graphs=gpu,
+                        max_num_seqs=64, max_model_len=2048,
+                        kv_cache_bytes=(kv_gib << 30) if gpu else (kv_gib << 26))
+
+
 def cpu_probe_ms() -> float:
     """A fixed piece of pure Python (best of 5): whether the host itself runs slower now."""
     data = [list(range(i % 7)) for i in range(20000)]
@@ -125,12 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "cuda"
-    dummy = not Path(args.model).is_dir()
-    cfg = EngineConfig(model=args.model, load_format="dummy" if dummy else "auto",
-                       device=args.device, dtype="bfloat16" if gpu else "float32",
-                       attention_backend="flashinfer" if gpu else "torch", cuda_graphs=gpu,
-                       max_num_seqs=64, max_model_len=2048,
-                       kv_cache_bytes=(4 << 30) if gpu else (256 << 20))
+    cfg = engine_config(args.model, args.device, kv_gib=4)
     import tandem.spec.adaptive as adaptive
     from tandem.spec import cost_profile
 
@@ -195,7 +201,8 @@ def main() -> None:
             for b, row, p in zip(t["batch_sizes"], t["seconds"], t["plain"])))
     for b in args.batches.split(","):
         for name in ("plain", "spec_plain_regime"):
-            print(f"--- batch {b}, {name}, profiled:\n{res['b' + b][name + '_profiled']['profile']}")
+            text = res['b' + b][name + '_profiled']['profile']
+            print(f"--- batch {b}, {name}, profiled:\n{text}")
 
 
 if __name__ == "__main__":

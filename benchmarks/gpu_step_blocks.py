@@ -33,11 +33,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
-from tandem.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from tandem.engine import LLMEngine, SamplingParams  # noqa: E402
 from tandem.spec import SpecConfig, SpecEngine  # noqa: E402
 from tandem.spec.draft_runner import draft_kv_group  # noqa: E402
 from tandem.spec.shipped import SHIPPED_HEADS  # noqa: E402
-from gpu_plain_regime import sync  # noqa: E402  (benchmarks/ on sys.path)
+from gpu_plain_regime import engine_config, sync  # noqa: E402  (benchmarks/ on sys.path)
 
 
 def block_ms(eng: LLMEngine, steps: int) -> float:
@@ -93,12 +93,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "cuda"
-    dummy = not Path(args.model).is_dir()
-    cfg = EngineConfig(model=args.model, load_format="dummy" if dummy else "auto",
-                       device=args.device, dtype="bfloat16" if gpu else "float32",
-                       attention_backend="flashinfer" if gpu else "torch", cuda_graphs=gpu,
-                       max_num_seqs=64, max_model_len=2048,
-                       kv_cache_bytes=(2 << 30) if gpu else (128 << 20))
+    cfg = engine_config(args.model, args.device, kv_gib=2)
     import tandem.spec.adaptive as adaptive
 
     wanted = args.engines.split(",")

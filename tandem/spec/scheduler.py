@@ -11,7 +11,7 @@ A step of the speculative engine, with the parts that are this module's marked *
 With a k policy (spec/adaptive.py) `round_inputs` also decides how many drafts the step's
 round proposes (k = 0: a plain step, whose round verifies the root alone and draft-extends its
 one new token, so every seed stays valid) and may split the step into a drafting round and a
-plain one; rounds feed the policy their acceptance through `observe`.
+plain one; rounds feed the policy their acceptance through `observe_round`.
 """
 
 from __future__ import annotations
@@ -235,16 +235,11 @@ class SpecScheduler:
         return [(rows, self.round_input(rows, k))
                 for rows, k in ((drafting, plan.num_drafts), (plain, 0)) if rows]
 
-    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A round of `num_drafts` drafts accepted `num_accepted` of `req_id`'s: the policy
-        learns from it (a plain round teaches nothing)."""
-        if self.policy is not None and num_drafts > 0:
-            self.policy.observe(req_id, num_drafts, num_accepted)
-
     def observe_round(self, num_drafts: int, rows: Sequence[tuple[str, int]]) -> None:
-        """`observe` for a round's rows, (req_id, drafts accepted) each, in order: at once
-        where the policy takes them so (`observe_many`: per row is on the host's critical
-        path, ~1.5 us a row on this VM)."""
+        """A round of `num_drafts` drafts accepted, per row, (req_id, drafts accepted): the
+        policy learns from each in order (a plain round teaches nothing), in one call where it
+        takes them so (`observe_many`: per row is on the host's critical path, ~1.5 us a row
+        on this VM)."""
         if self.policy is None or num_drafts <= 0:
             return
         many = getattr(self.policy, "observe_many", None)
