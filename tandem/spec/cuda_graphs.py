@@ -5,10 +5,10 @@ graph removes the launch cost (on an H100: ~7.7 us a launch eager, ~1 us in a gr
 
 - **Drafting (chain).** One graph per batch bucket runs all k-1 draft steps of a round
   (`propose.chain_steps`, the function eager drafting runs): it reads the round's page table
-  and num_cached (`_draft_table`, `_draft_base`, copied in once a round) and derives every
+  and num_cached (`buf.draft_table`, `buf.draft_base`, copied in once a round) and derives every
   step's positions, slots and key counts on the device, attending through the device-metadata
   decode kernel (`engine/attention/device_decode`). Step s reads draft token column s of
-  `_tokens` [B, k+1] and writes its top-1 into column s+1. No host work between the steps: no
+  `buf.tokens` [B, k+1] and writes its top-1 into column s+1. No host work between the steps: no
   planning, one launch a round (host work per step was ~0.3 ms on an H200, more than the
   step's GPU time).
 - **Verify.** One graph per batch bucket over B * N tokens (N = the tree size), planned the
@@ -48,17 +48,23 @@ from typing import Any
 
 import torch
 
+from tandem.engine import kernels
 from tandem.engine.attention.device_decode import device_rows_plan
 from tandem.engine.cuda_graphs import (
     check_latest_plan,
     padded_batch_size,
 )
+from tandem.engine.d2h import HostCopy
 from tandem.engine.h2d import build_layout
+from tandem.engine.logprobs import asking_rows
 from tandem.engine.runner import ForwardOutput, ModelRunner
+from tandem.engine.sampling import SamplingParams
 from tandem.spec import kernels as spec_kernels
+from tandem.spec.accept import GreedyAcceptance
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
-from tandem.spec.graph_memory import GraphMemory, check_fixed_buffers, graph_planner
+from tandem.spec.graph_memory import (GraphMemory, RoundBuffers, check_fixed_buffers,
+                                      graph_planner)
 from tandem.spec.phases import DraftInput, ExtendOutput, VerifyInput
 from tandem.spec.propose import chain_steps
 from tandem.spec.tree_graphs import DraftedTree
@@ -81,10 +87,9 @@ class _Captured:
 
 class SpecGraphRunner:
     """Owns the speculative CUDA graphs of one k (`num_drafts`), their attention planners and
-    every static buffer they read or write: draft tokens `_tokens` [B_max, k+1] int64 (root,
-    then drafts), the seed's draft hidden `_hidden` [B_max, H], the round's draft page table
-    [B_max, P_max] int32 and num_cached [B_max] int64, verify token ids and positions
-    [B_max * N] int64. The pool and the verify logits are the engine's `GraphMemory`.
+    every static buffer they read or write (`buf`, `graph_memory.RoundBuffers`: draft tokens,
+    the seed's hidden, page tables and num_cached, verify ids, acceptance's outputs). The pool
+    and the verify logits are the engine's `GraphMemory`.
 
     Invariants: callers' tensors are only read (copied in); a returned VerifyInput holds new
     tensors; verify outputs are views valid until the next `verify` (of any runner sharing
@@ -134,40 +139,13 @@ class SpecGraphRunner:
                                                  max_kv_len, self.masked)
             self._extend_planner = graph_planner(backend, max_bs, self.extend_rows, pages,
                                                  max_kv_len, False)
-        head = draft.head
-        self._tokens = torch.zeros(max_bs, k + 1, dtype=torch.int64,
-                                   device=device)  # [B_max, k+1]
-        self._hidden = torch.zeros(max_bs, head.cfg.hidden_size, dtype=head.fc.weight.dtype,
-                                   device=device)  # [B_max, H]
-        # Chain drafting reads the round's page tables and num_cached (zeros: the scratch
-        # page, position 0 -- valid for padding rows and capture).
-        self._draft_table = torch.zeros(max_bs, -(-max_kv_len // self.page_size),
-                                        dtype=torch.int32, device=device)  # [B_max, P_max]
-        self._draft_base = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
-        # The verify's own (device metadata): page table [B_max, P_max], num_cached [B_max].
-        self._ver_table = torch.zeros_like(self._draft_table)
-        self._ver_base = torch.zeros_like(self._draft_base)
-        self._ver_loaded: VerifyInput | None = None  # the verify they were loaded for
-        n = max_bs * self.num_nodes
-        self._verify_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [B_max * N]
-        self._verify_positions = torch.zeros(n, dtype=torch.int64, device=device)
-        # Draft-extend inputs: what acceptance left on the device, and the verify's tokens and
-        # features; rows of requests past the batch (bucket padding) hold zeros / -1.
-        depth, r = self.extend_rows - 1, self.extend_rows
-        feat = head.cfg.hidden_size if head.cfg.kind == "eagle" else head.cfg.feature_size
-        self._acc_num = torch.zeros(max_bs, dtype=torch.int32, device=device)  # [B_max]
-        self._acc_path = torch.full((max_bs, max(depth, 1)), -1, dtype=torch.int32,
-                                    device=device)  # [B_max, R-1] accepted nodes, -1 = none
-        self._acc_bonus = torch.zeros(max_bs, dtype=torch.int64, device=device)  # [B_max]
-        self._ver_tokens = torch.zeros(max_bs, self.num_nodes, dtype=torch.int64,
-                                       device=device)  # [B_max, N]
-        self._ver_features = torch.zeros(max_bs * self.num_nodes, feat,
-                                         dtype=head.fc.weight.dtype,
-                                         device=device)  # [B_max * N, F]
-        self._ext_positions = torch.zeros(max_bs * r, dtype=torch.int64,
-                                          device=device)  # [B_max * R]
+        self.buf = RoundBuffers.allocate(
+            max_bs=max_bs, num_drafts=k, num_nodes=self.num_nodes, extend_rows=self.extend_rows,
+            head=draft.head, table_width=-(-max_kv_len // self.page_size), device=device)
+        self._ver_loaded: VerifyInput | None = None  # the verify `buf.ver_*` was loaded for
+        self._acc_loaded: VerifyInput | None = None  # the verify `accept` wrote `buf.acc_*` for
         self._draft_graphs: dict[int, _Captured] = {}
-        self.drafts_launched = 0  # writes of `_tokens` so far (spec/ahead.py: still ours?)
+        self.drafts_launched = 0  # writes of `buf.tokens` so far (spec/ahead.py: still ours?)
         self._verify_graphs: dict[int, _Captured] = {}
         self._extend_graphs: dict[int, _Captured] = {}
 
@@ -222,18 +200,19 @@ class SpecGraphRunner:
     @torch.inference_mode()
     def _draft_body(self, bs: int, plan: Any) -> None:
         """Chain draft steps 1..k-1 over the bucket, from the static buffers alone."""
-        del plan  # nothing planned: the steps read `_draft_table` / `_draft_base`
-        chain_steps(self.draft, self._tokens[:bs], self._hidden[:bs], self._draft_table[:bs],
-                    self._draft_base[:bs])
+        del plan  # nothing planned: the steps read `buf.draft_table` / `buf.draft_base`
+        buf = self.buf
+        chain_steps(self.draft, buf.tokens[:bs], buf.hidden[:bs], buf.draft_table[:bs],
+                    buf.draft_base[:bs])
 
     @torch.inference_mode()
     def _verify_body(self, bs: int, plan: Any) -> ForwardOutput:
-        n, positions = bs * self.num_nodes, self._verify_positions[: bs * self.num_nodes]
+        n, positions = bs * self.num_nodes, self.buf.verify_positions[: bs * self.num_nodes]
         if plan is None:  # device metadata: positions and slots from the table and num_cached
-            plan, positions = device_rows_plan(self._ver_table[:bs], self._ver_base[:bs],
+            plan, positions = device_rows_plan(self.buf.ver_table[:bs], self.buf.ver_base[:bs],
                                                self.num_nodes, self.page_size,
                                                self.draft.num_splits)
-        out = self.runner.forward_planned(self._verify_ids[:n], positions, plan, None,
+        out = self.runner.forward_planned(self.buf.verify_ids[:n], positions, plan, None,
                                           self.capture_layers)
         logits = self.memory.logits[:n]  # [B * N, V]: the shared buffer, not a graph output
         logits.copy_(out.logits)
@@ -248,12 +227,12 @@ class SpecGraphRunner:
         (hidden [B, H], top-k ids [B, K], top-k log-probs [B, K]) of each bonus row."""
         r = self.extend_rows
         toks, rows, last_rows = spec_kernels.extend_rows(
-            self._ver_tokens[:bs], self._acc_path[:bs], self._acc_num[:bs],
-            self._acc_bonus[:bs], r)  # [B*R], [B*R], [B]
-        feats = self._ver_features.index_select(0, rows)  # [B*R, F]
-        positions = self._ext_positions[: bs * r]
+            self.buf.ver_tokens[:bs], self.buf.acc_path[:bs], self.buf.acc_num[:bs],
+            self.buf.acc_bonus[:bs], r)  # [B*R], [B*R], [B]
+        feats = self.buf.ver_features.index_select(0, rows)  # [B*R, F]
+        positions = self.buf.ext_positions[: bs * r]
         if plan is None:  # device metadata, as the verify's
-            plan, positions = device_rows_plan(self._ver_table[:bs], self._ver_base[:bs], r,
+            plan, positions = device_rows_plan(self.buf.ver_table[:bs], self.buf.ver_base[:bs], r,
                                                self.page_size, self.draft.num_splits)
         hidden = self.draft.forward_planned(toks, feats, positions, plan)  # [B*R, H]
         last = hidden.index_select(0, last_rows)  # [B, H] each bonus row
@@ -283,24 +262,24 @@ class SpecGraphRunner:
         if not self.can_propose(inp) or rows is None:
             raise ValueError(f"no drafting graph for a batch of {bs} (captured "
                              f"{self.batch_sizes}, {k} chain drafts: {not self.masked})")
-        self._tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
-        self._tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
+        self.buf.tokens[:bs, 0].copy_(inp.last_tokens, non_blocking=True)
+        self.buf.tokens[:bs, 1].copy_(inp.topk_ids[:, 0], non_blocking=True)
         self.drafts_launched += 1
         if self.chain_drafting:  # draft steps 1..k-1 (k = 1: d_1 alone, nothing to replay)
-            load_draft_table(self._draft_table, self._draft_base, inp.page_ids,
+            load_draft_table(self.buf.draft_table, self.buf.draft_base, inp.page_ids,
                              inp.num_cached, rows)
-            self._hidden[:bs].copy_(inp.hidden, non_blocking=True)
+            self.buf.hidden[:bs].copy_(inp.hidden, non_blocking=True)
             self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
         return self.drafted(inp)
 
     def drafted(self, inp: DraftInput) -> VerifyInput:
-        """The chain the latest drafting of these rows left in `_tokens`, as a VerifyInput of
+        """The chain the latest drafting of these rows left in `buf.tokens`, as a VerifyInput of
         `inp`: `propose`'s, or the one `draft_ahead` queued for `inp` (spec/ahead.py checks that
         `inp` is the round it drafted)."""
         bs, n = inp.batch_size, self.num_drafts + 1
         return VerifyInput(
             page_ids=inp.page_ids, num_cached=inp.num_cached,
-            tokens=self._tokens[:bs].clone(),  # a new tensor: the buffer is reused next round
+            tokens=self.buf.tokens[:bs].clone(),  # a new tensor: the buffer is reused next round
             parents=(tuple(range(-1, n - 1)),) * bs, depths=(tuple(range(n)),) * bs,
         )
 
@@ -316,19 +295,19 @@ class SpecGraphRunner:
         bs, rows = verify.batch_size, self.bucket(verify.batch_size)
         need = self.num_drafts + 1 + self.spec.slots_per_round
         if not self.chain_drafting or rows is None or any(
-                len(p) > self._draft_table.shape[1] or len(p) * self.page_size < nc + need
+                len(p) > self.buf.draft_table.shape[1] or len(p) * self.page_size < nc + need
                 for p, nc in zip(verify.page_ids, verify.num_cached)):
             return False
         if self._ver_loaded is verify:  # the verify's table is on the device already
-            self._draft_table[:rows].copy_(self._ver_table[:rows])
-            self._draft_base[:rows].copy_(self._ver_base[:rows])
+            self.buf.draft_table[:rows].copy_(self.buf.ver_table[:rows])
+            self.buf.draft_base[:rows].copy_(self.buf.ver_base[:rows])
         else:
-            load_draft_table(self._draft_table, self._draft_base, verify.page_ids,
+            load_draft_table(self.buf.draft_table, self.buf.draft_base, verify.page_ids,
                              verify.num_cached, rows)
-        self._draft_base[:bs] += num_accepted.long() + 1  # [bs] the next round's num_cached
-        self._tokens[:bs, 0].copy_(ext.last_tokens)
-        self._tokens[:bs, 1].copy_(ext.topk_ids[:, 0])
-        self._hidden[:bs].copy_(ext.hidden)
+        self.buf.draft_base[:bs] += num_accepted.long() + 1  # [bs] the next round's num_cached
+        self.buf.tokens[:bs, 0].copy_(ext.last_tokens)
+        self.buf.tokens[:bs, 1].copy_(ext.topk_ids[:, 0])
+        self.buf.hidden[:bs].copy_(ext.hidden)
         self._replay(self._draft_graphs[rows], self._draft_body, rows, None)
         self.drafts_launched += 1
         return True
@@ -354,8 +333,8 @@ class SpecGraphRunner:
                 layout = verify_layout(verify, self.page_size, self.device, masked=self.masked,
                                        rows=rows)
             plan = self._verify_planner.plan(layout.attn)
-            self._verify_positions[: rows * n].copy_(layout.positions, non_blocking=True)
-        self._verify_ids[: bs * n].copy_(verify.tokens.reshape(-1), non_blocking=True)
+            self.buf.verify_positions[: rows * n].copy_(layout.positions, non_blocking=True)
+        self.buf.verify_ids[: bs * n].copy_(verify.tokens.reshape(-1), non_blocking=True)
         return self._replay_verify(bs, rows, plan)
 
     def verify_ahead(self, bs: int) -> ForwardOutput | None:
@@ -365,20 +344,40 @@ class SpecGraphRunner:
         rows = self.bucket(bs)
         if not self.device_metadata or self.masked or rows is None:
             return None
-        self._ver_table[:rows].copy_(self._draft_table[:rows])
-        self._ver_base[:rows].copy_(self._draft_base[:rows])  # [rows] nc + a + 1 per row
+        self.buf.ver_table[:rows].copy_(self.buf.draft_table[:rows])
+        self.buf.ver_base[:rows].copy_(self.buf.draft_base[:rows])  # [rows] nc + a + 1 per row
         self._ver_loaded = None  # the table is the device's guess, not a VerifyInput's
-        self._verify_ids[: bs * self.num_nodes].copy_(self._tokens[:bs].reshape(-1))
+        self.buf.verify_ids[: bs * self.num_nodes].copy_(self.buf.tokens[:bs].reshape(-1))
         return self._replay_verify(bs, rows, None)
 
     def _replay_verify(self, bs: int, rows: int, plan: Any) -> ForwardOutput:
         n = self.num_nodes
-        self._verify_ids[bs * n : rows * n].zero_()  # padding rows: any valid token
+        self.buf.verify_ids[bs * n : rows * n].zero_()  # padding rows: any valid token
         out = self._replay(self._verify_graphs[rows], self._verify_body, rows, plan)
         self.memory.verifies.n += 1
         m = bs * n
         return ForwardOutput(logits=out.logits[:m], hidden=out.hidden[:m],
                              aux_hidden=tuple(a[:m] for a in out.aux_hidden))
+
+    def accept(self, verify: VerifyInput, logits: torch.Tensor,
+               params: Sequence[SamplingParams]) -> GreedyAcceptance | None:
+        """Greedy acceptance of a chain written straight into the draft-extend graph's inputs
+        (the argmax, then one kernel: `extend` of this verify copies none of them in), its host
+        row copy queued; logits [bs * N, V] float32, every row greedy. None where it does not
+        apply (a tree, no bucket, a request asking for logprobs): `launch_greedy_accept`."""
+        rows, n = self.bucket(verify.batch_size), self.num_nodes
+        if self.masked or rows is None or not self.can_extend(verify) or asking_rows(params):
+            return None
+        _, target = kernels.row_max(logits)  # [bs * N] int64
+        host = spec_kernels.accept_chain_into(verify.tokens, target, self.buf.acc_num[:rows],
+                                              self.buf.acc_path[:rows], self.buf.acc_bonus[:rows],
+                                              self.buf.ver_tokens[:rows])  # [bs, 2 + 2(N-1)]
+        self._acc_loaded = verify
+        bs = verify.batch_size
+        buf = self.buf
+        return GreedyAcceptance(num_accepted=buf.acc_num[:bs], path=buf.acc_path[:bs, :n - 1],
+                                bonus=buf.acc_bonus[:bs], depth=n - 1,
+                                copy=HostCopy.start((host,)))
 
     def can_extend(self, verify: VerifyInput) -> bool:
         return (verify.num_nodes == self.num_nodes and self.bucket(verify.batch_size) is not None
@@ -411,25 +410,27 @@ class SpecGraphRunner:
                 slices = pad_fixed_slices(slices, rows, r, self.page_size, False)
             layout = build_layout(slices, self.page_size, self.device)
             plan = self._extend_planner.plan(layout.attn)  # rewrites the captured buffers
-            self._ext_positions[: rows * r].copy_(layout.positions, non_blocking=True)
-        self._acc_num[:bs].copy_(num_accepted, non_blocking=True)
-        self._acc_path[:bs, :d].copy_(path, non_blocking=True)
-        if d < self._acc_path.shape[1]:
-            self._acc_path[:bs, d:].fill_(-1)
-        self._acc_bonus[:bs].copy_(bonus, non_blocking=True)
-        self._ver_tokens[:bs].copy_(verify.tokens, non_blocking=True)
-        self._ver_features[: bs * n].copy_(features, non_blocking=True)
-        if rows > bs:  # padding requests: accept nothing (rows read node 0 of request r)
-            self._acc_num[bs:rows].zero_()
-            self._acc_path[bs:rows].fill_(-1)
+            self.buf.ext_positions[: rows * r].copy_(layout.positions, non_blocking=True)
+        loaded, self._acc_loaded = self._acc_loaded, None
+        if loaded is not verify or num_accepted.data_ptr() != self.buf.acc_num.data_ptr():
+            self.buf.acc_num[:bs].copy_(num_accepted, non_blocking=True)
+            self.buf.acc_path[:bs, :d].copy_(path, non_blocking=True)
+            if d < self.buf.acc_path.shape[1]:
+                self.buf.acc_path[:bs, d:].fill_(-1)
+            self.buf.acc_bonus[:bs].copy_(bonus, non_blocking=True)
+            self.buf.ver_tokens[:bs].copy_(verify.tokens, non_blocking=True)
+            if rows > bs:  # padding requests: accept nothing (rows read node 0 of request r)
+                self.buf.acc_num[bs:rows].zero_()
+                self.buf.acc_path[bs:rows].fill_(-1)
+        self.buf.ver_features[: bs * n].copy_(features, non_blocking=True)
         out = self._replay(captured, self._extend_body, rows, plan)
         last, ids, logp = out
         return ExtendOutput(hidden=last[:bs].clone(), topk_ids=ids[:bs].clone(),
                             topk_logp=logp[:bs].clone(), last_tokens=bonus.clone())
 
     def _load_verify_table(self, verify: VerifyInput, rows: int) -> None:
-        load_draft_table(self._ver_table, self._ver_base, verify.page_ids, verify.num_cached,
-                         rows)
+        load_draft_table(self.buf.ver_table, self.buf.ver_base, verify.page_ids,
+                         verify.num_cached, rows)
         self._ver_loaded = verify
 
     # ---- benchmarks ---------------------------------------------------------------------------

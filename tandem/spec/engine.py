@@ -352,10 +352,10 @@ class SpecEngine(HandoffSide, LLMEngine):
         # a accepted drafts + 1 bonus = a + 1 new tokens, 1 <= a + 1 <= num_steps + 1.
         graphs, fault = self._graphs_for(inp.num_drafts), self.cfg.sampling_fault
         if graphs is not None and all(p.greedy for p in inp.params) and graphs.can_extend(verify):
-            # Greedy on the device: the acceptance kernel and the draft-extend graph are queued
-            # back to back before the round's one host read, so the GPU extends while the host
-            # commits (the same tokens and draft inputs as the path below).
-            pending = launch_greedy_accept(verify, out.logits, inp.params)
+            # Greedy on the device: acceptance and the draft-extend graph queued before the
+            # round's one host read (the same tokens and draft inputs as the path below).
+            pending = (graphs.accept(verify, out.logits, inp.params)
+                       or launch_greedy_accept(verify, out.logits, inp.params))
             ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
                                 features)
             if ahead:  # the next round's drafting (and verify), before this round's host read

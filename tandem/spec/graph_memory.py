@@ -71,3 +71,47 @@ def check_fixed_buffers(plan: Any, captured: Any) -> None:
             raise RuntimeError("spec graph replay: the plan is not the captured wrapper's")
         if plan.epoch.value != plan.planned_at:
             raise RuntimeError("spec graph replay: a newer plan replaced this one")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class RoundBuffers:
+    """The static tensors one runner's graphs (spec/cuda_graphs.py) read and write; the runner
+    owns them and is the only writer. Rows of requests past the batch (bucket padding) hold
+    zeros / -1: the scratch page, position 0, nothing accepted."""
+
+    tokens: torch.Tensor  # [B_max, k+1] int64 draft tokens: root, then drafts
+    hidden: torch.Tensor  # [B_max, H] the seed's draft hidden
+    draft_table: torch.Tensor  # [B_max, P_max] int32 chain drafting's page table
+    draft_base: torch.Tensor  # [B_max] int64 and num_cached
+    ver_table: torch.Tensor  # [B_max, P_max] int32 the verify's own (device metadata)
+    ver_base: torch.Tensor  # [B_max] int64
+    verify_ids: torch.Tensor  # [B_max * N] int64 verify token ids
+    verify_positions: torch.Tensor  # [B_max * N] int64 (planned on the host)
+    acc_num: torch.Tensor  # [B_max] int32 draft-extend inputs: what acceptance left,
+    acc_path: torch.Tensor  # [B_max, max(R-1, 1)] int32 accepted nodes, -1 = none
+    acc_bonus: torch.Tensor  # [B_max] int64
+    ver_tokens: torch.Tensor  # [B_max, N] int64 the verify's tokens
+    ver_features: torch.Tensor  # [B_max * N, F] and its target features
+    ext_positions: torch.Tensor  # [B_max * R] int64 (planned on the host)
+
+    @staticmethod
+    def allocate(*, max_bs: int, num_drafts: int, num_nodes: int, extend_rows: int, head: Any,
+                 table_width: int, device: torch.device) -> RoundBuffers:
+        def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        cfg, dtype = head.cfg, head.fc.weight.dtype
+        feat = cfg.hidden_size if cfg.kind == "eagle" else cfg.feature_size
+        n = max_bs * num_nodes
+        return RoundBuffers(
+            tokens=zeros(max_bs, num_drafts + 1), hidden=zeros(max_bs, cfg.hidden_size,
+                                                               dtype=dtype),
+            draft_table=zeros(max_bs, table_width, dtype=torch.int32), draft_base=zeros(max_bs),
+            ver_table=zeros(max_bs, table_width, dtype=torch.int32), ver_base=zeros(max_bs),
+            verify_ids=zeros(n), verify_positions=zeros(n),
+            acc_num=zeros(max_bs, dtype=torch.int32),
+            acc_path=torch.full((max_bs, max(extend_rows - 1, 1)), -1, dtype=torch.int32,
+                                device=device),
+            acc_bonus=zeros(max_bs), ver_tokens=zeros(max_bs, num_nodes),
+            ver_features=zeros(n, feat, dtype=dtype), ext_positions=zeros(max_bs * extend_rows),
+        )

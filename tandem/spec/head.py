@@ -251,7 +251,7 @@ class EagleHead(nn.Module):
         a draft step on an H200 at 32k rows); ties go to the lowest id."""
         if k == 1:
             logits = self._local_logits(hidden)  # [n, V_local]
-            best, ids = logits.max(dim=-1, keepdim=True)  # [n, 1]
+            best, ids = (t[:, None] for t in kernels.row_max(logits))  # [n, 1] each
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [n, 1]
             if self.vocab_sharded:
                 best, ids, lse = self._combine(best, ids, lse)
@@ -262,7 +262,7 @@ class EagleHead(nn.Module):
     def top1(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n] int64: `topk(hidden, 1)`'s ids without its normalizer (chain steps never
         read the log-prob; the logsumexps were ~12 of a sharded step's launches)."""
-        best, ids = self._local_logits(hidden).max(dim=-1, keepdim=True)  # [n, 1] each
+        best, ids = (t[:, None] for t in kernels.row_max(self._local_logits(hidden)))  # [n, 1]
         if self.vocab_sharded:
             _, ids, _ = self._combine(best, ids, None)
         return self.to_target_ids(ids)[:, 0]

@@ -202,3 +202,19 @@ def test_paged_decode(dtype, heads, num_splits):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, tri.paged_decode(q, kv, table, lens, d ** -0.5, num_splits))
+
+
+@pytest.mark.parametrize("shape", [(1, 8192), (5, 49152), (64, 128256), (3, 100)])
+def test_row_max_equals_torch_max(tri, shape):
+    """Ties at the first column (within and across chunks), NaN the largest: torch.max's."""
+    g = torch.Generator(device=DEV).manual_seed(shape[1])
+    x = torch.randn(*shape, device=DEV, generator=g)
+    x[0, shape[1] // 2] = x[0, -1] = 99.0
+    if shape[0] > 1:
+        x[1, -1] = float("nan")
+        x[-1, :] = float("-inf")
+    for t in (x, x.to(torch.bfloat16)):
+        val, idx = tri.row_max(t)
+        ref_val, ref_idx = torch_ops.row_max(t)
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(val, ref_val, equal_nan=True)

@@ -142,14 +142,14 @@ def test_spec_drafting_replay_equals_eager_of_the_same_padded_batch(chain_engine
     ids, inp = _input(eng, bs, seed=10 + bs)
     rows = graphs.bucket(bs)
     got = graphs.propose(inp).tokens  # buffers now hold this round's padded inputs
-    tokens = graphs._tokens[:rows].clone()
-    table, base = graphs._draft_table[:rows].clone(), graphs._draft_base[:rows].clone()
-    hidden = chain_steps(eng.draft, tokens, graphs._hidden[:rows].clone(), table, base)
-    assert hidden.shape == graphs._hidden[:rows].shape
-    graphs._tokens[:rows, 2:].fill_(-1)  # the replay must write the drafts itself
+    tokens = graphs.buf.tokens[:rows].clone()
+    table, base = graphs.buf.draft_table[:rows].clone(), graphs.buf.draft_base[:rows].clone()
+    hidden = chain_steps(eng.draft, tokens, graphs.buf.hidden[:rows].clone(), table, base)
+    assert hidden.shape == graphs.buf.hidden[:rows].shape
+    graphs.buf.tokens[:rows, 2:].fill_(-1)  # the replay must write the drafts itself
     graphs.replay_phase_only("propose", rows)
     torch.cuda.synchronize()
-    assert torch.equal(graphs._tokens[:rows], tokens)
+    assert torch.equal(graphs.buf.tokens[:rows], tokens)
     assert torch.equal(got, tokens[:bs])
     _abort(eng, ids)
 

@@ -67,3 +67,14 @@ def test_spec_kernels_equal_twins_on_cuda(seed):
         for a, w in zip(triton_decode.decode_rows_plan(*pargs),
                         engine_twins.decode_rows_plan(*pargs)):
             assert torch.equal(a, w)
+    if seed % 2 == 0:  # chains: acceptance into the graphs' buffers (padding rows too)
+        outs = []
+        for mod in (triton_ops, torch_ops):
+            bufs = (torch.full((b + 2,), 7, dtype=torch.int32, device=DEV),
+                    torch.full((b + 2, max(n - 1, 1)), 9, dtype=torch.int32, device=DEV),
+                    torch.full((b + 2,), 11, dtype=torch.int64, device=DEV),
+                    torch.full((b + 2, n), 13, dtype=torch.int64, device=DEV))
+            outs.append((mod.accept_chain_into(tokens, target.reshape(-1), *bufs), *bufs))
+        for a, w in zip(*outs):
+            assert torch.equal(a, w)
+        assert torch.equal(outs[0][1][:b], num)

@@ -73,8 +73,8 @@ def test_device_metadata_verify_and_extend_equal_the_planned_ones(bs, kind, monk
     exts = []
     for graphs in (planned, device):
         if graphs is device:
-            device._ver_table.zero_()  # extend alone: it loads the verify's table itself
-            device._ver_base.zero_()
+            device.buf.ver_table.zero_()  # extend alone: it loads the verify's table itself
+            device.buf.ver_base.zero_()
             device._ver_loaded = None
         ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus, feats)
         exts.append((ext.hidden.clone(), ext.topk_ids.clone(), ext.topk_logp.clone(),

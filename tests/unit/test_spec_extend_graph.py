@@ -256,7 +256,7 @@ def test_graph_buffers_hold_the_largest_bucket_at_the_context_end(name, monkeypa
     graphs.capture(eager=True)
     n, r = graphs.num_nodes, graphs.extend_rows
     assert caps["verify"][2] == n and caps["extend"][2] == r
-    assert graphs._ver_features.shape[0] == 4 * n and graphs._ext_positions.numel() == 4 * r
+    assert graphs.buf.ver_features.shape[0] == 4 * n and graphs.buf.ext_positions.numel() == 4 * r
     # 4 requests at the last num_cached a round is allowed (engine: nc + num_steps < max_len).
     nc = eng.max_model_len - spec.num_steps - 1
     pages_each = -(-(nc + spec.slots_per_round) // PS)

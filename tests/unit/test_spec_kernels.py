@@ -68,6 +68,40 @@ def test_greedy_accept_equals_twin_and_walk(seed, chain):
         assert set(num) <= set(range(n))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_accept_chain_into_equals_twin_and_greedy_accept(seed):
+    """Chain acceptance into the graphs' buffers: the Triton kernel == the twin == the general
+    walk (`greedy_accept`) on the live rows; padding rows accept nothing; the host row packs
+    [num, bonus, path, path tokens]."""
+    rng = random.Random(500 + seed)
+    b, n = rng.randint(1, 6), rng.randint(1, 6)
+    rows, width = b + rng.randint(0, 3), max(n - 1, 1) + rng.randint(0, 2)
+    _, _, tokens, target = _random_trees(rng, b, n, True, vocab=rng.choice([2, 3]))
+    tok, tgt = torch.tensor(tokens), torch.tensor(target)
+    parents = torch.tensor([[-1] + list(range(n - 1))] * b, dtype=torch.int32)
+    want_num, want_path, want_bonus = torch_ops.greedy_accept(tok, tgt, parents, n - 1)
+    outs = []
+    for mod in (triton_ops, torch_ops):
+        bufs = (torch.full((rows,), 7, dtype=torch.int32),
+                torch.full((rows, width), 9, dtype=torch.int32),
+                torch.full((rows,), 11, dtype=torch.int64), torch.full((rows, n), 13))
+        host = mod.accept_chain_into(tok, tgt.reshape(-1), *bufs)
+        outs.append((host, *bufs))
+        num, path, bonus, ver = bufs
+        assert torch.equal(num[:b], want_num) and torch.equal(bonus[:b], want_bonus)
+        assert torch.equal(path[:b, : n - 1], want_path) and (path[:b, n - 1:] == -1).all()
+        assert (num[b:] == 0).all() and (path[b:] == -1).all() and (bonus[b:] == 0).all()
+        assert torch.equal(ver[:b], tok)
+        for r in range(b):
+            a = int(want_num[r])
+            row = host[r].tolist()
+            assert row[:2] == [a, int(want_bonus[r])]
+            assert row[2 : 2 + a] == list(range(1, a + 1))
+            assert row[n + 1 : n + 1 + a] == tokens[r][1 : a + 1]
+    for got, twin in zip(*outs):  # every buffer, padding rows and untouched tokens too
+        assert torch.equal(got, twin)
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_extend_inputs_equal_twin_and_the_round_logic(seed):
     rng = random.Random(100 + seed)

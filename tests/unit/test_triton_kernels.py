@@ -75,6 +75,27 @@ def test_store_kv_writes_the_slots_and_nothing_else(page_size):
     assert torch.equal(cache, ref)
 
 
+@pytest.mark.parametrize("n_cols", [7, 4096, 9000, 3 * 4096 + 5])
+def test_row_max_equals_torch_max_with_ties_nan_and_inf(n_cols):
+    """The chunked row max picks torch.max's entry: the largest value, its FIRST column on a
+    tie (within a chunk and across chunks), a NaN over everything, -inf rows at column 0."""
+    g = torch.Generator().manual_seed(n_cols)
+    x = torch.randn(6, n_cols, generator=g)
+    x[1, :] = 3.0  # all tied: column 0
+    x[2, n_cols // 2] = x[2, -1] = 50.0  # a tie across chunks where there are several
+    x[3, :] = float("-inf")
+    x[4, n_cols - 1] = float("nan")
+    x[4, 0] = float("inf")
+    x[5, n_cols // 3] = float("nan")
+    x[5, n_cols - 1] = float("nan")
+    for t in (x, x.to(torch.bfloat16)):
+        val, idx = triton_ops.row_max(t)
+        ref_val, ref_idx = torch_ops.row_max(t)
+        assert torch.equal(idx, ref_idx), (idx, ref_idx)
+        torch.testing.assert_close(val, ref_val, equal_nan=True)
+        assert val.dtype == t.dtype and idx.dtype == torch.int64
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     g = torch.Generator().manual_seed(3)

@@ -16,6 +16,7 @@ from tandem.engine.kernels.ops import (
     rms_norm,
     rotary,
     rotary_store,
+    row_max,
     silu_and_mul,
     store_kv,
 )
@@ -24,5 +25,5 @@ __all__ = [
     "KernelPolicy", "add_rms_norm", "current_policy", "decode_fusion_ok", "decode_rows_plan",
     "fused_linear", "gemv_applies",
     "kernel_policy", "linear", "moe_experts", "moe_weighted_sum", "paged_decode", "rms_norm",
-    "rotary", "rotary_store", "silu_and_mul", "store_kv",
+    "rotary", "rotary_store", "row_max", "silu_and_mul", "store_kv",
 ]

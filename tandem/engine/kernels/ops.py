@@ -307,3 +307,12 @@ def moe_weighted_sum(
     the expert loop added them in: deterministic, and the same sums whichever path made y)."""
     impl = _moe_for(y)
     return impl.moe_weighted_sum(y.contiguous(), weights.contiguous(), experts.argsort(dim=-1))
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, V] -> (values [M], first indices [M] int64) = x.max(dim=-1): the Triton kernel
+    (chunks of each row side by side) on CUDA, torch elsewhere."""
+    tri = _triton_for(x)
+    if tri is not None and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] > 0:
+        return tri.row_max(x)
+    return torch_ops.row_max(x)

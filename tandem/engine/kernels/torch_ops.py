@@ -135,3 +135,10 @@ def decode_rows_plan(
     rows = table if rows_per_seq == 1 else table.repeat_interleave(rows_per_seq, dim=0)
     page = rows.gather(1, (positions // page_size).unsqueeze(1)).squeeze(1).long()  # [B * R]
     return positions, positions + 1, page * page_size + positions % page_size, rows
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, V] -> (values [M] x.dtype, indices [M] int64): each row's largest entry and its
+    first column (torch.max's order: NaN is the largest)."""
+    values, indices = x.max(dim=-1)
+    return values, indices

@@ -239,3 +239,72 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> new [T, I
         gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
     )
     return out
+
+
+# ---- the largest entry of each row (greedy tokens, draft top-1) -------------------------------
+
+@triton.jit
+def _row_max_kernel(x_ptr, val_ptr, idx_ptr, n_cols, stride_x, num_chunks,
+                    BLOCK: tl.constexpr):
+    """Program (row, c): the max of row `row` over columns [c * BLOCK, (c + 1) * BLOCK) and its
+    first column, into slot row * num_chunks + c. NaN counts as the largest value (torch.max's
+    order): a chunk holding one reports its first NaN."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    first_nan = tl.min(tl.where((x != x) & inside, cols, n_cols), axis=0)
+    best = tl.max(x, axis=0)
+    first_best = tl.min(tl.where((x == best) & inside, cols, n_cols), axis=0)
+    has_nan = first_nan < n_cols
+    slot = row * num_chunks + c
+    tl.store(val_ptr + slot, tl.where(has_nan, float("nan"), best))
+    tl.store(idx_ptr + slot, tl.where(has_nan, first_nan, first_best).to(tl.int64))
+
+
+@triton.jit
+def _row_max_merge_kernel(pval_ptr, pidx_ptr, val_ptr, idx_ptr, num_chunks,
+                          BLOCK_C: tl.constexpr):
+    """Program row: the chunks' maxima -> the row's (ties and NaN: the lowest chunk wins, and
+    within a chunk its kernel kept the lowest column)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    inside = c < num_chunks
+    v = tl.load(pval_ptr + row * num_chunks + c, mask=inside, other=float("-inf"))
+    i = tl.load(pidx_ptr + row * num_chunks + c, mask=inside, other=0)
+    first_nan = tl.min(tl.where((v != v) & inside, c, BLOCK_C), axis=0)
+    best = tl.max(v, axis=0)
+    first_best = tl.min(tl.where((v == best) & inside, c, BLOCK_C), axis=0)
+    pick = tl.where(first_nan < BLOCK_C, first_nan, first_best)
+    tl.store(val_ptr + row, tl.load(pval_ptr + row * num_chunks + pick))
+    tl.store(idx_ptr + row, tl.load(pidx_ptr + row * num_chunks + pick))
+
+
+ROW_MAX_BLOCK = 4096  # columns a program reduces (one pass at the draft head's 8k: two chunks)
+
+
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See `torch_ops.row_max`. Rows of many columns split over programs: torch's reduction
+    gives a few-row, 49k-column max to a few blocks (12.8 us for 5 rows on an H200, in every
+    speculative round); here each row's chunks run side by side and a second launch merges
+    them."""
+    rows, n_cols = x.shape
+    assert x.stride(-1) == 1 and n_cols > 0
+    val = torch.empty(rows, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return val.to(x.dtype), idx
+    chunks = triton.cdiv(n_cols, ROW_MAX_BLOCK)
+    block = min(ROW_MAX_BLOCK, triton.next_power_of_2(n_cols))
+    if chunks == 1:
+        _row_max_kernel[(rows, 1)](x, val, idx, n_cols, x.stride(0), 1, BLOCK=block,
+                                   num_warps=8)
+    else:
+        pval = torch.empty(rows * chunks, dtype=torch.float32, device=x.device)
+        pidx = torch.empty(rows * chunks, dtype=torch.int64, device=x.device)
+        _row_max_kernel[(rows, chunks)](x, pval, pidx, n_cols, x.stride(0), chunks,
+                                        BLOCK=block, num_warps=8)
+        _row_max_merge_kernel[(rows,)](pval, pidx, val, idx, chunks,
+                                       BLOCK_C=triton.next_power_of_2(chunks), num_warps=1)
+    return (val if x.dtype == torch.float32 else val.to(x.dtype)), idx

@@ -41,6 +41,14 @@ def greedy_accept(tokens: torch.Tensor, target_ids: torch.Tensor, parents: torch
                                                             max_depth)
 
 
+def accept_chain_into(tokens: torch.Tensor, target_ids: torch.Tensor, num: torch.Tensor,
+                      path: torch.Tensor, bonus: torch.Tensor, ver_tokens: torch.Tensor
+                      ) -> torch.Tensor:
+    """Greedy acceptance of chains into the graphs' buffers -> host rows; see torch_ops."""
+    return (_triton_for(tokens) or torch_ops).accept_chain_into(
+        tokens, target_ids, num, path, bonus, ver_tokens)
+
+
 def extend_inputs(
     tokens: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor,
     num_cached: torch.Tensor, page_table: torch.Tensor, page_size: int,

@@ -36,6 +36,34 @@ def greedy_accept(
     return num, path[:, :max_depth], target_ids[rows, node]
 
 
+def accept_chain_into(
+    tokens: torch.Tensor,  # [b, N] int64 each request's chain (node j's parent is j - 1)
+    target_ids: torch.Tensor,  # [b * N] int64 the target's argmax at every node
+    num: torch.Tensor,  # [R] int32 out, R >= b (rows past b: padding requests)
+    path: torch.Tensor,  # [R, P] int32 out, P >= N - 1
+    bonus: torch.Tensor,  # [R] int64 out
+    ver_tokens: torch.Tensor,  # [R, N] int64 out (rows < b)
+) -> torch.Tensor:  # [b, 2 + 2D] int64, D = N - 1
+    """`greedy_accept` of a chain, written where the speculative graphs read it: num accepted,
+    path (nodes 1..a, then -1), bonus, and the tokens; rows past b (padding) accept nothing
+    (bonus 0, tokens left as they are). Returns each request's host row [a, bonus, path[:D],
+    tokens[1 : D + 1]] (the path and its tokens past a are filler)."""
+    b, n = tokens.shape
+    d = n - 1
+    target = target_ids.view(b, n)
+    match = tokens[:, 1:] == target[:, :-1]  # [b, D] draft j + 1 is the target's choice at j
+    a = torch.cumprod(match.long(), dim=1).sum(dim=1)  # [b] the leading run of matches
+    j = torch.arange(path.shape[1], device=tokens.device)
+    num.zero_()
+    path.fill_(-1)
+    bonus.zero_()
+    num[:b] = a.to(torch.int32)
+    path[:b] = torch.where(j[None, :] < a[:, None], j[None, :] + 1, -1).to(torch.int32)
+    bonus[:b] = target.gather(1, a[:, None])[:, 0]
+    ver_tokens[:b] = tokens
+    return torch.cat([a[:, None], bonus[:b, None], path[:b, :d].long(), tokens[:, 1:]], dim=1)
+
+
 def extend_inputs(
     tokens: torch.Tensor,  # [B, N] int64 the verified trees
     path: torch.Tensor,  # [B, D] int32 accepted nodes, -1 padded

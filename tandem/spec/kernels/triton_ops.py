@@ -57,6 +57,54 @@ def greedy_accept(tokens: torch.Tensor, target_ids: torch.Tensor, parents: torch
     return num, path[:, :max_depth], bonus
 
 
+@triton.jit
+def _accept_chain_kernel(
+    tok_ptr, tgt_ptr, num_ptr, path_ptr, bonus_ptr, vtok_ptr, rows_ptr, batch, n_nodes,
+    path_stride, DEPTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Program r < batch: request r's chain (node j's parent j - 1) -- accepted drafts = the
+    first j where node j+1's token differs from the target's argmax at node j (or n - 1), the
+    bonus the argmax at the last accepted node; writes the extend graph's inputs (num, path
+    padded with -1, bonus, tokens) and the host row [num, bonus, path[:D], tokens[1:D+1]].
+    Program r >= batch: a padding request accepting nothing."""
+    r = tl.program_id(0).to(tl.int64)
+    live = r < batch
+    j = tl.arange(0, BLOCK_N)
+    toks = tl.load(tok_ptr + r * n_nodes + j, mask=live & (j < n_nodes), other=0)
+    nxt = tl.load(tok_ptr + r * n_nodes + j + 1, mask=live & (j + 1 < n_nodes), other=0)
+    tgt = tl.load(tgt_ptr + r * n_nodes + j, mask=live & (j + 1 < n_nodes), other=0)
+    miss = (nxt != tgt) | (j + 1 >= n_nodes)
+    num = tl.min(tl.where(miss, j, BLOCK_N), axis=0).to(tl.int32)
+    num = tl.where(live, num, 0)
+    bonus = tl.load(tgt_ptr + r * n_nodes + num, mask=live, other=0)
+    p = tl.arange(0, BLOCK_P)
+    path = tl.where(p < num, p + 1, -1).to(tl.int32)
+    tl.store(path_ptr + r * path_stride + p, path, mask=p < path_stride)
+    tl.store(num_ptr + r, num)
+    tl.store(bonus_ptr + r, bonus)
+    tl.store(vtok_ptr + r * n_nodes + j, toks, mask=live & (j < n_nodes))
+    row = rows_ptr + r * (2 + 2 * DEPTH)
+    tl.store(row, num.to(tl.int64), mask=live)
+    tl.store(row + 1, bonus, mask=live)
+    tl.store(row + 2 + p, path.to(tl.int64), mask=live & (p < DEPTH))
+    tl.store(row + 2 + DEPTH + j - 1, toks, mask=live & (j >= 1) & (j <= DEPTH))
+
+
+def accept_chain_into(tokens: torch.Tensor, target_ids: torch.Tensor, num: torch.Tensor,
+                      path: torch.Tensor, bonus: torch.Tensor, ver_tokens: torch.Tensor
+                      ) -> torch.Tensor:
+    """See `torch_ops.accept_chain_into`."""
+    b, n = tokens.shape
+    depth = n - 1
+    rows = torch.empty(b, 2 + 2 * depth, dtype=torch.int64, device=tokens.device)
+    _accept_chain_kernel[(num.shape[0],)](
+        tokens, target_ids, num, path, bonus, ver_tokens, rows, b, n, path.stride(0),
+        DEPTH=depth, BLOCK_N=triton.next_power_of_2(n),
+        BLOCK_P=triton.next_power_of_2(path.shape[1]), num_warps=1,
+    )
+    return rows
+
+
 # ---- draft-extend inputs -----------------------------------------------------------------------
 
 @triton.jit
