@@ -27,7 +27,7 @@ The next round's slots must be in the page lists the drafting reads, so the Spec
 reserves them one round early where pages are free (`SpecScheduler.spare_slots`).
 `TANDEM_DRAFT_AHEAD=0` turns it off.
 
-**Verifying ahead** (batches of at most `TANDEM_VERIFY_AHEAD` requests, default 1; 0: never):
+**Verifying ahead** (batches of at most `TANDEM_VERIFY_AHEAD` requests, default 4; 0: never):
 the next round's verify is queued too, right behind its drafting (`verify_ahead`: its tokens,
 page table and num_cached are the drafting's, on the device). The host then commits this
 round while the GPU verifies the next, and the next step launches acceptance and draft-extend
@@ -63,7 +63,8 @@ def enabled_by_env() -> bool:
 
 def verify_batch_by_env() -> int:
     """The largest batch whose next verify is queued ahead too (0: none)."""
-    return max(0, int(os.environ.get("TANDEM_VERIFY_AHEAD", "1")))
+    # 4: SmolLM2 on an H200 at 4 requests, rounds 1.55 -> 1.45 ms served with it (1 before).
+    return max(0, int(os.environ.get("TANDEM_VERIFY_AHEAD", "4")))
 
 
 def may_end(reqs: Sequence[Request], num_drafts: int) -> bool:
