@@ -160,6 +160,8 @@ class DraftAhead:
         drafted, q = t
         if drafted is verify and q.runner.memory.verifies.n == q.verifies:
             self.verify_used += 1
+            if verify.page_ids == q.page_ids:  # no page since: extend reloads no table
+                q.runner.adopt_verify_table(verify)
             return q.verified
         self._drop(q)
         return None

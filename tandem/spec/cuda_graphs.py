@@ -304,7 +304,7 @@ class SpecGraphRunner:
         else:
             load_draft_table(self.buf.draft_table, self.buf.draft_base, verify.page_ids,
                              verify.num_cached, rows)
-        self.buf.draft_base[:bs] += num_accepted.long() + 1  # [bs] the next round's num_cached
+        self.buf.draft_base[:bs].add_(num_accepted).add_(1)  # [bs] the next round's num_cached
         self.buf.tokens[:bs, 0].copy_(ext.last_tokens)
         self.buf.tokens[:bs, 1].copy_(ext.topk_ids[:, 0])
         self.buf.hidden[:bs].copy_(ext.hidden)
@@ -327,8 +327,7 @@ class SpecGraphRunner:
         else:
             if isinstance(verify, DraftedTree):
                 layout = device_tree_layout(verify.page_ids, verify.num_cached, verify.parents,
-                                            verify.depths, self.page_size, self.device,
-                                            rows=rows)
+                                            verify.depths, self.page_size, self.device, rows=rows)
             else:
                 layout = verify_layout(verify, self.page_size, self.device, masked=self.masked,
                                        rows=rows)
@@ -349,6 +348,10 @@ class SpecGraphRunner:
         self._ver_loaded = None  # the table is the device's guess, not a VerifyInput's
         self.buf.verify_ids[: bs * self.num_nodes].copy_(self.buf.tokens[:bs].reshape(-1))
         return self._replay_verify(bs, rows, None)
+
+    def adopt_verify_table(self, verify: VerifyInput) -> None:
+        """`verify_ahead` ran `verify`, on the pages the drafting read: its table is loaded."""
+        self._ver_loaded = verify
 
     def _replay_verify(self, bs: int, rows: int, plan: Any) -> ForwardOutput:
         n = self.num_nodes

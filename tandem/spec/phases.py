@@ -37,6 +37,9 @@ class DraftSeed:
     topk_ids: torch.Tensor  # [topk] int64 target ids proposed for the next position
     topk_logp: torch.Tensor  # [topk] float32 their draft log-probabilities
     hidden: torch.Tensor  # [H] draft hidden that proposed them (input of the next draft step)
+    # (batch, row) when this seed is row `row` of `batch` (`DraftInput.seeds`): a round over
+    # exactly that batch's seeds, in order, takes its tensors instead of stacking the rows
+    row_of: tuple[DraftInput, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -60,6 +63,14 @@ class DraftInput:
     @staticmethod
     def from_seeds(seeds: Sequence[DraftSeed], page_ids: Sequence[Sequence[int]]) -> DraftInput:
         last = tuple(s.last_token for s in seeds)
+        src = seeds[0].row_of[0] if seeds and seeds[0].row_of is not None else None
+        if src is not None and src.batch_size == len(seeds) and all(
+                s.row_of is not None and s.row_of[0] is src and s.row_of[1] == i
+                for i, s in enumerate(seeds)):  # the last round's batch again: no stacking
+            return DraftInput(
+                page_ids=tuple(tuple(p) for p in page_ids), num_cached=src.num_cached,
+                last_tokens=src.last_tokens, topk_ids=src.topk_ids, topk_logp=src.topk_logp,
+                hidden=src.hidden, last_token_ids=last)
         return DraftInput(
             page_ids=tuple(tuple(p) for p in page_ids),
             num_cached=tuple(s.num_cached for s in seeds),
@@ -76,7 +87,8 @@ class DraftInput:
             last = self.last_tokens.tolist()  # SYNC: only when no builder knew them
         return [DraftSeed(num_cached=self.num_cached[i], last_token=last[i],
                           topk_ids=self.topk_ids[i], topk_logp=self.topk_logp[i],
-                          hidden=self.hidden[i]) for i in range(self.batch_size)]
+                          hidden=self.hidden[i], row_of=(self, i))
+                for i in range(self.batch_size)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
