@@ -387,8 +387,10 @@ class Recorder:
             return wrapper
 
         monkeypatch.setattr(eng, "_prefill_step", phased(eng._prefill_step, "prefill"))
-        monkeypatch.setattr(spec_engine, "draft_prefill",
-                            phased(spec_engine.draft_prefill, "draft_prefill"))
+        import tandem.spec.prompt_side as prompt_side
+
+        monkeypatch.setattr(prompt_side, "draft_prefill",
+                            phased(prompt_side.draft_prefill, "draft_prefill"))
         monkeypatch.setattr(eng, "_verify_forward", phased(eng._verify_forward, "verify"))
         monkeypatch.setattr(spec_engine, "draft_extend",
                             phased(spec_engine.draft_extend, "extend"))

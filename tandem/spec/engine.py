@@ -4,7 +4,8 @@ process). It is the reference the disaggregated workers must equal.
 A step runs (1) one chunked-prefill forward for requests without a draft seed -- target, then
 the draft over the same chunk, and a seed for each request whose prompt completed (requests
 made plain decode there without draft work: `SpecScheduler.plain_regime`, whose steps are the
-plain engine's own) -- and (2) one speculative round (`_spec_round`) for each seeded one:
+plain engine's own; spec/prompt_side.py: the prompts' tokens are read and committed after
+(2)) -- and (2) one speculative round (`_spec_round`) for each seeded one:
 
     draft -> verify (one target forward) -> accept -> compact -> draft-extend
 
@@ -16,7 +17,6 @@ decoding, so an EOS or stop string inside an accepted run ends the request right
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,9 +29,9 @@ from tandem.engine.llm import LLMEngine
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
 from tandem.engine.request import Request, RequestOutput
-from tandem.engine.sampling import read_sampled, row_error
+from tandem.engine.sampling import row_error
 from tandem.engine.runner import ForwardBatch, ForwardOutput
-from tandem.engine.scheduler import ScheduledChunk, StepPlan
+from tandem.engine.scheduler import ScheduledChunk
 from tandem.messages import FinishReason, TokenLogprob
 from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
 from tandem.spec.ahead import DraftAhead, enabled_by_env, verify_batch_by_env
@@ -46,12 +46,12 @@ from tandem.spec.draft_runner import DraftRunner, draft_kv_group
 from tandem.spec.extend import (
     compact_accepted_path,
     draft_extend,
-    draft_prefill,
     make_extend_input,
     next_draft_input,
 )
 from tandem.spec.handoff import PrefillHandoff
 from tandem.spec.handoff_side import HandoffSide
+from tandem.spec.prompt_side import PromptSide
 from tandem.spec.head import EagleHead
 from tandem.spec.phases import DraftInput, DraftSeed, RoundInput, VerifyInput, VerifyResult
 from tandem.spec.propose import propose
@@ -73,7 +73,7 @@ def target_features(out: ForwardOutput, head: EagleHead) -> torch.Tensor:
     return head.target_features(out.hidden, out.aux_hidden)
 
 
-class SpecEngine(HandoffSide, LLMEngine):
+class SpecEngine(HandoffSide, PromptSide, LLMEngine):
     # The draft KV at position p is computed from (f_p, x_{p+1}) and shares the target's page
     # ids: a cached page must also match the token after it (engine/prefix_cache.py).
     PREFIX_LOOKAHEAD = 1
@@ -217,12 +217,14 @@ class SpecEngine(HandoffSide, LLMEngine):
         shape = shape if self._inflight is None else None  # (reads a plain step: unpriced)
         outputs = self.leave_overlap()
         plan = self.scheduler.schedule(exclude=frozenset(spec_sched.seeds))
+        finish = None  # the prompts' read and commit: after the round (spec/prompt_side.py)
         if plan.chunks and all(spec_sched.is_plain(c.req_id) and len(c.token_ids) == 1
                                for c in plan.chunks):  # decode rows of plain requests only
             outputs += self._run_plan(plan)  # their decode graph; no draft work
         elif self.dp_join(bool(plan.chunks)):  # DP attention: idle ranks join (engine/llm.py)
-            outputs += self._prefill_step(plan)
-        # Pages for the round (may preempt); a prompt completed in this step decodes next step.
+            finish = self._prefill_step(plan)
+        # Pages for the round (may preempt, never this step's prompts); a prompt completed in
+        # this step decodes from the next.
         reqs = spec_sched.reserve(exclude=frozenset(c.req_id for c in plan.chunks))
         rounds = []
         if self.dp_join(bool(reqs)):  # DP: a rank without a round runs an empty verify
@@ -233,6 +235,8 @@ class SpecEngine(HandoffSide, LLMEngine):
             for rows, inp in rounds:  # a step's only round may draft the next one ahead
                 result, nxt = self._spec_round(inp, ahead=rows if len(rounds) == 1 else ())
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
+        if finish is not None:
+            outputs += finish()
         if shape is not None and len(rounds) <= 1:  # (a split step: unpriced)
             prompts = sum(c.samples and not spec_sched.is_plain(c.req_id) for c in plan.chunks)
             if prompts if shape[1] else not plan.chunks:
@@ -245,87 +249,6 @@ class SpecEngine(HandoffSide, LLMEngine):
         requests without seeds; `leave_overlap` before the next speculative step."""
         self.overlap = self.overlap_ok
         return super().step()
-
-    def _prefill_step(self, plan: StepPlan) -> list[RequestOutput]:
-        completing = tuple(c for c in plan.chunks if c.samples and c.req_id in self.handoff_only)
-        hook = self.prefill_layer_hook
-        after_layer = hook(completing) if hook and completing else None
-        # The target forward replays a graph where one takes the prompt rows (no per-layer
-        # hook: a Python callback cannot run inside a graph), else runs eagerly. So does the
-        # draft's, where its graphs are on and no prompt is handed off here (a prefill
-        # worker's hook wants the target KV before the draft runs).
-        num_tokens = sum(len(c.token_ids) for c in plan.chunks)
-        rows = (self._graph_batch_size(plan)
-                if after_layer is None and self.model.par.dp.size == 1 else None)
-        batch = self._build_batch(plan, rows or num_tokens)
-        draft_graph = rows is not None and self.draft_prefill is not None and not completing
-        if rows is not None and self.graphs is not None:  # every row's hidden, padding last
-            out = self.graphs.run_forward(batch, copy=not draft_graph)
-        else:
-            out = self.runner.forward(ForwardBatch(
-                input_ids=batch.input_ids, positions=batch.positions, attn=batch.attn,
-                logits_indices=batch.logits_indices, capture_layers=self.capture,
-                after_layer=after_layer))
-        sampling = [c for c in plan.chunks if c.samples]
-        reqs = [self.scheduler.requests[c.req_id] for c in sampling]
-        drawn = self.sampler.sample(out.logits, [r.params for r in reqs],
-                                    [r.generator for r in reqs], [r.req_id for r in reqs])
-        self.scheduler.commit(plan)
-        # Draft prefill over the same chunks: pairs (f_t, x_{t+1}). A row whose sampling
-        # failed keeps its placeholder token through it (it writes only that request's own
-        # pages) and fails after it.
-        next_tokens = [list(self.scheduler.requests[c.req_id].all_ids[
-            c.num_cached + 1 : c.num_cached + len(c.token_ids) + 1]) for c in plan.chunks]
-        if draft_graph:  # queued before the host read: the sampled tokens stay on the device
-            ids = [t for c, nxt in zip(plan.chunks, next_tokens)  # 0: the sampled one, below
-                   for t in (nxt + [0] if c.samples else nxt)]
-            hidden = self.draft_prefill.run(rows, out, ids + [0] * (rows - len(ids)),
-                                            batch.logits_indices, drawn.tokens)
-        tokens, logprobs = read_sampled(drawn)  # SYNC: one (tokens and asked-for logprobs)
-        sampled = dict(zip((c.req_id for c in sampling), tokens))
-        first_logprobs = dict(zip((c.req_id for c in sampling), logprobs))
-        errors = dict(zip((c.req_id for c in sampling), drawn.errors))
-        if self.prefill_synced_hook is not None and completing:
-            self.prefill_synced_hook(completing)
-        if not draft_graph:
-            for c, nxt in zip(plan.chunks, next_tokens):
-                nxt += [sampled[c.req_id]] if c.samples else []
-            hidden = draft_prefill(self.draft, [c.page_ids for c in plan.chunks],
-                                   [c.num_cached for c in plan.chunks], next_tokens,
-                                   target_features(out, self.head)[:num_tokens])
-        if not sampling:  # prompt chunks that complete no prompt: no seeds yet
-            return []
-        ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
-        last = hidden[[end - 1 for c, end in zip(plan.chunks, ends) if c.samples]]  # [n, H]
-        ids, logp = self.head.topk(last, self.spec.topk)  # one launch set for every prompt
-        return [self._first_token_row(self.scheduler.requests[c.req_id], sampled[c.req_id],
-                                      errors[c.req_id], last[i : i + 1], ids[i], logp[i],
-                                      first_logprobs[c.req_id])
-                for i, c in enumerate(sampling)]
-
-    def _first_token_row(self, req: Request, token: int, error: str,
-                         hidden: torch.Tensor,  # [1, H] draft hidden of the prompt's last token
-                         topk_ids: torch.Tensor,  # [topk] the draft's first guesses from it
-                         topk_logp: torch.Tensor,  # [topk]
-                         logprob: TokenLogprob | None = None,  # None: the request did not ask
-                         ) -> RequestOutput:
-        """A prompt completed in this step: its first token through the stop checks, then its
-        draft seed (decoding here) or its hand-off (prefill-only). Isolated per request, as
-        `LLMEngine._append_row`: a failure here fails this request alone."""
-        if error:
-            return self._fail_request(req, error)
-        try:
-            result = self._append(req, token, logprob)
-        except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
-            log.warning("request '%s' failed after sampling", req.req_id, exc_info=exc)
-            return self._fail_request(req, row_error("detokenizer/stop checks", exc))
-        seed = DraftSeed(num_cached=req.num_computed, last_token=token,
-                         topk_ids=topk_ids, topk_logp=topk_logp, hidden=hidden[0])
-        if req.req_id in self.handoff_only:
-            self._hand_off(req, seed, result)
-        elif not result.finished and not self.spec_scheduler.is_plain(req.req_id):
-            self.spec_scheduler.set_seed(req.req_id, seed)
-        return result
 
     def _spec_round(self, inp: RoundInput, ahead: Sequence[Request] = ()
                     ) -> tuple[VerifyResult, DraftInput]:

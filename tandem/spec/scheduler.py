@@ -190,11 +190,13 @@ class SpecScheduler:
         ones except `exclude` (their prompt completed in this step: they decode from the next),
         each now holding pages for every KV slot the round may write. Under page pressure the
         latest requests are preempted (and are prefilled again later; their seeds go), never
-        one already served this round -- down to the request asking, if need be."""
+        one already served this round nor one of `exclude` (its first token, sampled, is
+        committed after the round: spec/prompt_side.py) -- down to the request asking, if
+        need be."""
         candidates = [r for r in self.scheduler.running
                       if r.req_id in self._seeds and r.req_id not in exclude]
         served: list[Request] = []
-        protected: set[str] = set()
+        protected: set[str] = set(exclude)  # (their tokens are not committed yet)
         for req in candidates:
             if req not in self.scheduler.running:
                 continue  # preempted to make room for an earlier request of this round

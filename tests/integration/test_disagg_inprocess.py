@@ -215,13 +215,13 @@ def test_route_posted_during_the_forward_starts_the_transfer_before_the_draft_pr
     after the forward's sampling sync, so BEGIN and the target KV writes are queued before the
     draft prefill, not after the step. Output equal to colocated, every page back; a destination
     that does not fit fails its room (pages back) instead of raising in the caller."""
-    import tandem.spec.engine as spec_engine
+    import tandem.spec.prompt_side as prompt_side
 
     prefill, decode, prompt, sp, want = stepped_pair(dirs)
     log: list[str] = []
     routes: dict[int, bytes] = {}
     forward, start = prefill.engine.runner.forward, prefill.sender.start
-    draft_prefill = spec_engine.draft_prefill
+    draft_prefill = prompt_side.draft_prefill
 
     def forward_then_route(*a, **k):  # the destinations arrive during the forward
         log.append("forward")
@@ -233,7 +233,7 @@ def test_route_posted_during_the_forward_starts_the_transfer_before_the_draft_pr
 
     prefill.engine.runner.forward = forward_then_route
     prefill.sender.start = lambda *a, **k: (log.append("start"), start(*a, **k))[1]
-    monkeypatch.setattr(spec_engine, "draft_prefill",
+    monkeypatch.setattr(prompt_side, "draft_prefill",
                         lambda *a, **k: (log.append("draft"), draft_prefill(*a, **k))[1])
     try:
         connect_stepped(prefill, decode)

@@ -241,10 +241,15 @@ def _record_drafts(eng: SpecEngine) -> tuple[dict[str, list[list[int]]], dict]:
     propose, prefill_step = eng._propose, eng._prefill_step
 
     def prefilling(plan):
-        outs = prefill_step(plan)
-        for rid, seed in eng.seeds.items():
-            seeds.setdefault(rid, seed.hidden.clone())
-        return outs
+        finish = prefill_step(plan)
+
+        def finishing():  # the seeds are set when the step commits the prompts' tokens
+            outs = finish()
+            for rid, seed in eng.seeds.items():
+                seeds.setdefault(rid, seed.hidden.clone())
+            return outs
+
+        return finishing
 
     def recording(req_ids, inp, num_drafts):
         verify = propose(req_ids, inp, num_drafts)

@@ -36,6 +36,7 @@ from spec_helpers import (
 )
 
 import tandem.spec.engine as spec_engine
+import tandem.spec.prompt_side as prompt_side
 from tandem.spec import (
     DRAFT_GROUP,
     DraftExtendInput,
@@ -378,8 +379,10 @@ def test_phase_functions_never_modify_their_inputs(spec, monkeypatch):
         return wrapper
 
     for name in ("propose", "accept", "make_extend_input", "draft_extend",
-                 "compact_accepted_path", "draft_prefill"):
+                 "compact_accepted_path"):
         monkeypatch.setattr(spec_engine, name, guard(name, getattr(spec_engine, name)))
+    monkeypatch.setattr(prompt_side, "draft_prefill",
+                        guard("draft_prefill", prompt_side.draft_prefill))
     model = _model()
     eng = SpecEngine(engine_cfg(), spec, model, tiny_head(model, "eagle3", live=None))
     orig_round = eng._spec_round
@@ -482,3 +485,46 @@ def test_handed_off_request_continues_at_prompt_len(spec, monkeypatch):
         assert verify.positions[verify.qo_indptr[i]] == prompt_len
         for m, f in enumerate(rec.of("draft_step", 0), start=1):
             assert {f.positions[q] for q in _rows(f, i)} == {prompt_len + m - 1}
+
+
+# ---- a prompt step: its tokens committed after the others' round ------------------------------
+
+def test_a_prompt_step_commits_its_first_token_after_the_others_round(monkeypatch):
+    """spec/prompt_side.py: a step with a completing prompt and decoding requests queues the
+    prompt's work, runs the others' round, and only then reads and commits the prompt's first
+    token (one host read a step); outputs stay plain greedy's and every page comes back."""
+    model = _model()
+    eng = SpecEngine(engine_cfg(), CHAIN, model, tiny_head(model, "eagle", live=None))
+    events: list[tuple[str, str]] = []
+    verify, append = eng._verify_forward, eng._append
+
+    def verifying(v):
+        events.append(("verify", ""))
+        return verify(v)
+
+    def appending(req, tok, *a, **kw):
+        if not req.output_ids:  # a first token
+            events.append(("first", req.req_id))
+        return append(req, tok, *a, **kw)
+
+    monkeypatch.setattr(eng, "_verify_forward", verifying)
+    monkeypatch.setattr(eng, "_append", appending)
+    ps, refs = _refs(2)
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in eng.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+
+    with torch.inference_mode():
+        first = eng.add_request(list(ps[0]), greedy(N_NEW))
+        while not eng.seeds:  # the first request decodes in rounds
+            step()
+        second = eng.add_request(list(ps[1]), greedy(N_NEW))
+        events.clear()
+        step()  # the second's prompt (one chunk) and the first's round
+        assert events == [("verify", ""), ("first", second)], events
+        while eng.has_unfinished():
+            step()
+    assert [tuple(got[first]), tuple(got[second])] == [refs[0][:N_NEW], refs[1][:N_NEW]]
+    assert_pages_free(eng)

@@ -81,6 +81,19 @@ def test_reserve_skips_excluded_and_seedless_requests():
     _assert_pages_conserved(alloc, sched)
 
 
+def test_reserve_never_preempts_an_excluded_request():
+    # r2's prompt completed in this step: its first token is sampled, committed after the
+    # round (spec/prompt_side.py), so it must keep its pages. 7 usable pages: r0 takes the
+    # free one; for r1 the latest request is r2 -- excluded, so r1 gives its own back.
+    alloc, sched, spec_sched, (r0, r1, r2) = _setup(num_pages=8, num_reqs=3)
+    spec_sched.drop_seed("r2")  # (a prompt completing in this step has no seed yet)
+    r2_pages = list(r2.page_ids)
+    assert spec_sched.reserve(exclude=frozenset({"r2"})) == [r0]
+    assert r1 in sched.waiting and not r1.page_ids
+    assert r2 in sched.running and r2.page_ids == r2_pages
+    _assert_pages_conserved(alloc, sched)
+
+
 def test_drop_unrunnable_near_the_context_end_and_after_preemption():
     # A round writes rope positions up to num_cached + num_steps, which must stay < 20.
     _, sched, spec_sched, (r0, r1, r2) = _setup(num_pages=8, num_reqs=3, max_model_len=20)

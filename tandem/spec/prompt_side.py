@@ -1,0 +1,130 @@
+"""The speculative engine's prompt steps (a mixin of `SpecEngine`): the target forward over
+this step's prompt chunks, the draft over the same chunks, and for each prompt that completes
+its first token and draft seed.
+
+A prompt step is two halves. `_prefill_step` queues the device work -- target forward,
+sampling, the draft prefill, the seeds' first proposals -- and returns `finish`, which reads
+the sampled tokens and commits them (first token through the stop checks, then the seed or
+the hand-off). The engine runs the others' round between the two (`SpecEngine.step`): the
+GPU goes from the prompt to the round without waiting for the host, and one host read (the
+round's) covers both; before, the step read the prompt's tokens first, and the GPU idled
+while the host committed them and planned the round. The requests of the step's chunks are
+kept from preemption until `finish` (`SpecScheduler.reserve` protects them): a request
+preempted between its sampling and its commit would draw its first token again.
+
+Where the draft prefill needs the sampled tokens on the host (no draft-prefill graph, or a
+prompt handed off: the prefill worker's hooks want the target KV first), the read happens in
+the first half; `finish` then only commits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from tandem.engine.request import Request, RequestOutput
+from tandem.engine.runner import ForwardBatch
+from tandem.engine.sampling import read_sampled, row_error
+from tandem.engine.scheduler import StepPlan
+from tandem.messages import TokenLogprob
+from tandem.spec.extend import draft_prefill
+from tandem.spec.phases import DraftSeed
+
+log = logging.getLogger(__name__)
+
+
+class PromptSide:
+    """Methods only: the state is SpecEngine's (its runner, graphs, sampler, schedulers,
+    draft, head and hooks)."""
+
+    def _prefill_step(self, plan: StepPlan) -> Callable[[], list[RequestOutput]]:
+        """Queue this step's prompt work (module docstring) -> `finish`, which reads and
+        commits it (the step's outputs of these chunks)."""
+        completing = tuple(c for c in plan.chunks if c.samples and c.req_id in self.handoff_only)
+        hook = self.prefill_layer_hook
+        after_layer = hook(completing) if hook and completing else None
+        # The target forward replays a graph where one takes the prompt rows (no per-layer
+        # hook: a Python callback cannot run inside a graph), else runs eagerly. So does the
+        # draft's, where its graphs are on and no prompt is handed off here (a prefill
+        # worker's hook wants the target KV before the draft runs).
+        num_tokens = sum(len(c.token_ids) for c in plan.chunks)
+        rows = (self._graph_batch_size(plan)
+                if after_layer is None and self.model.par.dp.size == 1 else None)
+        batch = self._build_batch(plan, rows or num_tokens)
+        draft_graph = rows is not None and self.draft_prefill is not None and not completing
+        if rows is not None and self.graphs is not None:  # every row's hidden, padding last
+            out = self.graphs.run_forward(batch, copy=not draft_graph)
+        else:
+            out = self.runner.forward(ForwardBatch(
+                input_ids=batch.input_ids, positions=batch.positions, attn=batch.attn,
+                logits_indices=batch.logits_indices, capture_layers=self.capture,
+                after_layer=after_layer))
+        sampling = [c for c in plan.chunks if c.samples]
+        reqs = [self.scheduler.requests[c.req_id] for c in sampling]
+        drawn = self.sampler.sample(out.logits, [r.params for r in reqs],
+                                    [r.generator for r in reqs], [r.req_id for r in reqs])
+        self.scheduler.commit(plan)
+        # Draft prefill over the same chunks: pairs (f_t, x_{t+1}). A row whose sampling
+        # failed keeps its placeholder token through it (it writes only that request's own
+        # pages) and fails after it.
+        next_tokens = [list(self.scheduler.requests[c.req_id].all_ids[
+            c.num_cached + 1 : c.num_cached + len(c.token_ids) + 1]) for c in plan.chunks]
+        read: tuple | None = None
+        if draft_graph:  # queued before the host read: the sampled tokens stay on the device
+            ids = [t for c, nxt in zip(plan.chunks, next_tokens)  # 0: the sampled one, below
+                   for t in (nxt + [0] if c.samples else nxt)]
+            hidden = self.draft_prefill.run(rows, out, ids + [0] * (rows - len(ids)),
+                                            batch.logits_indices, drawn.tokens)
+        else:
+            read = read_sampled(drawn)  # SYNC: tokens and asked-for logprobs, for the draft
+            if self.prefill_synced_hook is not None and completing:
+                self.prefill_synced_hook(completing)
+            sampled = iter(read[0])
+            for c, nxt in zip(plan.chunks, next_tokens):
+                if c.samples:
+                    nxt.append(next(sampled))
+            hidden = draft_prefill(self.draft, [c.page_ids for c in plan.chunks],
+                                   [c.num_cached for c in plan.chunks], next_tokens,
+                                   self.head.target_features(out.hidden, out.aux_hidden)
+                                   [:num_tokens])
+        if not sampling:  # prompt chunks that complete no prompt: no seeds yet
+            return lambda: []
+        ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
+        last = hidden[[end - 1 for c, end in zip(plan.chunks, ends) if c.samples]]  # [n, H]
+        ids, logp = self.head.topk(last, self.spec.topk)  # one launch set for every prompt
+
+        def finish() -> list[RequestOutput]:
+            tokens, logprobs = read if read is not None else read_sampled(drawn)  # SYNC: one
+            return [self._first_token_row(self.scheduler.requests[c.req_id], tokens[i],
+                                          drawn.errors[i], last[i : i + 1], ids[i], logp[i],
+                                          logprobs[i])
+                    for i, c in enumerate(sampling)]
+
+        return finish
+
+    def _first_token_row(self, req: Request, token: int, error: str,
+                         hidden: torch.Tensor,  # [1, H] draft hidden of the prompt's last token
+                         topk_ids: torch.Tensor,  # [topk] the draft's first guesses from it
+                         topk_logp: torch.Tensor,  # [topk]
+                         logprob: TokenLogprob | None = None,  # None: the request did not ask
+                         ) -> RequestOutput:
+        """A prompt completed in this step: its first token through the stop checks, then its
+        draft seed (decoding here) or its hand-off (prefill-only). Isolated per request, as
+        `LLMEngine._append_row`: a failure here fails this request alone."""
+        if error:
+            return self._fail_request(req, error)
+        try:
+            result = self._append(req, token, logprob)
+        except Exception as exc:  # noqa: BLE001 -- this request fails, the batch goes on
+            log.warning("request '%s' failed after sampling", req.req_id, exc_info=exc)
+            return self._fail_request(req, row_error("detokenizer/stop checks", exc))
+        seed = DraftSeed(num_cached=req.num_computed, last_token=token,
+                         topk_ids=topk_ids, topk_logp=topk_logp, hidden=hidden[0])
+        if req.req_id in self.handoff_only:
+            self._hand_off(req, seed, result)
+        elif not result.finished and not self.spec_scheduler.is_plain(req.req_id):
+            self.spec_scheduler.set_seed(req.req_id, seed)
+        return result
