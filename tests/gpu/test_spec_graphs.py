@@ -1,8 +1,8 @@
 """Speculative CUDA graphs (tandem/spec/cuda_graphs.py) on the GPU: a replay equals the eager
 forward planned into the same buffers bit for bit, graph drafting proposes the eager tokens,
 the draft-extend graph proposes what the eager extend does, and a SpecEngine with graphs
-(draft steps, verify, acceptance and extend on the device) stays lossless (divergences from plain greedy only at bf16
-near-ties, checked against a stated margin).
+(draft steps, verify, acceptance and extend on the device) stays lossless (divergences from
+plain greedy only at bf16 near-ties, checked against a stated margin).
 
     python -m pytest -q tests/gpu -k spec
 """
