@@ -27,7 +27,7 @@ import torch
 
 from tandem.engine.request import Request, RequestOutput
 from tandem.engine.runner import ForwardBatch
-from tandem.engine.sampling import read_sampled, row_error
+from tandem.engine.sampling import SampledRead, read_sampled, row_error
 from tandem.engine.scheduler import StepPlan
 from tandem.messages import TokenLogprob
 from tandem.spec.extend import draft_prefill
@@ -78,6 +78,9 @@ class PromptSide:
                    for t in (nxt + [0] if c.samples else nxt)]
             hidden = self.draft_prefill.run(rows, out, ids + [0] * (rows - len(ids)),
                                             batch.logits_indices, drawn.tokens)
+            # The copy is queued now, so `finish` waits for it alone -- not for what the round
+            # queues ahead of the next step after its own read (a `.tolist()` there would).
+            copy = SampledRead.start(drawn)
         else:
             read = read_sampled(drawn)  # SYNC: tokens and asked-for logprobs, for the draft
             if self.prefill_synced_hook is not None and completing:
@@ -97,7 +100,7 @@ class PromptSide:
         ids, logp = self.head.topk(last, self.spec.topk)  # one launch set for every prompt
 
         def finish() -> list[RequestOutput]:
-            tokens, logprobs = read if read is not None else read_sampled(drawn)  # SYNC: one
+            tokens, logprobs = read if read is not None else copy.wait()  # SYNC: one
             return [self._first_token_row(self.scheduler.requests[c.req_id], tokens[i],
                                           drawn.errors[i], last[i : i + 1], ids[i], logp[i],
                                           logprobs[i])
