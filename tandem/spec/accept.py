@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tandem.engine import kernels
 from tandem.engine.config import SamplingFault
 from tandem.engine.d2h import HostCopy
 from tandem.engine.h2d import tensor as h2d_tensor
@@ -61,7 +62,7 @@ def accept(
     if all(p.greedy for p in params):
         return with_row_faults(launch_greedy_accept(verify, logits, params).result(), req_ids,
                                fault)
-    argmax = logits.argmax(dim=-1).view(verify.batch_size, n)
+    argmax = kernels.row_max(logits)[1].view(verify.batch_size, n)
     nodes = node_logprobs(verify, logits, argmax, params)  # None: no row asks
     both_d = torch.stack([verify.tokens, argmax])  # [2, bs, N]
     host = None
@@ -254,7 +255,7 @@ def launch_greedy_accept(verify: VerifyInput, logits: torch.Tensor,
     queued without waiting for it. Nothing here copies host data to the device synchronously.
     logits: [bs * N, V] float32, request-major."""
     n, bs = verify.num_nodes, verify.batch_size
-    argmax = logits.argmax(dim=-1).view(bs, n)
+    argmax = kernels.row_max(logits)[1].view(bs, n)  # (SpecGraphRunner.accept's argmax too)
     depth = max(max(d) for d in verify.depths)  # the longest path any tree allows
     parents = h2d_tensor(verify.parents, torch.int32, argmax.device)  # [bs, N]
     num, path, bonus = spec_kernels.greedy_accept(verify.tokens, argmax, parents, depth)

@@ -78,9 +78,6 @@ class PromptSide:
                    for t in (nxt + [0] if c.samples else nxt)]
             hidden = self.draft_prefill.run(rows, out, ids + [0] * (rows - len(ids)),
                                             batch.logits_indices, drawn.tokens)
-            # The copy is queued now, so `finish` waits for it alone -- not for what the round
-            # queues ahead of the next step after its own read (a `.tolist()` there would).
-            copy = SampledRead.start(drawn)
         else:
             read = read_sampled(drawn)  # SYNC: tokens and asked-for logprobs, for the draft
             if self.prefill_synced_hook is not None and completing:
@@ -95,12 +92,15 @@ class PromptSide:
                                    [:num_tokens])
         if not sampling:  # prompt chunks that complete no prompt: no seeds yet
             return lambda: []
+        # Queued now, the copy is what `finish` waits for -- not what the round queues ahead of
+        # the next step after its own read (a `.tolist()` at `finish` would wait for that too).
+        copy = SampledRead.start(drawn) if read is None else None
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
         last = hidden[[end - 1 for c, end in zip(plan.chunks, ends) if c.samples]]  # [n, H]
         ids, logp = self.head.topk(last, self.spec.topk)  # one launch set for every prompt
 
         def finish() -> list[RequestOutput]:
-            tokens, logprobs = read if read is not None else copy.wait()  # SYNC: one
+            tokens, logprobs = read if copy is None else copy.wait()  # SYNC: one
             return [self._first_token_row(self.scheduler.requests[c.req_id], tokens[i],
                                           drawn.errors[i], last[i : i + 1], ids[i], logp[i],
                                           logprobs[i])

@@ -140,5 +140,4 @@ def decode_rows_plan(
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, V] -> (values [M] x.dtype, indices [M] int64): each row's largest entry and its
     first column (torch.max's order: NaN is the largest)."""
-    values, indices = x.max(dim=-1)
-    return values, indices
+    return tuple(x.max(dim=-1))
