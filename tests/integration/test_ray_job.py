@@ -79,10 +79,18 @@ class RayCluster:
         return json.loads(r.stdout.splitlines()[-1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free loopback ports: every socket is held open until all are bound, so
+    the kernel cannot hand the same port out twice (one port released and taken again gave
+    two of Ray's agents the same port once)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _stop_by_pid(root: Path) -> None:
@@ -123,23 +131,36 @@ def cluster(smollm2_dir):  # the bundled model imported before the jobs need it
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
                TANDEM_KV_HOST="127.0.0.1", RAY_USAGE_STATS_ENABLED="0")
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    gcs, dash = _free_port(), _free_port()
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "2",
               "--temp-dir", str(root / "ray")]
+    agents = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+              "--metrics-export-port", "--runtime-env-agent-port")
 
-    def own_ports() -> list[str]:  # Ray's fixed default agent ports would clash between nodes
-        return [arg for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-                                 "--metrics-export-port", "--runtime-env-agent-port")
-                for arg in (flag, str(_free_port()))]
-
-    try:
-        subprocess.run([ray_cli, "start", "--head", "--port", str(gcs), *common, *own_ports(),
+    def start() -> tuple[int, int]:
+        """Both nodes on fresh distinct ports (Ray's fixed default agent ports would clash
+        between two nodes of one machine); the GCS and dashboard ports."""
+        gcs, dash, *rest = _free_ports(2 + 2 * len(agents))
+        head = [a for f, p in zip(agents, rest[:len(agents)]) for a in (f, str(p))]
+        node = [a for f, p in zip(agents, rest[len(agents):]) for a in (f, str(p))]
+        subprocess.run([ray_cli, "start", "--head", "--port", str(gcs), *common, *head,
                         "--resources", '{"tandem_a": 1}', "--include-dashboard", "true",
                         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash)],
                        env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([ray_cli, "start", "--address", f"127.0.0.1:{gcs}", *common, *own_ports(),
+        subprocess.run([ray_cli, "start", "--address", f"127.0.0.1:{gcs}", *common, *node,
                         "--resources", '{"tandem_b": 1}'],
                        env=env, check=True, capture_output=True, timeout=120)
+        return gcs, dash
+
+    try:
+        for attempt in range(3):  # a port another process took between choice and bind
+            try:
+                gcs, dash = start()
+                break
+            except subprocess.CalledProcessError as e:
+                _stop_by_pid(root)
+                if attempt == 2:
+                    raise AssertionError(f"ray start failed: {e.cmd}\n"
+                                         f"{(e.stderr or b'').decode()[-3000:]}") from e
         yield RayCluster(root=root, env=env, dashboard=f"http://127.0.0.1:{dash}")
     finally:
         _stop_by_pid(root)
