@@ -11,6 +11,10 @@ p = target_probs(logits[c], params) -- the same function the plain sampler uses.
   from the remaining p. By induction P(emit t) = p(t): the first child is emitted with
   probability p(t1), any other t with (1 - p(t1)) * p(t) / (1 - p(t1)) = p(t).
 
+Greedy batches (any tree) and chains (greedy or sampled rows) accept on the device, without a
+host read until the result (spec/device_accept.py); here, the walk on the host for sampled
+trees, one row at a time.
+
 A row whose walk raises fails its own request only (`VerifyResult.errors`), as in the sampler.
 
 Log-probabilities (rows whose request asks; messages/logprobs.py's rule): emitted token j of a
@@ -34,11 +38,15 @@ from tandem.engine import kernels
 from tandem.engine.config import SamplingFault
 from tandem.engine.d2h import HostCopy
 from tandem.engine.h2d import tensor as h2d_tensor
-from tandem.engine.logprobs import (HostLogprobs, LogprobRows, asking_rows, gather_logprobs,
-                                    pick_logprobs, repeated_rows)
+from tandem.engine.logprobs import (HostLogprobs, LogprobRows, asking_rows, pick_logprobs,
+                                    repeated_rows)
 from tandem.engine.sampling import SamplingParams, check_fault, row_error, target_probs
 from tandem.messages import TokenLogprob
-from tandem.spec import kernels as spec_kernels
+from tandem.spec.device_accept import (  # noqa: F401 (DeviceAcceptance, launch_greedy_accept:
+    DeviceAcceptance,  # also imported from here)
+    launch_device_accept,
+    launch_greedy_accept,
+)
 from tandem.spec.phases import VerifyInput, VerifyResult
 
 
@@ -59,9 +67,9 @@ def accept(
     fault: SamplingFault | None = None,
 ) -> VerifyResult:
     n = verify.num_nodes
-    if all(p.greedy for p in params):
-        return with_row_faults(launch_greedy_accept(verify, logits, params).result(), req_ids,
-                               fault)
+    pending = launch_device_accept(verify, logits, params, generators)  # greedy, or chains
+    if pending is not None:
+        return with_row_faults(pending.result(), req_ids, fault)
     argmax = kernels.row_max(logits)[1].view(verify.batch_size, n)
     nodes = node_logprobs(verify, logits, argmax, params)  # None: no row asks
     both_d = torch.stack([verify.tokens, argmax])  # [2, bs, N]
@@ -207,95 +215,6 @@ def with_row_faults(result: VerifyResult, req_ids: Sequence[str],
         except Exception as exc:  # noqa: BLE001
             errors[r] = row_error("acceptance", exc)
     return replace(result, errors=tuple(errors)) if any(errors) else result
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class GreedyAcceptance:
-    """Greedy acceptance of a whole batch, computed on the device; its host copy is in flight
-    (`result` waits for it). Work queued after `launch_greedy_accept` -- the draft-extend
-    graph -- runs on the GPU while the host reads the result and commits."""
-
-    num_accepted: torch.Tensor  # [bs] int32 accepted drafts per request
-    path: torch.Tensor  # [bs, depth] int32 accepted nodes in order, -1 past the end
-    bonus: torch.Tensor  # [bs] int64 the target's token after the accepted path
-    depth: int  # the deepest node any tree of the batch has
-    # host copies of: [bs, 2 + 2 * depth] int64 rows (accepted count, bonus, path, path
-    # tokens), then `logprobs.tensors()`
-    copy: HostCopy
-    # [m * (depth + 1)] logprobs of emitted positions 0..depth of each asking request (past
-    # its accepted count + 1: filler); None when no request asks
-    logprobs: LogprobRows | None = None
-
-    def result(self) -> VerifyResult:
-        # SYNC inside: the round's one host read -- waits for the acceptance kernel and the
-        # copies, not for whatever was queued after them.
-        rows_h, *lp_h = self.copy.wait()
-        d = self.depth
-        paths, new_tokens = [], []
-        for row in rows_h.tolist():
-            a = row[0]
-            paths.append(tuple(row[2 : 2 + a]))
-            new_tokens.append(tuple(row[2 + d : 2 + d + a]) + (row[1],))
-        if self.logprobs is None:
-            return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens))
-        host = HostLogprobs.of(self.logprobs, lp_h)
-        entry = {r: i for i, r in enumerate(dict.fromkeys(host.rows))}  # row -> asking index
-        logprobs = tuple(
-            tuple(host.entry(entry[r] * (d + 1) + j, t) for j, t in enumerate(toks))
-            if r in entry else () for r, toks in enumerate(new_tokens))
-        return VerifyResult(path_nodes=tuple(paths), new_tokens=tuple(new_tokens),
-                            logprobs=logprobs)
-
-
-def launch_greedy_accept(verify: VerifyInput, logits: torch.Tensor,
-                         params: Sequence[SamplingParams] = ()) -> GreedyAcceptance:
-    """An all-greedy batch: the walk (`_walk_greedy` for every request) runs on the device --
-    one Triton kernel on CUDA -- and one device->host copy of what the commit needs (accepted
-    lengths, bonus tokens, paths, tokens, the logprobs of the rows of `params` that ask) is
-    queued without waiting for it. Nothing here copies host data to the device synchronously.
-    logits: [bs * N, V] float32, request-major."""
-    n, bs = verify.num_nodes, verify.batch_size
-    argmax = kernels.row_max(logits)[1].view(bs, n)  # (SpecGraphRunner.accept's argmax too)
-    depth = max(max(d) for d in verify.depths)  # the longest path any tree allows
-    parents = h2d_tensor(verify.parents, torch.int32, argmax.device)  # [bs, N]
-    num, path, bonus = spec_kernels.greedy_accept(verify.tokens, argmax, parents, depth)
-    path_tokens = verify.tokens.gather(1, path.long().clamp(min=0))  # [bs, depth]
-    rows = torch.cat([num.long()[:, None], bonus[:, None], path.long(), path_tokens], dim=1)
-    lp = _emitted_logprobs(verify, logits, num, path, path_tokens, bonus, params)
-    copy = HostCopy.start((rows, *(lp.tensors() if lp is not None else ())))
-    return GreedyAcceptance(num_accepted=num, path=path, bonus=bonus, depth=depth, copy=copy,
-                            logprobs=lp)
-
-
-def _emitted_logprobs(
-    verify: VerifyInput,
-    logits: torch.Tensor,  # [bs * N, V] float32
-    num: torch.Tensor,  # [bs] int32 accepted drafts
-    path: torch.Tensor,  # [bs, D] int32 accepted nodes, -1 past the end
-    path_tokens: torch.Tensor,  # [bs, D] int64 their tokens (filler past the end)
-    bonus: torch.Tensor,  # [bs] int64
-    params: Sequence[SamplingParams],
-) -> LogprobRows | None:
-    """Device path: the logprobs of emitted positions j = 0..D of the asking requests (None
-    when none asks) -- token j is accepted draft j (j < num) or the bonus (j = num), from the
-    distribution at node (0, *path)[j]; positions past num are filler the host never reads.
-    Device work only: nothing about `num` is known on the host yet."""
-    reqs = asking_rows(params)
-    if not reqs:
-        return None
-    n, bs, d1 = verify.num_nodes, verify.batch_size, path.shape[1] + 1
-    device = logits.device
-    zero = torch.zeros(bs, 1, dtype=torch.int64, device=device)
-    nodes = torch.cat([zero, path.long().clamp(min=0)], dim=1)  # [bs, D+1]
-    j = torch.arange(d1, device=device)  # [D+1]
-    toks = torch.where(j[None, :] < num.long()[:, None], torch.cat([path_tokens, zero], dim=1),
-                       bonus[:, None])  # [bs, D+1]
-    base = torch.arange(bs, device=device)  # [bs]
-    if len(reqs) < bs:
-        base = h2d_tensor(reqs, torch.int64, device)  # [m]
-        nodes, toks = nodes[base], toks[base]
-    flat = (base[:, None] * n + nodes).reshape(-1)  # [m * (D+1)] verify rows
-    return gather_logprobs(logits[flat], toks.reshape(-1), *repeated_rows(params, reqs, d1))
 
 
 def _walk_greedy(tokens: list[int], argmax: list[int], kids: list[list[int]]

@@ -60,7 +60,7 @@ from tandem.engine.logprobs import asking_rows
 from tandem.engine.runner import ForwardOutput, ModelRunner
 from tandem.engine.sampling import SamplingParams
 from tandem.spec import kernels as spec_kernels
-from tandem.spec.accept import GreedyAcceptance
+from tandem.spec.device_accept import DeviceAcceptance
 from tandem.spec.config import SpecConfig
 from tandem.spec.draft_runner import DraftRunner
 from tandem.spec.graph_memory import (GraphMemory, RoundBuffers, check_fixed_buffers,
@@ -363,13 +363,15 @@ class SpecGraphRunner:
                              aux_hidden=tuple(a[:m] for a in out.aux_hidden))
 
     def accept(self, verify: VerifyInput, logits: torch.Tensor,
-               params: Sequence[SamplingParams]) -> GreedyAcceptance | None:
+               params: Sequence[SamplingParams]) -> DeviceAcceptance | None:
         """Greedy acceptance of a chain written straight into the draft-extend graph's inputs
         (the argmax, then one kernel: `extend` of this verify copies none of them in), its host
         row copy queued; logits [bs * N, V] float32, every row greedy. None where it does not
-        apply (a tree, no bucket, a request asking for logprobs): `launch_greedy_accept`."""
+        apply (a tree, no bucket, a request asking for logprobs or sampling):
+        `device_accept.launch_device_accept`."""
         rows, n = self.bucket(verify.batch_size), self.num_nodes
-        if self.masked or rows is None or not self.can_extend(verify) or asking_rows(params):
+        if (self.masked or rows is None or not self.can_extend(verify) or asking_rows(params)
+                or not all(p.greedy for p in params)):
             return None
         _, target = kernels.row_max(logits)  # [bs * N] int64
         host = spec_kernels.accept_chain_into(verify.tokens, target, self.buf.acc_num[:rows],
@@ -378,7 +380,7 @@ class SpecGraphRunner:
         self._acc_loaded = verify
         bs = verify.batch_size
         buf = self.buf
-        return GreedyAcceptance(num_accepted=buf.acc_num[:bs], path=buf.acc_path[:bs, :n - 1],
+        return DeviceAcceptance(num_accepted=buf.acc_num[:bs], path=buf.acc_path[:bs, :n - 1],
                                 bonus=buf.acc_bonus[:bs], depth=n - 1,
                                 copy=HostCopy.start((host,)))
 

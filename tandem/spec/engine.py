@@ -33,7 +33,8 @@ from tandem.engine.sampling import row_error
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk
 from tandem.messages import FinishReason, TokenLogprob
-from tandem.spec.accept import accept, launch_greedy_accept, with_row_faults
+from tandem.spec.accept import accept, with_row_faults
+from tandem.spec.device_accept import launch_device_accept
 from tandem.spec.ahead import DraftAhead, enabled_by_env, verify_batch_by_env
 from tandem.spec.adaptive import KPolicy
 from tandem.spec.config import SpecConfig
@@ -271,14 +272,18 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
         #   last node reached: token for token what plain greedy decoding emits;
         # - sampling: try the children in draft order, accepting child t with probability
         #   p_j(t); a rejection sets p_j(t) = 0 and renormalises, and the bonus is drawn from
-        #   what is left, so P(emit t) = p_j(t) -- the target's own distribution, lossless.
+        #   what is left, so P(emit t) = p_j(t) -- the target's own distribution, lossless
+        #   (chains on the device, trees walked on the host).
         # a accepted drafts + 1 bonus = a + 1 new tokens, 1 <= a + 1 <= num_steps + 1.
         graphs, fault = self._graphs_for(inp.num_drafts), self.cfg.sampling_fault
-        if graphs is not None and all(p.greedy for p in inp.params) and graphs.can_extend(verify):
-            # Greedy on the device: acceptance and the draft-extend graph queued before the
-            # round's one host read (the same tokens and draft inputs as the path below).
-            pending = (graphs.accept(verify, out.logits, inp.params)
-                       or launch_greedy_accept(verify, out.logits, inp.params))
+        pending = None
+        if graphs is not None and graphs.can_extend(verify):
+            # On the device (greedy, or sampled chains: spec/device_accept.py): acceptance
+            # and the draft-extend graph queued before the round's one host read (the same
+            # tokens and draft inputs as the path below).
+            pending = graphs.accept(verify, out.logits, inp.params) or launch_device_accept(
+                verify, out.logits, inp.params, self.sampler.or_shared(inp.generators))
+        if pending is not None and graphs is not None:
             ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
                                 features)
             if ahead:  # the next round's drafting (and verify), before this round's host read

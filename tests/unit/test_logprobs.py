@@ -234,12 +234,13 @@ def test_speculative_rounds_compute_no_logprobs_when_none_asks(monkeypatch):
     the host walk computes a log-softmax or a top-K (greedy and sampled batches alike)."""
     import importlib
 
-    spec_accept = importlib.import_module("tandem.spec.accept")  # the module, not the function
     calls = []
-    for name in ("gather_logprobs", "pick_logprobs"):
-        real = getattr(spec_accept, name)
-        monkeypatch.setattr(spec_accept, name,
-                            lambda *a, _r=real, **kw: calls.append(1) or _r(*a, **kw))
+    # The modules, not the function `accept`: the host walk's and the device acceptance's.
+    for module, name in (("tandem.spec.accept", "pick_logprobs"),
+                         ("tandem.spec.device_accept", "gather_logprobs")):
+        mod = importlib.import_module(module)
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, **kw: calls.append(1) or _r(*a, **kw))
     model = _target()
     eng = SpecEngine(engine_cfg(max_num_batched_tokens=16), SPECS["tree3x2n6"], model,
                      tiny_head(model))
