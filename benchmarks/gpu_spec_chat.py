@@ -1,5 +1,6 @@
 """Speculative vs plain decoding with real weights on the GPU: SmolLM2-135M-Instruct and the
-EAGLE head tandem ships for it, chat prompts, greedy, bf16, FlashInfer + CUDA graphs.
+EAGLE head tandem ships for it, chat prompts, greedy (or sampled: --temperature), bf16,
+FlashInfer + CUDA graphs.
 
 On the device machine, once `benchmarks/gpu_train_eagle.sh` phases part0, part1a and gen (with
 NUM_PROMPTS=0: import only) have put the imported model in /tmp/gc/smollm2:
@@ -253,6 +254,10 @@ def main() -> None:
     ap.add_argument("--draft-model", default=str(SHIPPED_HEADS["default"]))
     ap.add_argument("--prompts-file", default=str(ROOT / "tandem/assets/chat-prompts-50.txt"))
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (the default); > 0: sampled rounds (rejection sampling, "
+                         "spec/device_accept.py), answers then differ between engines")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=Path("results"))
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script's logic")
@@ -303,7 +308,8 @@ def main() -> None:
     dev_name = torch.cuda.get_device_name() if gpu else "cpu"
     res: dict = {"env": {"device": dev_name, "torch": torch.__version__,
                          "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
-                         "max_new_tokens": args.max_new_tokens, "levels": levels}}
+                         "max_new_tokens": args.max_new_tokens, "levels": levels,
+                         "temperature": args.temperature, "top_p": args.top_p}}
     with torch.inference_mode():
         spec_eng = SpecEngine.from_config(cfg, spec)
         tok = spec_eng.tokenizer
@@ -330,7 +336,8 @@ def main() -> None:
         questions = [q.strip() for q in Path(args.prompts_file).read_text().splitlines()
                      if q.strip()]
         prompts = [tok.encode_chat([ChatMessage(role="user", content=q)]) for q in questions]
-        params = SamplingParams(max_new_tokens=args.max_new_tokens)
+        params = SamplingParams(max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p)
         for name in names:  # warm-up: Triton tuning, FlashInfer modules
             closed_loop(engines[name], prompts[:4], params, 4)  # (outputs, wall, times) unused
         if args.gc_freeze:

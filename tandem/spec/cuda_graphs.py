@@ -56,7 +56,6 @@ from tandem.engine.cuda_graphs import (
 )
 from tandem.engine.d2h import HostCopy
 from tandem.engine.h2d import build_layout
-from tandem.engine.logprobs import asking_rows
 from tandem.engine.runner import ForwardOutput, ModelRunner
 from tandem.engine.sampling import SamplingParams
 from tandem.spec import kernels as spec_kernels
@@ -367,11 +366,10 @@ class SpecGraphRunner:
         """Greedy acceptance of a chain written straight into the draft-extend graph's inputs
         (the argmax, then one kernel: `extend` of this verify copies none of them in), its host
         row copy queued; logits [bs * N, V] float32, every row greedy. None where it does not
-        apply (a tree, no bucket, a request asking for logprobs or sampling):
-        `device_accept.launch_device_accept`."""
+        apply (a tree, no bucket, a row sampling or asking for logprobs): `device_accept`."""
         rows, n = self.bucket(verify.batch_size), self.num_nodes
-        if (self.masked or rows is None or not self.can_extend(verify) or asking_rows(params)
-                or not all(p.greedy for p in params)):
+        if self.masked or rows is None or not self.can_extend(verify) or any(
+                not p.greedy or p.logprobs for p in params):
             return None
         _, target = kernels.row_max(logits)  # [bs * N] int64
         host = spec_kernels.accept_chain_into(verify.tokens, target, self.buf.acc_num[:rows],

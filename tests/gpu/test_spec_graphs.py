@@ -578,3 +578,44 @@ def test_draft_prefill_graphs_seed_like_the_eager_draft_and_stay_lossless(target
     want = [c.output_ids for c in plain.generate(prompts, params)]
     got = [c.output_ids for c in engines["1"].generate(prompts, params)]
     assert_parts_only_at_near_ties(plain, prompts, got, want)
+
+
+def _sampled_params(n: int) -> list[SamplingParams]:
+    """Seeded sampled requests (top_k 8: the dummy head's drafts are sometimes among the
+    target's likely tokens, so some are accepted) and one greedy request beside them."""
+    return [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, top_k=8,
+                           seed=40 + i) for i in range(n - 1)] + [
+        SamplingParams(max_new_tokens=20, ignore_eos=True)]
+
+
+def test_float32_sampled_rounds_through_the_runner_equal_eager_rounds(target, monkeypatch):
+    """float32 on the GPU: seeded sampled chains accept on the device (spec/device_accept.py)
+    and draft-extend through the runner (eager mode, planned like the eager forward), with
+    the next round drafted ahead or not: the outputs of the engine without the runner (the
+    same acceptance, the same draws, on the CUDA generators)."""
+    cfg, model, head = _float32_smollm2()
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 49152, (6 + 9 * i,), generator=g).tolist() for i in range(3)]
+    params = _sampled_params(3)
+    want = [c.output_ids for c in SpecEngine(cfg, CHAIN, model, head).generate(prompts, params)]
+    for ahead in (True, False):
+        eng = SpecEngine(cfg, CHAIN, model, head)
+        _eager_chain_runner(eng, monkeypatch, device_metadata=False)
+        eng.set_draft_ahead(ahead)
+        assert [c.output_ids for c in eng.generate(prompts, params)] == want
+        assert (eng.draft_ahead.used > 0) == ahead
+
+
+def test_sampled_rounds_in_graphs_are_reproducible_and_draft_ahead(target):
+    """bf16, captured graphs: seeded sampled requests give the same tokens in two engines,
+    their rounds drafted ahead (no host walk, no eager draft-extend any more)."""
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(3, 49152, (8 + 7 * i,), generator=g).tolist() for i in range(4)]
+    params = _sampled_params(4)
+    runs = []
+    for _ in range(2):
+        eng = SpecEngine(_cfg(True), CHAIN, *target)
+        assert eng.spec_graphs is not None
+        runs.append([c.output_ids for c in eng.generate(prompts, params)])
+        assert eng.draft_ahead.used > 0
+    assert runs[0] == runs[1]

@@ -19,8 +19,10 @@ from spec_helpers import (
 )
 from test_spec_graph_padding import _attach_graphs
 
+import tandem.spec.engine as engine_mod
 from tandem.engine import SamplingParams
 from tandem.spec import SpecConfig, SpecEngine, VerifyInput
+from tandem.spec.accept import with_row_faults
 from tandem.spec.device_accept import (
     launch_device_accept,
     launch_greedy_accept,
@@ -109,16 +111,31 @@ def _engine(model, monkeypatch, graphs: bool, ahead: bool) -> SpecEngine:
     return eng
 
 
+def _device_accept_everywhere(monkeypatch) -> None:
+    """Eager rounds accept sampled chains as on a GPU (`accept` walks them on a CPU)."""
+    real = engine_mod.accept
+
+    def accept(verify, logits, params, generators, req_ids=(), fault=None):
+        pending = launch_device_accept(verify, logits, params, generators)
+        if pending is None:
+            return real(verify, logits, params, generators, req_ids, fault)
+        return with_row_faults(pending.result(), req_ids, fault)
+
+    monkeypatch.setattr(engine_mod, "accept", accept)
+
+
 def test_sampled_rounds_in_graphs_draft_ahead_with_the_outputs_of_eager_rounds(monkeypatch):
     """Seeded sampled requests (and a greedy one beside them): rounds in graphs accept on
     the device, draft-extend through the graph and draft the next round ahead; the outputs
-    are those of the same engine without graphs (same acceptance, same draws)."""
+    are those of the same engine without graphs accepting on the device too (same
+    acceptance, same draws)."""
     model = tiny_target("llama")
     ps = prompts(3, seed=21)
     # top_k 4: the live tokens the random head proposes, so drafts get accepted and rejected
     params = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, top_k=4,
                              seed=s) for s in (3, 4)]
     params.append(SamplingParams(max_new_tokens=20, ignore_eos=True))
+    _device_accept_everywhere(monkeypatch)
     eager = _engine(model, monkeypatch, False, False)
     want = [c.output_ids for c in eager.generate(ps, params)]
     assert eager.spec_stats.num_tokens > eager.spec_stats.num_rounds  # some drafts accepted

@@ -1,7 +1,8 @@
 """Sampling fidelity of verification (docs/architecture.md, "Lossless", with sampling): on a toy
 vocabulary, the tokens `accept` emits follow the target distribution `target_probs` -- the first
 emitted token, and each later one conditioned on the path so far -- for chains and trees, with
-temperature / top-k / top-p / min-p, including drafts the target gives probability 0.
+temperature / top-k / top-p / min-p, including drafts the target gives probability 0; and so do
+the chains accepted on the device (a GPU's path, spec/device_accept.py).
 
 Chi-square goodness of fit with a fixed seed. `test_the_check_catches_wrong_rules` runs the
 same check against plausible wrong acceptance rules and requires it to reject each of them, so
@@ -18,6 +19,7 @@ from spec_helpers import one_thread  # noqa: F401 (autouse fixture)
 
 from tandem.engine import SamplingParams, target_probs
 from tandem.spec import VerifyInput, accept
+from tandem.spec.device_accept import launch_sampled_chain_accept
 
 # The module, not the function of the same name that tandem.spec exports.
 accept_mod = importlib.import_module("tandem.spec.accept")
@@ -55,8 +57,10 @@ def _depths(parents):
     return tuple(d)
 
 
-def _emit(tree, params: SamplingParams, seed: int, n: int = SAMPLES) -> list[tuple[int, ...]]:
-    """`accept` on n copies of one tree (one batch): the emitted tokens of each copy."""
+def _emit(tree, params: SamplingParams, seed: int, n: int = SAMPLES,
+          device: bool = False) -> list[tuple[int, ...]]:
+    """`accept` on n copies of one tree (one batch): the emitted tokens of each copy. device:
+    a chain accepted as on a GPU (spec/device_accept.py; on the CPU `accept` walks it)."""
     parents, tokens = tree
     num = len(parents)
     verify = VerifyInput(page_ids=((),) * n, num_cached=(0,) * n,
@@ -64,7 +68,10 @@ def _emit(tree, params: SamplingParams, seed: int, n: int = SAMPLES) -> list[tup
                          depths=(_depths(parents),) * n)
     logits = LOGITS[:num].repeat(n, 1)  # [n * num, V], request-major
     gen = torch.Generator().manual_seed(seed)
-    result = accept(verify, logits, [params] * n, [gen] * n)
+    if device:
+        result = launch_sampled_chain_accept(verify, logits, [params] * n, [gen] * n).result()
+    else:
+        result = accept(verify, logits, [params] * n, [gen] * n)
     return list(result.new_tokens)
 
 
@@ -84,11 +91,12 @@ def _chi2_pvalue(counts: Counter, probs: torch.Tensor) -> float:
                                          torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
-def _fidelity_pvalues(tree, params: SamplingParams, seed: int) -> dict[str, float]:
+def _fidelity_pvalues(tree, params: SamplingParams, seed: int,
+                      device: bool = False) -> dict[str, float]:
     """p-values of: the first emitted token ~ p(root); the token after each accepted draft
     node c ~ p(c), conditioned on the walk reaching c. Nodes reached too rarely are skipped."""
     parents, tokens = tree
-    emitted = _emit(tree, params, seed)
+    emitted = _emit(tree, params, seed, device=device)
     kids = accept_mod.children_of(parents)
     out = {}
 
@@ -113,6 +121,14 @@ def _fidelity_pvalues(tree, params: SamplingParams, seed: int) -> dict[str, floa
 def test_emitted_tokens_follow_the_target_distribution(tree, params):
     pvalues = _fidelity_pvalues(tree, params, seed=1234)
     assert "node0" in pvalues and len(pvalues) >= 2, pvalues  # root and a deeper node checked
+    bad = {k: p for k, p in pvalues.items() if p < ALPHA}
+    assert not bad, f"emitted tokens do not follow target_probs: {pvalues}"
+
+
+@pytest.mark.parametrize("params", PARAMS.values(), ids=PARAMS.keys())
+def test_chains_accepted_on_the_device_follow_the_target_distribution(params):
+    pvalues = _fidelity_pvalues(CHAIN, params, seed=1234, device=True)
+    assert "node0" in pvalues and len(pvalues) >= 2, pvalues
     bad = {k: p for k, p in pvalues.items() if p < ALPHA}
     assert not bad, f"emitted tokens do not follow target_probs: {pvalues}"
 
