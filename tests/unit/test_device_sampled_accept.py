@@ -151,3 +151,44 @@ def test_sampled_rounds_in_graphs_draft_ahead_with_the_outputs_of_eager_rounds(m
         assert calls["extend"] == calls["round"] > 0  # every round draft-extends in graphs
         assert (eng.draft_ahead.used > 0) == ahead
         assert_pages_free(eng)
+
+
+def test_sampled_rounds_ahead_through_a_changing_batch(monkeypatch):
+    """Seeded sampled requests ending at different rounds (max_new_tokens, an EOS inside an
+    accepted run), one aborted between steps, one joining late: each change drops what was
+    drafted ahead, and every request that ran to its end got the tokens it gets in a batch
+    of its own kind run eagerly (a seeded row draws alike in any batch)."""
+    from test_draft_ahead import EOS, changing_batch
+
+    model = tiny_target("llama", eos_token_id=EOS)
+    ps = prompts(5, seed=12)
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, top_k=4, seed=60 + i)
+              for i, n in enumerate((6, 30, 17, 30, 25))]
+    _device_accept_everywhere(monkeypatch)
+    ref = _engine(model, monkeypatch, False, False).generate(ps, params)
+    eng = _engine(model, monkeypatch, True, True)
+    changing_batch(eng, ps, params, ref)
+    assert eng.draft_ahead.used > 0 and eng.draft_ahead.dropped >= 3
+    assert any(EOS in c.output_ids for c in ref)
+
+
+def test_sampled_rounds_ahead_under_preemption(monkeypatch):
+    """Few pages: rounds preempt later requests (prefilled again, new seeds), spare slots
+    are not taken while requests wait; a preempted seeded request re-joins with other round
+    boundaries, so its draws land elsewhere (its tokens may differ from an unpreempted run),
+    but the run is reproducible, drafts ahead, and gives every page back."""
+    model = tiny_target("llama")
+    ps = prompts(6, seed=7, lo=6, hi=20)
+    params = [SamplingParams(max_new_tokens=14, ignore_eos=True, temperature=1.0, top_k=4,
+                             seed=80 + i) for i in range(6)]
+    runs = []
+    for _ in range(2):
+        eng = SpecEngine(engine_cfg(num_pages=30), SpecConfig(num_steps=3), model,
+                         tiny_head(model, "eagle"))
+        _attach_graphs(eng, monkeypatch, device_metadata=True)
+        eng.set_draft_ahead(True)
+        runs.append([c.output_ids for c in eng.generate(ps, params)])
+        assert eng.scheduler.num_preemptions > 0 and eng.draft_ahead.used > 0
+        assert all(len(o) == 14 for o in runs[-1])
+        assert_pages_free(eng)
+    assert runs[0] == runs[1]
