@@ -347,12 +347,17 @@ def _depth(parents: list[int]) -> int:
 
 # ---- timing one configuration ------------------------------------------------------------------
 
+# How the timed requests choose tokens (--temperature, --top-p): greedy by default; sampled
+# rounds accept by rejection sampling on the device (spec/device_accept.py).
+SAMPLING: dict = {}
+
+
 def _fill(eng: SpecEngine, bs: int, ctx: int, seed: int) -> list[str]:
     """bs requests with ctx-token prompts, prefilled and seeded, a few rounds in."""
     vocab = eng.model_cfg.vocab_size
     g = torch.Generator().manual_seed(seed)
     ids = [eng.add_request(torch.randint(3, vocab, (ctx,), generator=g).tolist(),
-                           SamplingParams(max_new_tokens=100_000, ignore_eos=True))
+                           SamplingParams(max_new_tokens=100_000, ignore_eos=True, **SAMPLING))
            for _ in range(bs)]
     for _ in range(200):
         if all(i in eng.seeds for i in ids):
@@ -692,7 +697,11 @@ def main() -> None:
     ap.add_argument("--verify-plan", default="",
                     help="FlashInfer plan options for the verify and tree graphs, for an A/B "
                          "(comma list of uniform_q_len, disable_split_kv; default: none)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the timed requests' temperature (0: greedy); > 0 times sampled rounds")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
+    SAMPLING.update(temperature=args.temperature, top_p=args.top_p)
     if args.verify_plan:
         from tandem.engine.attention.flashinfer_backend import PrefillGraphWrappers
 
@@ -715,7 +724,7 @@ def main() -> None:
         name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
         RESULTS["env"] = dict(device=name, torch=torch.__version__, verify_plan=args.verify_plan,
                               flashinfer=flashinfer.__version__, triton=triton.__version__,
-                              date=time.strftime("%Y-%m-%d"))
+                              date=time.strftime("%Y-%m-%d"), sampling=SAMPLING)
     except Exception as exc:
         RESULTS["env"] = {"error": repr(exc)}
     log(RESULTS["env"])
