@@ -268,7 +268,9 @@ def main() -> None:
                     help="closed-loop levels: at most C prompts in flight (default 1,4,16,50)")
     ap.add_argument("--engines", default="plain,spec,adaptive",
                     help="plain; spec (chain k=4 every step); adaptive (k per step, "
-                         "spec/adaptive.py); tree (--tree's shape every step)")
+                         "spec/adaptive.py); tree (--tree's shape every step); spec_m, "
+                         "adaptive_m: spec / adaptive with prompts merged into the round's "
+                         "verify forward (TANDEM_MERGED_ARRIVALS=1)")
     ap.add_argument("--tree", default="4,16",
                     help="the tree engine's TOPK,NODES (depth 4): 4,16 or 2,8")
     ap.add_argument("--repeats", type=int, default=3,
@@ -320,6 +322,16 @@ def main() -> None:
             engines["tree"] = SpecEngine(cfg, dataclasses.replace(
                 spec, topk=topk, num_draft_tokens=nodes), spec_eng.model,
                 spec_eng.head, tokenizer=tok)
+        if "spec_m" in names:  # spec with prompts merged into the round's verify forward
+            engines["spec_m"] = SpecEngine(cfg, spec, spec_eng.model, spec_eng.head,
+                                           tokenizer=tok)
+            engines["spec_m"].merge_arrivals = True
+        if "adaptive_m" in names:  # the same for adaptive (its profile prices merged arrivals)
+            os.environ["TANDEM_MERGED_ARRIVALS"] = "1"
+            engines["adaptive_m"] = SpecEngine(cfg, dataclasses.replace(spec, adaptive=True),
+                                               spec_eng.model, spec_eng.head, tokenizer=tok)
+            del os.environ["TANDEM_MERGED_ARRIVALS"]
+            assert engines["adaptive_m"].merge_arrivals
         if "adaptive" in names:  # its own engine: profiles its cost table at start-up
             engines["adaptive"] = (SpecEngine(
                 cfg, dataclasses.replace(spec, adaptive=True), spec_eng.model, spec_eng.head,

@@ -330,6 +330,9 @@ class Recorder:
         import tandem.spec.engine as spec_engine
 
         rec = self
+        # Phases as separate forwards: a prompt step merged with the round's verify
+        # (`merge_arrivals`) is one forward of both (tests/unit/test_merged_arrivals.py).
+        eng.merge_arrivals = False
         backend = eng.runner.backend
         assert eng.draft.backend is backend
         orig_plan = backend.plan

@@ -18,6 +18,7 @@ decoding, so an EOS or stop string inside an accepted run ends the request right
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -31,7 +32,7 @@ from tandem.engine.parallel import ParallelContext
 from tandem.engine.request import Request, RequestOutput
 from tandem.engine.sampling import row_error
 from tandem.engine.runner import ForwardBatch, ForwardOutput
-from tandem.engine.scheduler import ScheduledChunk
+from tandem.engine.scheduler import ScheduledChunk, StepPlan
 from tandem.messages import FinishReason, TokenLogprob
 from tandem.spec.accept import accept, with_row_faults
 from tandem.spec.device_accept import launch_device_accept
@@ -136,6 +137,12 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
             self.draft_prefill.capture()
         # Greedy rounds in graphs queue the next round's drafting (and verify): spec/ahead.py.
         self.draft_ahead = DraftAhead(verify_batch=verify_batch_by_env() * (model.par.dp.size == 1))
+        # Prompts' forward merged with the round's verify (`_arrival_round`): on where the
+        # target runs eagerly (a CPU: arrival steps 24% shorter at c=4, docs/perf.md session
+        # 28); with CUDA graphs opt-in until a GPU A/B says it pays. TANDEM_MERGED_ARRIVALS=1
+        # or 0 forces it.
+        merge = os.environ.get("TANDEM_MERGED_ARRIVALS", "")
+        self.merge_arrivals = merge == "1" or (merge != "0" and self.graphs is None)
         self.set_draft_ahead(enabled_by_env())
         if policy is None and spec.adaptive:  # after the graphs: profiling times them
             from tandem.spec.cost_profile import adaptive_policy
@@ -219,9 +226,13 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
         outputs = self.leave_overlap()
         plan = self.scheduler.schedule(exclude=frozenset(spec_sched.seeds))
         finish = None  # the prompts' read and commit: after the round (spec/prompt_side.py)
+        merge = False  # the prompts' forward waits for the round's verify rows (`_arrival_round`)
         if plan.chunks and all(spec_sched.is_plain(c.req_id) and len(c.token_ids) == 1
                                for c in plan.chunks):  # decode rows of plain requests only
             outputs += self._run_plan(plan)  # their decode graph; no draft work
+        elif self.merge_arrivals and plan.chunks and self.spec.topk == 1 and \
+                not self.handoff_only and self.model.par.dp.size == 1:
+            merge = True
         elif self.dp_join(bool(plan.chunks)):  # DP attention: idle ranks join (engine/llm.py)
             finish = self._prefill_step(plan)
         # Pages for the round (may preempt, never this step's prompts); a prompt completed in
@@ -234,8 +245,16 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
             # the policy takes only where two forwards cost less than one over everybody.
             rounds = spec_sched.round_inputs(reqs, allow_split=self.model.par.dp.size == 1)
             for rows, inp in rounds:  # a step's only round may draft the next one ahead
-                result, nxt = self._spec_round(inp, ahead=rows if len(rounds) == 1 else ())
+                ahead = rows if len(rounds) == 1 else ()
+                if merge:  # the first round's verify rides in the prompts' forward
+                    merge, (finish, drafted, verified) = False, self._arrival_round(plan, inp)
+                    result, nxt = self._spec_round(inp, ahead=ahead, drafted=drafted,
+                                                   verified=verified)
+                else:
+                    result, nxt = self._spec_round(inp, ahead=ahead)
                 outputs += self._commit(rows, result, nxt, inp.num_drafts)
+        if merge:  # no round to merge with: the prompts alone
+            finish = self._prefill_step(plan)
         if finish is not None:
             outputs += finish()
         if shape is not None and len(rounds) <= 1:  # (a split step: unpriced)
@@ -245,26 +264,46 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
                 spec_sched.served(len(reqs), time.perf_counter() - t0, k, prompts)
         return outputs
 
+    def _arrival_round(self, plan: StepPlan, inp: RoundInput
+                       ) -> tuple[Callable[[], list[RequestOutput]], VerifyInput | DraftedTree,
+                                  ForwardOutput | None]:
+        """A step with prompts and a round (`merge_arrivals`): the round drafts first, then
+        its chain's verify rows ride in the prompts' target forward (a chain verify is a
+        prefill chunk of root + drafts at num_cached: spec/prompt_side.py), one forward where
+        there were two. -> (the prompts' `finish`, the drafting, its verify's output); a
+        verify queued ahead, or a tree, keeps the prompts' forward apart."""
+        drafted = self._propose(list(inp.req_ids), inp.draft, inp.num_drafts)
+        verified = self.draft_ahead.verified(drafted)  # queued ahead by the round before
+        if (verified is None and isinstance(drafted, VerifyInput) and drafted.is_chain
+                and self._merge_fits(plan, drafted)):
+            finish, verified = self._merged_prefill_step(plan, drafted)
+        else:
+            finish = self._prefill_step(plan)
+        return finish, drafted, verified
+
     def plain_step(self) -> list[RequestOutput]:
         """One step of the plain engine's own path (overlapped where `overlap_ok`), over
         requests without seeds; `leave_overlap` before the next speculative step."""
         self.overlap = self.overlap_ok
         return super().step()
 
-    def _spec_round(self, inp: RoundInput, ahead: Sequence[Request] = ()
-                    ) -> tuple[VerifyResult, DraftInput]:
+    def _spec_round(self, inp: RoundInput, ahead: Sequence[Request] = (),
+                    drafted: VerifyInput | DraftedTree | None = None,
+                    verified: ForwardOutput | None = None) -> tuple[VerifyResult, DraftInput]:
         """One speculative round, phase value to phase value: draft -> verify -> accept ->
-        draft-extend. Returns what the target accepted per request and the next round's draft
-        input; committing the tokens is the caller's (`_commit`), and so was the scheduling
-        (pages for every slot written here, DP join: `step`). For a request, x_L is its last
-        committed token (the root, not yet in the target KV) and p_j the target's distribution
-        for the token after node j, given x_0 .. x_L and the path down to j."""
+        draft-extend (drafted / verified: done already, `_arrival_round`). Returns what the
+        target accepted per request and the next round's draft input; committing is the
+        caller's (`_commit`), and so was the scheduling (pages for every slot written here, DP
+        join: `step`). For a request, x_L is its last committed token (the root, not yet in
+        the target KV) and p_j the target's distribution for the token after node j, given
+        x_0 .. x_L and the path down to j."""
         # Draft: from its seed the draft guesses ahead, num_steps deep; a chain (topk = 1) or a
         # tree of topk children per node. A node at depth d guesses x_{L+d}; node 0 is x_L.
-        drafted = self._propose(list(inp.req_ids), inp.draft, inp.num_drafts)
+        if drafted is None:
+            drafted = self._propose(list(inp.req_ids), inp.draft, inp.num_drafts)
         # Verify: ONE target forward over all the nodes, each attending to the cache and its own
         # ancestors only, gives p_j for every node j at once (and writes their target KV).
-        out = self._verify_forward(drafted)  # a tree drafted in graphs: its shape read after
+        out = self._verify_forward(drafted) if verified is None else verified  # (trees: after)
         verify = drafted.resolve() if isinstance(drafted, DraftedTree) else drafted
         features = target_features(out, self.head)  # [bs * N, F] what draft-extend reads
         # Accept (spec/accept.py), walking down from the root:

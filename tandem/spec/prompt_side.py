@@ -26,12 +26,12 @@ from collections.abc import Callable
 import torch
 
 from tandem.engine.request import Request, RequestOutput
-from tandem.engine.runner import ForwardBatch
+from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.sampling import SampledRead, read_sampled, row_error
-from tandem.engine.scheduler import StepPlan
+from tandem.engine.scheduler import ScheduledChunk, StepPlan
 from tandem.messages import TokenLogprob
 from tandem.spec.extend import draft_prefill
-from tandem.spec.phases import DraftSeed
+from tandem.spec.phases import DraftSeed, VerifyInput
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,28 @@ class PromptSide:
     def _prefill_step(self, plan: StepPlan) -> Callable[[], list[RequestOutput]]:
         """Queue this step's prompt work (module docstring) -> `finish`, which reads and
         commits it (the step's outputs of these chunks)."""
+        return self._prompt_work(plan, None)[0]
+
+    def _merged_prefill_step(self, plan: StepPlan, verify: VerifyInput
+                             ) -> tuple[Callable[[], list[RequestOutput]], ForwardOutput]:
+        """`_prefill_step` whose target forward also verifies the chains of `verify`: each
+        chain is a chunk of its N tokens at num_cached (what a chain verify computes: root
+        and drafts, causal, over the request's pages), after the prompts' rows; the tokens
+        are copied in on the device (the drafts are never read). -> (`finish`, the verify's
+        output as `SpecEngine._verify_forward` returns it: logits [bs * N, V] float32 and the
+        rows' hidden states / streams)."""
+        finish, out = self._prompt_work(plan, verify)
+        assert out is not None
+        return finish, out
+
+    def _merge_fits(self, plan: StepPlan, verify: VerifyInput) -> bool:
+        """Whether the merged forward replays a graph (or no graphs are captured: eager
+        either way); else it would run eagerly where the two apart replay graphs."""
+        return self.graphs is None or (self.prefill_layer_hook is None and self._graph_batch_size(
+            _with_verify_rows(plan, verify)) is not None)
+
+    def _prompt_work(self, plan: StepPlan, verify: VerifyInput | None
+                     ) -> tuple[Callable[[], list[RequestOutput]], ForwardOutput | None]:
         completing = tuple(c for c in plan.chunks if c.samples and c.req_id in self.handoff_only)
         hook = self.prefill_layer_hook
         after_layer = hook(completing) if hook and completing else None
@@ -51,9 +73,13 @@ class PromptSide:
         # draft's, where its graphs are on and no prompt is handed off here (a prefill
         # worker's hook wants the target KV before the draft runs).
         num_tokens = sum(len(c.token_ids) for c in plan.chunks)
-        rows = (self._graph_batch_size(plan)
+        rows_plan = _with_verify_rows(plan, verify)
+        rows = (self._graph_batch_size(rows_plan)
                 if after_layer is None and self.model.par.dp.size == 1 else None)
-        batch = self._build_batch(plan, rows or num_tokens)
+        batch = self._build_batch(rows_plan, rows or rows_plan.num_tokens)
+        if verify is not None:  # the chains' tokens over the placeholders, on the device
+            n = verify.batch_size * verify.num_nodes
+            batch.input_ids[num_tokens : num_tokens + n].copy_(verify.tokens.reshape(-1))
         draft_graph = rows is not None and self.draft_prefill is not None and not completing
         if rows is not None and self.graphs is not None:  # every row's hidden, padding last
             out = self.graphs.run_forward(batch, copy=not draft_graph)
@@ -62,6 +88,12 @@ class PromptSide:
                 input_ids=batch.input_ids, positions=batch.positions, attn=batch.attn,
                 logits_indices=batch.logits_indices, capture_layers=self.capture,
                 after_layer=after_layer))
+        verified = None
+        if verify is not None:  # its rows' logits: the LM head over their hidden states
+            at = slice(num_tokens, num_tokens + n)
+            hidden = out.hidden[at]
+            verified = ForwardOutput(logits=self.model.compute_logits(hidden), hidden=hidden,
+                                     aux_hidden=tuple(a[at] for a in out.aux_hidden))
         sampling = [c for c in plan.chunks if c.samples]
         reqs = [self.scheduler.requests[c.req_id] for c in sampling]
         drawn = self.sampler.sample(out.logits, [r.params for r in reqs],
@@ -91,7 +123,7 @@ class PromptSide:
                                    self.head.target_features(out.hidden, out.aux_hidden)
                                    [:num_tokens])
         if not sampling:  # prompt chunks that complete no prompt: no seeds yet
-            return lambda: []
+            return (lambda: []), verified
         # Queued now, the copy is what `finish` waits for -- not what the round queues ahead of
         # the next step after its own read (a `.tolist()` at `finish` would wait for that too).
         copy = SampledRead.start(drawn) if read is None else None
@@ -106,7 +138,7 @@ class PromptSide:
                                           logprobs[i])
                     for i, c in enumerate(sampling)]
 
-        return finish
+        return finish, verified
 
     def _first_token_row(self, req: Request, token: int, error: str,
                          hidden: torch.Tensor,  # [1, H] draft hidden of the prompt's last token
@@ -131,3 +163,14 @@ class PromptSide:
         elif not result.finished and not self.spec_scheduler.is_plain(req.req_id):
             self.spec_scheduler.set_seed(req.req_id, seed)
         return result
+
+
+def _with_verify_rows(plan: StepPlan, verify: VerifyInput | None) -> StepPlan:
+    """`plan` with each chain of `verify` as a chunk after its own: N placeholder tokens at
+    num_cached over the request's pages, sampling nothing (their logits: the caller's)."""
+    if verify is None:
+        return plan
+    return StepPlan(chunks=plan.chunks + tuple(
+        ScheduledChunk(req_id=f"verify-{i}", page_ids=p, num_cached=nc,
+                       token_ids=(0,) * verify.num_nodes, samples=False)
+        for i, (p, nc) in enumerate(zip(verify.page_ids, verify.num_cached))), preempted=())

@@ -619,3 +619,60 @@ def test_sampled_rounds_in_graphs_are_reproducible_and_draft_ahead(target):
         runs.append([c.output_ids for c in eng.generate(prompts, params)])
         assert eng.draft_ahead.used > 0
     assert runs[0] == runs[1]
+
+
+def _arrivals(eng, prompts, params, every: int = 2):
+    """The prompts arriving one every `every` steps (most next to a round): outputs in order."""
+    tokens, ids, pending, steps = {}, [], list(prompts), 0
+    while pending or eng.has_unfinished():
+        if pending and steps % every == 0:
+            ids.append(eng.add_request(pending.pop(0), params))
+        for out in eng.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        steps += 1
+    return [tokens[i] for i in ids]
+
+
+def _count_merged(eng, monkeypatch) -> list:
+    seen = []
+    real = eng._merged_prefill_step
+    monkeypatch.setattr(eng, "_merged_prefill_step",
+                        lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    return seen
+
+
+def test_float32_merged_arrivals_equal_plain(target, monkeypatch):
+    """float32 on the GPU (torch attention, the chain runner eager, device metadata): prompts
+    merged into the round's verify forward (TANDEM_MERGED_ARRIVALS) give plain greedy's
+    tokens exactly."""
+    cfg, model, head = _float32_smollm2()
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(3, 49152, (5 + 9 * i,), generator=g).tolist() for i in range(5)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = [c.output_ids for c in LLMEngine(cfg, model).generate(prompts, params)]
+    eng = SpecEngine(cfg, CHAIN, model, head)
+    _eager_chain_runner(eng, monkeypatch, device_metadata=True)
+    eng.merge_arrivals = True
+    seen = _count_merged(eng, monkeypatch)
+    assert [tuple(t) for t in _arrivals(eng, prompts, params)] == [tuple(w) for w in want]
+    assert seen
+
+
+def test_merged_arrivals_in_graphs_stay_lossless_up_to_bf16_near_ties(target, monkeypatch):
+    """bf16, captured graphs: the merged forward replays a prompt graph (prompt rows, then
+    the chains' rows); output parts from plain only at near-ties."""
+    g = torch.Generator().manual_seed(15)
+    prompts = [torch.randint(3, 49152, (9 + 13 * i,), generator=g).tolist() for i in range(5)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    eng = SpecEngine(_cfg(True), CHAIN, *target)
+    eng.merge_arrivals = True
+    seen = _count_merged(eng, monkeypatch)
+    replays = []
+    real = eng.graphs.run_forward
+    monkeypatch.setattr(eng.graphs, "run_forward",
+                        lambda *a, **kw: replays.append(1) or real(*a, **kw))
+    got = _arrivals(eng, prompts, params)
+    assert seen and len(replays) >= len(seen)
+    plain = LLMEngine(_cfg(True), target[0])
+    want = [c.output_ids for c in plain.generate(prompts, params)]
+    assert_parts_only_at_near_ties(plain, prompts, got, want)

@@ -109,14 +109,20 @@ def _layer_results(ep: ParallelGroup) -> dict[str, float]:
                         got = moe(local, max(rows), ParallelGroup())
                 else:
                     got = moe(local, max(rows), ParallelGroup())
-                diffs[f"{name}/{mode}"] = (got - want).abs().max().item() if len(got) else 0.0
+                diffs[f"{name}/{mode}"] = _rel(got, want) if len(got) else 0.0
         else:  # the same rows on every rank
             x = every[0]
             want = single(x)
             for mode in ("allreduce", *MODES):
                 got = _moe(ep, mode, bias)(x)
-                diffs[f"{name}/{mode}"] = (got - want).abs().max().item()
+                diffs[f"{name}/{mode}"] = _rel(got, want)
     return diffs
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max |got - want| over the scale of `want` (at least 1): float32 sums of other row
+    counts differ in the last bits, by how much depends on the CPU's BLAS kernels."""
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
 
 
 # ---- a whole model ---------------------------------------------------------------------------
@@ -192,7 +198,7 @@ def test_alltoall_equals_allreduce_and_single_rank(tmp_path):
 
     for rank, (layer, model) in per_rank.items():
         for case, diff in layer.items():
-            assert diff <= 1e-6, f"rank {rank}, layer case {case}: max |diff| {diff}"
+            assert diff <= 1e-6, f"rank {rank}, layer case {case}: max |diff| / scale {diff}"
         for mode in ("allreduce", *MODES):
             for got, want in zip(model[f"ep/{mode}/logits"], ref_logits):
                 torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5,

@@ -238,11 +238,9 @@ def _record_drafts(eng: SpecEngine) -> tuple[dict[str, list[list[int]]], dict]:
     per request: both depend on the draft KV of the whole prompt."""
     drafts: dict[str, list[list[int]]] = {}
     seeds: dict[str, torch.Tensor] = {}
-    propose, prefill_step = eng._propose, eng._prefill_step
+    propose, prefill_step, merged_step = eng._propose, eng._prefill_step, eng._merged_prefill_step
 
-    def prefilling(plan):
-        finish = prefill_step(plan)
-
+    def recorded(finish):
         def finishing():  # the seeds are set when the step commits the prompts' tokens
             outs = finish()
             for rid, seed in eng.seeds.items():
@@ -251,13 +249,20 @@ def _record_drafts(eng: SpecEngine) -> tuple[dict[str, list[list[int]]], dict]:
 
         return finishing
 
+    def prefilling(plan):
+        return recorded(prefill_step(plan))
+
+    def merged(plan, verify):  # a prompt step merged with the round's verify
+        finish, out = merged_step(plan, verify)
+        return recorded(finish), out
+
     def recording(req_ids, inp, num_drafts):
         verify = propose(req_ids, inp, num_drafts)
         for rid, row in zip(req_ids, verify.tokens.tolist()):
             drafts.setdefault(rid, []).append(row)
         return verify
 
-    eng._propose, eng._prefill_step = recording, prefilling
+    eng._propose, eng._prefill_step, eng._merged_prefill_step = recording, prefilling, merged
     return drafts, seeds
 
 

@@ -489,18 +489,28 @@ def test_handed_off_request_continues_at_prompt_len(spec, monkeypatch):
 
 # ---- a prompt step: its tokens committed after the others' round ------------------------------
 
-def test_a_prompt_step_commits_its_first_token_after_the_others_round(monkeypatch):
+@pytest.mark.parametrize("merge", [False, True], ids=["apart", "merged"])
+def test_a_prompt_step_commits_its_first_token_after_the_others_round(merge, monkeypatch):
     """spec/prompt_side.py: a step with a completing prompt and decoding requests queues the
     prompt's work, runs the others' round, and only then reads and commits the prompt's first
-    token (one host read a step); outputs stay plain greedy's and every page comes back."""
+    token (one host read a step); outputs stay plain greedy's and every page comes back.
+    Merged (`merge_arrivals`), the round's verify is the prompt's forward itself."""
     model = _model()
     eng = SpecEngine(engine_cfg(), CHAIN, model, tiny_head(model, "eagle", live=None))
+    eng.merge_arrivals = merge
     events: list[tuple[str, str]] = []
     verify, append = eng._verify_forward, eng._append
+    merged = eng._merged_prefill_step
 
     def verifying(v):
         events.append(("verify", ""))
         return verify(v)
+
+    def merging(plan, v):
+        events.append(("verify", ""))
+        return merged(plan, v)
+
+    monkeypatch.setattr(eng, "_merged_prefill_step", merging)
 
     def appending(req, tok, *a, **kw):
         if not req.output_ids:  # a first token

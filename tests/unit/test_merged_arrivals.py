@@ -1,0 +1,145 @@
+"""Prompts merged with the round's verify (`SpecEngine.merge_arrivals`, TANDEM_MERGED_ARRIVALS=1):
+a step with prompts and a round runs one target forward over both -- the round's chains as
+chunks of root + drafts at num_cached after the prompts' rows. Outputs stay plain greedy
+decoding's (float32, token for token), through arrivals, chunked prompts, requests ending,
+preemption and drafting ahead; the merged steps really ran one target forward."""
+
+from __future__ import annotations
+
+import pytest
+from spec_helpers import (
+    assert_pages_free,
+    engine_cfg,
+    greedy,
+    one_thread,  # noqa: F401 (autouse fixture)
+    prompts,
+    reference,
+    tiny_head,
+    tiny_target,
+)
+from test_spec_graph_padding import _attach_graphs
+
+from tandem.engine import SamplingParams
+from tandem.spec import SpecConfig, SpecEngine
+
+
+def _merged(model, spec, kind="eagle", graphs=False, monkeypatch=None, **cfg) -> SpecEngine:
+    eng = SpecEngine(engine_cfg(**cfg), spec, model, tiny_head(model, kind))
+    if graphs:
+        _attach_graphs(eng, monkeypatch, device_metadata=True)
+        eng.set_draft_ahead(True)
+    eng.merge_arrivals = True
+    calls = {"merged": 0, "verify": 0}
+    for name, key in (("_merged_prefill_step", "merged"), ("_verify_forward", "verify")):
+        real = getattr(eng, name)
+        setattr(eng, name, lambda *a, _r=real, _k=key, **kw:
+                calls.__setitem__(_k, calls[_k] + 1) or _r(*a, **kw))
+    eng.calls = calls  # type: ignore[attr-defined]
+    return eng
+
+
+def _staggered(eng: SpecEngine, ps, params, every: int = 2) -> dict[str, list[int]]:
+    """The prompts arriving one every `every` steps, so most arrive next to a round."""
+    tokens: dict[str, list[int]] = {}
+    ids, pending, steps = [], list(zip(ps, params)), 0
+    while pending or eng.has_unfinished():
+        if pending and steps % every == 0:
+            p, q = pending.pop(0)
+            ids.append(eng.add_request(p, q))
+        for out in eng.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        steps += 1
+    return {i: tokens[i] for i in ids}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle-2layer", "eagle3"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-runner"])
+def test_merged_arrivals_keep_plain_greedy_output(kind, graphs, monkeypatch):
+    model = tiny_target("llama")
+    ps = prompts(5, seed=31, lo=3, hi=30)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 9, 25, 14, 18)]
+    want = [c.output_ids for c in reference(model, ps, params)]
+    eng = _merged(model, SpecConfig(num_steps=3), kind, graphs, monkeypatch,
+                  max_num_batched_tokens=16)  # long prompts arrive in chunks
+    got = _staggered(eng, ps, params)
+    assert [tuple(t) for t in got.values()] == [tuple(w) for w in want]
+    # arrivals next to a round took the merged forward (with graphs, not where the round's
+    # verify was queued ahead by the round before: spec/ahead.py)
+    assert eng.calls["merged"] >= (1 if graphs else 3)
+    assert_pages_free(eng)
+
+
+def test_merged_arrivals_under_preemption_and_at_k_zero(monkeypatch):
+    """Few pages: rounds preempt later requests (which arrive again, merged or not); and a
+    plain (k = 0) round merges too (its chain is the root alone)."""
+    from test_spec_adaptive import ForcedK
+
+    model = tiny_target("llama")
+    ps = prompts(6, seed=7, lo=6, hi=20)
+    params = greedy(14)
+    want = [c.output_ids for c in reference(model, ps, params)]
+    eng = SpecEngine(engine_cfg(num_pages=30), SpecConfig(num_steps=3), model,
+                     tiny_head(model, "eagle"), policy=ForcedK((3, 0, 2)))
+    eng.merge_arrivals = True
+    got = _staggered(eng, ps, [params] * 6, every=1)
+    assert [tuple(t) for t in got.values()] == [tuple(w) for w in want]
+    assert eng.scheduler.num_preemptions > 0
+    assert_pages_free(eng)
+
+
+def test_sampled_requests_merge_too(monkeypatch):
+    """Seeded sampled requests: the merged engine's tokens are the unmerged one's (the same
+    logits, the same draws)."""
+    model = tiny_target("llama")
+    ps = prompts(4, seed=41, lo=3, hi=20)
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0, top_k=4,
+                             seed=i) for i in range(4)]
+    plain = SpecEngine(engine_cfg(), SpecConfig(num_steps=3), model, tiny_head(model, "eagle"))
+    want = _staggered(plain, ps, params)
+    eng = _merged(model, SpecConfig(num_steps=3))
+    got = _staggered(eng, ps, params)
+    assert list(got.values()) == list(want.values())
+    assert eng.calls["merged"] > 0
+
+
+def test_a_merged_forward_lays_out_prompt_rows_then_each_chain(monkeypatch):
+    """The merged forward's metadata: the prompt chunks' rows first, at their positions;
+    then per round request its chain -- N rows at num_cached .. num_cached + N - 1, written
+    at those slots of its own pages, attending to num_cached + N keys, causal -- as the
+    verify forward it replaces lays them out; the input ids of those rows are the chain's."""
+    model = tiny_target("llama")
+    eng = _merged(model, SpecConfig(num_steps=3))
+    page = eng.cfg.page_size
+    seen = []
+    merged, forward = eng._merged_prefill_step, eng.runner.forward
+
+    def merging(plan, verify):
+        seen.append([plan, verify, None])
+        return merged(plan, verify)
+
+    def forwarding(batch):
+        if seen and seen[-1][2] is None:
+            seen[-1][2] = batch
+        return forward(batch)
+
+    monkeypatch.setattr(eng, "_merged_prefill_step", merging)
+    monkeypatch.setattr(eng.runner, "forward", forwarding)
+    _staggered(eng, prompts(4, seed=5, lo=3, hi=12), [greedy(10)] * 4)
+    assert seen
+    for plan, verify, batch in seen:
+        attn, pos = batch.attn, batch.positions.tolist()
+        qo, kv = attn.qo_indptr_cpu.tolist(), attn.kv_lens_cpu.tolist()
+        slots, ids = attn.slot_ids.tolist(), batch.input_ids.tolist()
+        for s, c in enumerate(plan.chunks):
+            assert pos[qo[s] : qo[s + 1]] == list(range(c.num_cached, c.num_cached + len(
+                c.token_ids)))
+        n, first = verify.num_nodes, len(plan.chunks)
+        for r, (pages, nc) in enumerate(zip(verify.page_ids, verify.num_cached)):
+            s = first + r
+            rows = range(qo[s], qo[s + 1])
+            assert len(rows) == n and kv[s] == nc + n
+            assert [pos[q] for q in rows] == list(range(nc, nc + n))
+            assert [slots[q] for q in rows] == [pages[p // page] * page + p % page
+                                                for p in range(nc, nc + n)]
+            assert [ids[q] for q in rows] == verify.tokens[r].tolist()
+        assert attn.custom_mask is None  # causal: each chain's rows see their own prefix
