@@ -9,6 +9,9 @@ plain engine's own; spec/prompt_side.py: the prompts' tokens are read and commit
 
     draft -> verify (one target forward) -> accept -> compact -> draft-extend
 
+With `merge_arrivals` (`_arrival_round`) a step that has both drafts first, and (1)'s target
+forward also verifies the round's chains: one target forward a step.
+
 The scheduling around the round is the `SpecScheduler`'s (spec/scheduler.py): which requests
 run it, their pages (reserved before, preempting under pressure) and their seeds (kept after).
 Committing appends the accepted tokens one by one through the same stop checks as plain
