@@ -20,11 +20,21 @@ from spec_helpers import (
 from test_spec_graph_padding import _attach_graphs
 
 from tandem.engine import SamplingParams
+from tandem.engine.cuda_graphs import DecodeGraphRunner
 from tandem.spec import SpecConfig, SpecEngine
+from tandem.spec.draft_prefill import DraftPrefillGraphs
 
 
-def _merged(model, spec, kind="eagle", graphs=False, monkeypatch=None, **cfg) -> SpecEngine:
+def _merged(model, spec, kind="eagle", graphs=False, monkeypatch=None, target_graphs=False,
+            **cfg) -> SpecEngine:
     eng = SpecEngine(engine_cfg(**cfg), spec, model, tiny_head(model, kind))
+    if target_graphs:  # the prompt graphs (eager mode) and the draft prefill's, as on a GPU
+        eng.graphs = DecodeGraphRunner(
+            eng.runner, (1, 2, 4), max_pages_per_seq=-(-eng.max_model_len // eng.cfg.page_size),
+            device_metadata=True, prefill_rows=(8, 16, 32, 64), capture_layers=eng.capture)
+        eng.graphs.capture(eager=True)
+        eng.draft_prefill = DraftPrefillGraphs(eng.draft, eng.graphs, None)
+        eng.draft_prefill.capture(eager=True)
     if graphs:
         _attach_graphs(eng, monkeypatch, device_metadata=True)
         eng.set_draft_ahead(True)
@@ -53,19 +63,39 @@ def _staggered(eng: SpecEngine, ps, params, every: int = 2) -> dict[str, list[in
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle-2layer", "eagle3"])
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-runner"])
+@pytest.mark.parametrize("graphs", ["eager", "graph-runner", "all-graphs"])
 def test_merged_arrivals_keep_plain_greedy_output(kind, graphs, monkeypatch):
+    """all-graphs: the merged forward through the prompt graphs (the draft prefill's graph
+    then writes draft KV on the chains' rows too, which the extend graph rewrites)."""
     model = tiny_target("llama")
     ps = prompts(5, seed=31, lo=3, hi=30)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 9, 25, 14, 18)]
     want = [c.output_ids for c in reference(model, ps, params)]
-    eng = _merged(model, SpecConfig(num_steps=3), kind, graphs, monkeypatch,
+    eng = _merged(model, SpecConfig(num_steps=3), kind, graphs != "eager", monkeypatch,
+                  target_graphs=graphs == "all-graphs",
                   max_num_batched_tokens=16)  # long prompts arrive in chunks
+    replays, eager = [], []  # graph replays of prompt steps; eager forwards in merged ones
+    if eng.graphs is not None:
+        run_forward, forward = eng.graphs.run_forward, eng.runner.forward
+        merged = eng._merged_prefill_step
+        eng.graphs.run_forward = lambda batch, **kw: (replays.append(batch.attn.num_tokens)
+                                                      or run_forward(batch, **kw))
+
+        def merging(plan, verify):
+            eng.runner.forward = lambda batch: eager.append(1) or forward(batch)
+            try:
+                return merged(plan, verify)
+            finally:
+                eng.runner.forward = forward
+
+        eng._merged_prefill_step = merging
     got = _staggered(eng, ps, params)
     assert [tuple(t) for t in got.values()] == [tuple(w) for w in want]
     # arrivals next to a round took the merged forward (with graphs, not where the round's
     # verify was queued ahead by the round before: spec/ahead.py)
-    assert eng.calls["merged"] >= (1 if graphs else 3)
+    assert eng.calls["merged"] >= (1 if graphs != "eager" else 3)
+    if eng.graphs is not None:  # every prompt step replayed a graph, merged ones included
+        assert len(replays) >= eng.calls["merged"] and not eager  # merged: a graph replay
     assert_pages_free(eng)
 
 
