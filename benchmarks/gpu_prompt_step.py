@@ -79,7 +79,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=60)
     ap.add_argument("--cases", default="1,0;8,0;1,15;8,8",
                     help="arriving,decoding pairs, ';'-separated")
-    ap.add_argument("--engines", default="plain,spec")
+    ap.add_argument("--engines", default="plain,spec",
+                    help="plain, spec, spec_m (spec with prompts merged into the round's "
+                         "verify forward, TANDEM_MERGED_ARRIVALS)")
     args = ap.parse_args()
     gpu_spec.DEV = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -88,8 +90,14 @@ def main() -> None:
     model, _ = gpu_spec.build_target_and_head(cfg)
     head = dummy_head(DraftHeadConfig.like_target(model.cfg, "eagle", draft_vocab_size=8192),
                       model, DTYPES[cfg.dtype], gpu_spec.DEV, cfg.max_model_len)
+    def merged() -> SpecEngine:  # prompts merged into the round's verify forward
+        eng = SpecEngine(cfg, SpecConfig(num_steps=4), model, head)
+        eng.merge_arrivals = True
+        return eng
+
     makers = {"plain": lambda: LLMEngine(cfg, model),
-              "spec": lambda: SpecEngine(cfg, SpecConfig(num_steps=4), model, head)}
+              "spec": lambda: SpecEngine(cfg, SpecConfig(num_steps=4), model, head),
+              "spec_m": merged}
     engines = {name: makers[name]() for name in args.engines.split(",")}
     cases = [tuple(int(x) for x in c.split(",")) for c in args.cases.split(";")]
     res: dict = {"device": torch.cuda.get_device_name() if gpu_spec.DEV.type == "cuda" else "cpu",
