@@ -107,15 +107,17 @@ class DraftAhead:
                 "verify_used": self.verify_used, "verify_dropped": self.verify_dropped}
 
     def launch(self, runner: SpecGraphRunner, reqs: Sequence[Request], verify: VerifyInput,
-               num_accepted: torch.Tensor, ext: ExtendOutput) -> None:
+               num_accepted: torch.Tensor, ext: ExtendOutput, verify_ok: bool = True) -> None:
         """After the round's draft-extend was queued, before its host read: queue the next
         round's drafting of the same rows `reqs` (num_accepted [bs] int32 on the device), and
-        its verify where that pays (module docstring)."""
+        its verify where that pays (module docstring) and `verify_ok` (False: a prompt waits,
+        whose step will carry the next verify in its own forward: `SpecEngine._arrival_round`)."""
         self._drop(self._queued)
         self._queued = None
         if self.enabled and runner.draft_ahead(verify, num_accepted, ext):
             out = None
-            if len(reqs) <= self.verify_batch and not may_end(reqs, runner.num_drafts):
+            if (verify_ok and len(reqs) <= self.verify_batch
+                    and not may_end(reqs, runner.num_drafts)):
                 out = runner.verify_ahead(len(reqs))
                 self.verify_queued += out is not None
             self._queued = _Queued(runner=runner, writes=runner.drafts_launched,

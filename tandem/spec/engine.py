@@ -284,6 +284,11 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
             finish = self._prefill_step(plan)
         return finish, drafted, verified
 
+    def _prompts_pending(self) -> bool:
+        """A prompt waits or is part-done: the next step has prompt rows, so (merging) its
+        round's verify rides in their forward rather than being queued ahead."""
+        return bool(self.scheduler.waiting) or self.scheduler.num_partial > 0
+
     def plain_step(self) -> list[RequestOutput]:
         """One step of the plain engine's own path (overlapped where `overlap_ok`), over
         requests without seeds; `leave_overlap` before the next speculative step."""
@@ -329,7 +334,8 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
             ext = graphs.extend(verify, pending.num_accepted, pending.path, pending.bonus,
                                 features)
             if ahead:  # the next round's drafting (and verify), before this round's host read
-                self.draft_ahead.launch(graphs, ahead, verify, pending.num_accepted, ext)
+                self.draft_ahead.launch(graphs, ahead, verify, pending.num_accepted, ext,
+                                        not (self.merge_arrivals and self._prompts_pending()))
             result = with_row_faults(pending.result(), inp.req_ids, fault)  # SYNC inside
             compact_accepted_path(self.kv_pool, "target", verify, result)  # trees; target KV
             nxt = next_draft_input(verify, result, ext.hidden, ext.topk_ids, ext.topk_logp,

@@ -173,3 +173,31 @@ def test_a_merged_forward_lays_out_prompt_rows_then_each_chain(monkeypatch):
                                                 for p in range(nc, nc + n)]
             assert [ids[q] for q in rows] == verify.tokens[r].tolist()
         assert attn.custom_mask is None  # causal: each chain's rows see their own prefix
+
+
+def test_a_prompt_in_chunks_merges_with_the_rounds_instead_of_verifying_ahead(monkeypatch):
+    """Drafting ahead queues the next verify too (small batches); a queued verify keeps the
+    prompts' forward apart. While a prompt waits or is part-done, the round queues only the
+    drafting, so each later chunk of a long prompt rides with the round's verify."""
+    model = tiny_target("llama")
+    ps = prompts(2, seed=61, lo=4, hi=8) + prompts(1, seed=62, lo=60, hi=60)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 30, 8)]
+    want = [c.output_ids for c in reference(model, ps, params)]
+    eng = _merged(model, SpecConfig(num_steps=3), "eagle", True, monkeypatch,
+                  max_num_batched_tokens=12)  # the long prompt: 5 chunks, 4 of them later
+    assert eng.draft_ahead.verify_batch >= 2
+    ids = [eng.add_request(p, q) for p, q in zip(ps[:2], params[:2])]
+    while len(eng.seeds) < 2:
+        eng.step()
+    for _ in range(2):  # rounds drafting and verifying ahead
+        eng.step()
+    assert eng.draft_ahead.verify_used > 0
+    merged_before = eng.calls["merged"]
+    ids.append(eng.add_request(ps[2], params[2]))
+    tokens: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+    assert eng.calls["merged"] - merged_before >= 4  # every chunk after the first
+    assert tokens[ids[2]] == list(want[2])
+    assert_pages_free(eng)
