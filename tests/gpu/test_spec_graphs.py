@@ -539,6 +539,7 @@ def test_float32_drafting_ahead_equals_plain_and_drafting_in_the_step(target, mo
         _eager_chain_runner(eng, monkeypatch, device_metadata)
         eng.set_draft_ahead(ahead)
         eng.draft_ahead.verify_batch = 4  # verify ahead too, where the metadata is the device's
+        eng.merge_arrivals = False  # every verify through `_verify_forward` (on: no graphs here)
         seen = verified[ahead] = []
         orig = eng._verify_forward
         monkeypatch.setattr(eng, "_verify_forward",
