@@ -48,8 +48,10 @@ def _merged(model, spec, kind="eagle", graphs=False, monkeypatch=None, target_gr
     return eng
 
 
-def _staggered(eng: SpecEngine, ps, params, every: int = 2) -> dict[str, list[int]]:
-    """The prompts arriving one every `every` steps, so most arrive next to a round."""
+def _staggered(eng: SpecEngine, ps, params, every: int = 2,
+               logprobs: dict | None = None) -> dict[str, list[int]]:
+    """The prompts arriving one every `every` steps, so most arrive next to a round (and
+    each request's returned logprobs into `logprobs`)."""
     tokens: dict[str, list[int]] = {}
     ids, pending, steps = [], list(zip(ps, params)), 0
     while pending or eng.has_unfinished():
@@ -58,6 +60,8 @@ def _staggered(eng: SpecEngine, ps, params, every: int = 2) -> dict[str, list[in
             ids.append(eng.add_request(p, q))
         for out in eng.step():
             tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(out.req_id, []).extend(out.logprobs)
         steps += 1
     return {i: tokens[i] for i in ids}
 
@@ -201,3 +205,34 @@ def test_a_prompt_in_chunks_merges_with_the_rounds_instead_of_verifying_ahead(mo
     assert eng.calls["merged"] - merged_before >= 4  # every chunk after the first
     assert tokens[ids[2]] == list(want[2])
     assert_pages_free(eng)
+
+
+def test_logprobs_of_merged_steps_equal_the_unmerged_engine(monkeypatch):
+    """Requests asking for logprobs (greedy and seeded sampled): the merged engine returns
+    the unmerged one's tokens and, within float32 rounding, their logprobs (the chains'
+    logits come from the LM head over the merged forward's rows)."""
+    model = tiny_target("llama")
+    ps = prompts(4, seed=71, lo=3, hi=20)
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3,
+                             **kw) for kw in ({}, {"temperature": 1.0, "top_k": 4, "seed": 5},
+                                              {}, {"temperature": 0.8, "seed": 6})]
+    runs = []
+    for merge in (False, True):
+        eng = SpecEngine(engine_cfg(), SpecConfig(num_steps=3), model, tiny_head(model, "eagle"))
+        eng.merge_arrivals = merge
+        seen = []
+        real = eng._merged_prefill_step
+        monkeypatch.setattr(eng, "_merged_prefill_step",
+                            lambda *a, _r=real, _s=seen: _s.append(1) or _r(*a))
+        logprobs: dict[str, list] = {}
+        tokens = _staggered(eng, ps, params, logprobs=logprobs)
+        assert bool(seen) == merge
+        runs.append((tokens, logprobs))
+    (t0, lp0), (t1, lp1) = runs
+    assert list(t0.values()) == list(t1.values())
+    for a_rows, b_rows in zip(lp0.values(), lp1.values()):
+        assert len(a_rows) == len(b_rows) == 12
+        for a, b in zip(a_rows, b_rows):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-5)
