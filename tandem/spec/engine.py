@@ -140,12 +140,11 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
             self.draft_prefill.capture()
         # Greedy rounds in graphs queue the next round's drafting (and verify): spec/ahead.py.
         self.draft_ahead = DraftAhead(verify_batch=verify_batch_by_env() * (model.par.dp.size == 1))
-        # Prompts' forward merged with the round's verify (`_arrival_round`): on where the
-        # target runs eagerly (a CPU: arrival steps 24% shorter at c=4, docs/perf.md session
-        # 28); with CUDA graphs opt-in until a GPU A/B says it pays. TANDEM_MERGED_ARRIVALS=1
-        # or 0 forces it.
+        # Prompts' forward merged with the round's verify (`_arrival_round`): on a CPU (arrival
+        # steps 24% shorter at c=4, docs/perf.md session 28); on a GPU opt-in until an A/B
+        # there says it pays. TANDEM_MERGED_ARRIVALS=1 or 0 forces it.
         merge = os.environ.get("TANDEM_MERGED_ARRIVALS", "")
-        self.merge_arrivals = merge == "1" or (merge != "0" and self.graphs is None)
+        self.merge_arrivals = merge == "1" or (merge != "0" and self.device.type == "cpu")
         self.set_draft_ahead(enabled_by_env())
         if policy is None and spec.adaptive:  # after the graphs: profiling times them
             from tandem.spec.cost_profile import adaptive_policy
