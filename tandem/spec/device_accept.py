@@ -163,8 +163,8 @@ def launch_sampled_chain_accept(
     probs = _chain_probs(logits.view(bs, n, -1), rows, idx, params)  # [m, N, V] float32
     by_gen = _generator_groups(rows, generators, device)
     u = torch.empty(len(rows), k, dtype=torch.float32, device=device)  # [m, k]
-    for gen, at in by_gen:
-        _put(u, at, torch.rand(_count(at, rows), k, generator=gen, device=device))
+    for gen, at, count in by_gen:
+        _put(u, at, torch.rand(count, k, generator=gen, device=device))
     mine = drafts.index_select(0, idx)  # [m, k]
     ok[idx] = u < probs[:, :-1].gather(2, mine[:, :, None]).squeeze(2)  # draft j: p_{j-1}(t_j)
     run = ok.to(torch.int32).cumprod(dim=1)  # [bs, k] 1 while every draft so far accepted
@@ -180,7 +180,7 @@ def launch_sampled_chain_accept(
         empty = (q.sum(dim=1) <= 0)[:, None]  # [m, 1]
         q = torch.where(empty, torch.zeros_like(q).scatter(1, t, 1.0), q)
     draw = torch.empty(len(rows), dtype=torch.int64, device=device)  # [m]
-    for gen, at in by_gen:
+    for gen, at, _ in by_gen:
         _put(draw, at, torch.multinomial(_take(q, at), 1, generator=gen).squeeze(1))
     bonus[idx] = draw
     nodes = torch.arange(1, n, dtype=torch.int32, device=device)  # [k] chain nodes 1..k
@@ -209,21 +209,18 @@ def _chain_probs(logits: torch.Tensor, rows: Sequence[int], idx: torch.Tensor,
 
 
 def _generator_groups(rows: Sequence[int], generators: Sequence[torch.Generator],
-                      device: torch.device) -> list[tuple[torch.Generator, torch.Tensor | None]]:
+                      device: torch.device
+                      ) -> list[tuple[torch.Generator, torch.Tensor | None, int]]:
     """The sampled rows' generators in first-use order, each with the positions (among
-    `rows`) of the rows drawing from it: None for all of them in order (one generator, the
-    usual case), else an index tensor."""
+    `rows`) of the rows drawing from it -- None for all of them in order (one generator,
+    the usual case), else an index tensor -- and how many they are."""
     order: dict[int, tuple[torch.Generator, list[int]]] = {}
     for i, r in enumerate(rows):
         order.setdefault(id(generators[r]), (generators[r], []))[1].append(i)
     if len(order) == 1:
         ((gen, _),) = order.values()
-        return [(gen, None)]
-    return [(gen, h2d_tensor(at, torch.int64, device)) for gen, at in order.values()]
-
-
-def _count(at: torch.Tensor | None, rows: Sequence[int]) -> int:
-    return len(rows) if at is None else at.shape[0]
+        return [(gen, None, len(rows))]
+    return [(gen, h2d_tensor(at, torch.int64, device), len(at)) for gen, at in order.values()]
 
 
 def _take(x: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:

@@ -59,9 +59,10 @@ class PromptSide:
 
     def _merge_fits(self, plan: StepPlan, verify: VerifyInput) -> bool:
         """Whether the merged forward replays a graph (or no graphs are captured: eager
-        either way); else it would run eagerly where the two apart replay graphs."""
-        return self.graphs is None or (self.prefill_layer_hook is None and self._graph_batch_size(
-            _with_verify_rows(plan, verify)) is not None)
+        either way); else it would run eagerly where the two apart replay graphs. (No
+        per-layer hook to rule out: steps merge only without prompts handed off.)"""
+        return (self.graphs is None
+                or self._graph_batch_size(_with_verify_rows(plan, verify)) is not None)
 
     def _prompt_work(self, plan: StepPlan, verify: VerifyInput | None
                      ) -> tuple[Callable[[], list[RequestOutput]], ForwardOutput | None]:
