@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import json
 import pstats
@@ -39,9 +40,11 @@ def sync() -> None:
 
 
 def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Profile | None,
-               prompt_len: int = 60) -> float:
+               prompt_len: int = 60, trace: Path | None = None) -> float:
     """Median wall ms of the step that takes `arriving` new `prompt_len`-token prompts while
-    `decoding` requests decode (the decoding ones started earlier and are past their prompts)."""
+    `decoding` requests decode (the decoding ones started earlier and are past their prompts).
+    `trace`: the last such step under torch.profiler (CPU + CUDA), its op tables written to
+    `trace`.txt and its timeline to `trace`.json.gz (chrome://tracing, Perfetto)."""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=4096, ignore_eos=True)
     times = []
@@ -58,16 +61,41 @@ def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Prof
         sync()
         if prof is not None and rep >= 2:
             prof.enable()
+        tprof = None
+        if trace is not None and rep == reps + 1:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if gpu_spec.DEV.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            tprof = torch.profiler.profile(activities=acts)
+            tprof.start()
         t0 = time.perf_counter()
         eng.step()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
         if prof is not None:
             prof.disable()
+        if tprof is not None:
+            tprof.stop()
+            write_trace(tprof, trace, times[-1])
     for rid in list(eng.scheduler.requests):
         eng.abort(rid)
     eng.step()
     return statistics.median(times[2:])
+
+
+def write_trace(tprof, trace: Path, wall_ms: float) -> None:
+    """The profiled step's ops by device time and by host time (self), and its timeline."""
+    avg = tprof.key_averages()
+    dev = "self_cuda_time_total" if gpu_spec.DEV.type == "cuda" else "self_cpu_time_total"
+    text = (f"step wall {wall_ms:.3f} ms\n\n== by self device time\n"
+            + avg.table(sort_by=dev, row_limit=40)
+            + "\n== by self host time\n" + avg.table(sort_by="self_cpu_time_total", row_limit=40))
+    trace.with_suffix(".txt").write_text(text)
+    raw = trace.with_suffix(".json")
+    tprof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
 
 
 def main() -> None:
@@ -79,6 +107,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=60)
     ap.add_argument("--cases", default="1,0;8,0;1,15;8,8",
                     help="arriving,decoding pairs, ';'-separated")
+    ap.add_argument("--trace", default="",
+                    help="arriving,decoding: that case's last timed step under torch.profiler "
+                         "(OUT/trace_<engine>_<a>_<d>.txt and .json.gz)")
     ap.add_argument("--engines", default="plain,spec",
                     help="plain, spec, spec_m (spec with prompts merged into the round's "
                          "verify forward, TANDEM_MERGED_ARRIVALS)")
@@ -106,7 +137,9 @@ def main() -> None:
     for name, eng in engines.items():
         for arriving, decoding in cases:
             prof = cProfile.Profile() if (arriving, decoding) == (1, 0) else None
-            ms = arrival_ms(eng, arriving, decoding, args.reps, prof, args.prompt_len)
+            trace = (args.out / f"trace_{name}_{arriving}_{decoding}"
+                     if args.trace == f"{arriving},{decoding}" else None)
+            ms = arrival_ms(eng, arriving, decoding, args.reps, prof, args.prompt_len, trace)
             res[f"{name} arrive={arriving} decoding={decoding}"] = ms
             print(f"{name:6s} {arriving} arriving next to {decoding:2d} decoding: {ms:7.2f} ms",
                   flush=True)
