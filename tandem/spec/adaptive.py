@@ -122,9 +122,13 @@ class FixedK:
 class AdaptiveSettings:
     alpha: float = 0.1  # EWMA weight of one observation in a request's own estimate
     # ... in the engine-wide one, which prices the plain regime: it pools every request's
-    # rounds, so a slower average (~50 observations) keeps a run of unlucky rounds from
-    # flipping the engine to plain decoding where rounds pay by ~10% (SmolLM2, H100)
-    overall_alpha: float = 0.02
+    # rounds, so a slower average keeps a run of unlucky rounds from flipping the engine to
+    # plain decoding where rounds pay by ~10% (SmolLM2, H100). ~200 observations: a round
+    # observes each of its rows, so at 0.02 (~50) the memory was ~12 rounds at c=4 -- the
+    # four requests decoding then, whose acceptance differs by request, and E(4) swung by the
+    # size of the decision's margin (H200, c=4: plain regime in 3 of 4 runs where rounds won
+    # by ~20%; a simulation of it turned plain at 14-21% of arrivals, 3-11% at 0.005).
+    overall_alpha: float = 0.005
     prior: float = 0.6  # P(accepted) at every position before anything is observed
     relax: float = 0.02  # per unobserved step, the pull back toward the prior
     # per step of the plain regime (no request drafts): slower, so that trying speculation
