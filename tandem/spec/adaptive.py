@@ -121,13 +121,9 @@ class FixedK:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdaptiveSettings:
     alpha: float = 0.1  # EWMA weight of one observation in a request's own estimate
-    # ... in the engine-wide one, which prices the plain regime: it pools every request's
-    # rounds, so a slower average keeps a run of unlucky rounds from flipping the engine to
-    # plain decoding where rounds pay by ~10% (SmolLM2, H100). ~200 observations: a round
-    # observes each of its rows, so at 0.02 (~50) the memory was ~12 rounds at c=4 -- the
-    # four requests decoding then, whose acceptance differs by request, and E(4) swung by the
-    # size of the decision's margin (H200, c=4: plain regime in 3 of 4 runs where rounds won
-    # by ~20%; a simulation of it turned plain at 14-21% of arrivals, 3-11% at 0.005).
+    # ... in the engine-wide one (prices the plain regime; pools all rows): ~200 observations,
+    # ~50 rounds at c=4 (at 0.02 it followed the 4 requests decoding, whose acceptance differs,
+    # and swung arrivals plain where rounds won by ~20%: H200, docs/architecture.md)
     overall_alpha: float = 0.005
     prior: float = 0.6  # P(accepted) at every position before anything is observed
     relax: float = 0.02  # per unobserved step, the pull back toward the prior
