@@ -26,8 +26,8 @@ import torch
 from tandem.engine import kernels
 from tandem.engine.d2h import HostCopy
 from tandem.engine.h2d import tensor as h2d_tensor
-from tandem.engine.logprobs import HostLogprobs, LogprobRows, asking_rows, gather_logprobs
-from tandem.engine.logprobs import repeated_rows
+from tandem.engine.logprobs import (HostLogprobs, LogprobRows, asking_rows, gather_logprobs,
+                                    repeated_rows)
 from tandem.engine.sampling import SamplingParams, target_probs
 from tandem.spec import kernels as spec_kernels
 from tandem.spec.phases import VerifyInput, VerifyResult
@@ -151,14 +151,14 @@ def launch_sampled_chain_accept(
 ) -> DeviceAcceptance:
     """Acceptance of a batch of chains with sampled rows (module docstring), queued on the
     device; no host read. The greedy rows of the batch accept as `launch_greedy_accept`."""
+    rows = [r for r, p in enumerate(params) if not p.greedy]  # [m] the sampled rows
+    if not rows:
+        return launch_greedy_accept(verify, logits, params)
     bs, n = verify.batch_size, verify.num_nodes
     k, device = n - 1, logits.device
     argmax = kernels.row_max(logits)[1].view(bs, n)  # [bs, N] int64
     drafts = verify.tokens[:, 1:]  # [bs, k] int64 draft j at column j - 1
     ok = drafts == argmax[:, :-1]  # [bs, k] the greedy rule
-    rows = [r for r, p in enumerate(params) if not p.greedy]  # [m] the sampled rows
-    if not rows:
-        return launch_greedy_accept(verify, logits, params)
     idx = h2d_tensor(rows, torch.int64, device)  # [m]
     probs = _chain_probs(logits.view(bs, n, -1), rows, idx, params)  # [m, N, V] float32
     by_gen = _generator_groups(rows, generators, device)
