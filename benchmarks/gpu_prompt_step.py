@@ -6,7 +6,8 @@ taking twice as many such steps as the plain one at c=4 and c=16 (their requests
 staggered steps, so arrivals bunch less). This times those steps directly, on dummy bf16
 SmolLM2 weights: the plain engine and the speculative one, 1 and 8 prompts of 60 tokens
 arriving next to 0 or 15 decoding requests; wall ms per step (median), the same step's eager
-forward alone, and a cProfile of the plain 1-prompt step (host time by function).
+forward alone, and a cProfile of one case's steps for each engine (host time by function;
+`--cprofile`, default the 1-prompt step alone).
 
     source benchmarks/gpu_env.sh; python3 benchmarks/gpu_prompt_step.py --out $OUT   # 1 GPU
 """
@@ -110,6 +111,9 @@ def main() -> None:
     ap.add_argument("--trace", default="",
                     help="arriving,decoding: that case's last timed step under torch.profiler "
                          "(OUT/trace_<engine>_<a>_<d>.txt and .json.gz)")
+    ap.add_argument("--cprofile", default="1,0",
+                    help="arriving,decoding: that case's steps under cProfile, every engine "
+                         "(OUT/prompt_step_profiles.txt)")
     ap.add_argument("--engines", default="plain,spec",
                     help="plain, spec, spec_m (spec with prompts merged into the round's "
                          "verify forward, TANDEM_MERGED_ARRIVALS)")
@@ -136,7 +140,8 @@ def main() -> None:
     profiles = io.StringIO()
     for name, eng in engines.items():
         for arriving, decoding in cases:
-            prof = cProfile.Profile() if (arriving, decoding) == (1, 0) else None
+            prof = (cProfile.Profile() if args.cprofile == f"{arriving},{decoding}"
+                     else None)
             trace = (args.out / f"trace_{name}_{arriving}_{decoding}"
                      if args.trace == f"{arriving},{decoding}" else None)
             ms = arrival_ms(eng, arriving, decoding, args.reps, prof, args.prompt_len, trace)
@@ -145,7 +150,8 @@ def main() -> None:
                   flush=True)
             if prof is not None:
                 stats = pstats.Stats(prof, stream=profiles)
-                profiles.write(f"\n== {name}, 1 prompt arriving, {args.reps} steps\n")
+                profiles.write(f"\n== {name}, {arriving} arriving next to {decoding} decoding, "
+                               f"{args.reps} steps\n")
                 stats.sort_stats("tottime").print_stats(35)
                 stats.sort_stats("cumulative").print_stats(50)
     (args.out / "gpu_prompt_step.json").write_text(json.dumps(res, indent=1))
