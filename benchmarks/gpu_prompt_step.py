@@ -23,6 +23,8 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,11 +43,15 @@ def sync() -> None:
 
 
 def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Profile | None,
-               prompt_len: int = 60, trace: Path | None = None) -> float:
+               prompt_len: int = 60, trace: Path | None = None,
+               syncs: list | None = None) -> float:
     """Median wall ms of the step that takes `arriving` new `prompt_len`-token prompts while
     `decoding` requests decode (the decoding ones started earlier and are past their prompts).
     `trace`: the last such step under torch.profiler (CPU + CUDA), its op tables written to
-    `trace`.txt and its timeline to `trace`.json.gz (chrome://tracing, Perfetto)."""
+    `trace`.txt and its timeline to `trace`.json.gz (chrome://tracing, Perfetto). `syncs`: the
+    last step runs again untimed under `torch.cuda.set_sync_debug_mode`, each host-device
+    synchronisation appended as (message, innermost tandem frames).
+    (arriving = 0: a decode step of the `decoding` requests.)"""
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=4096, ignore_eos=True)
     times = []
@@ -78,10 +84,36 @@ def arrival_ms(eng, arriving: int, decoding: int, reps: int, prof: cProfile.Prof
         if tprof is not None:
             tprof.stop()
             write_trace(tprof, trace, times[-1])
+    if syncs is not None and gpu_spec.DEV.type == "cuda":
+        for _ in range(arriving):
+            eng.add_request(torch.randint(3, 4000, (prompt_len,), generator=g).tolist(), params)
+        sync()
+        syncs.extend(synced_in(eng.step))
     for rid in list(eng.scheduler.requests):
         eng.abort(rid)
     eng.step()
     return statistics.median(times[2:])
+
+
+def synced_in(fn) -> list[tuple[str, tuple[str, ...]]]:
+    """Every host-device synchronisation `fn()` makes (torch's sync debug mode): its warning's
+    first line and the innermost tandem frames of the Python stack that made it."""
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "/tandem/" in f.filename]
+        found.append((str(message).splitlines()[0][:80], tuple(
+            f"{'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {f.name}" for f in frames[-5:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return found
 
 
 def write_trace(tprof, trace: Path, wall_ms: float) -> None:
@@ -114,9 +146,13 @@ def main() -> None:
     ap.add_argument("--cprofile", default="1,0",
                     help="arriving,decoding: that case's steps under cProfile, every engine "
                          "(OUT/prompt_step_profiles.txt)")
+    ap.add_argument("--syncs", action="store_true",
+                    help="each case's step once more under torch's sync debug mode: where it "
+                         "waits for the GPU (OUT/syncs.txt)")
     ap.add_argument("--engines", default="plain,spec",
                     help="plain, spec, spec_m (spec with prompts merged into the round's "
-                         "verify forward, TANDEM_MERGED_ARRIVALS)")
+                         "verify forward, TANDEM_MERGED_ARRIVALS), adaptive (k per step; "
+                         "with the dummy head it settles in the plain regime)")
     args = ap.parse_args()
     gpu_spec.DEV = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -132,19 +168,28 @@ def main() -> None:
 
     makers = {"plain": lambda: LLMEngine(cfg, model),
               "spec": lambda: SpecEngine(cfg, SpecConfig(num_steps=4), model, head),
-              "spec_m": merged}
+              "spec_m": merged,
+              "adaptive": lambda: SpecEngine(cfg, SpecConfig(num_steps=4, adaptive=True),
+                                             model, head)}
     engines = {name: makers[name]() for name in args.engines.split(",")}
     cases = [tuple(int(x) for x in c.split(",")) for c in args.cases.split(";")]
     res: dict = {"device": torch.cuda.get_device_name() if gpu_spec.DEV.type == "cuda" else "cpu",
                  "torch": torch.__version__}
-    profiles = io.StringIO()
+    profiles, sync_text = io.StringIO(), io.StringIO()
     for name, eng in engines.items():
         for arriving, decoding in cases:
             prof = (cProfile.Profile() if args.cprofile == f"{arriving},{decoding}"
                      else None)
             trace = (args.out / f"trace_{name}_{arriving}_{decoding}"
                      if args.trace == f"{arriving},{decoding}" else None)
-            ms = arrival_ms(eng, arriving, decoding, args.reps, prof, args.prompt_len, trace)
+            syncs: list | None = [] if args.syncs else None
+            ms = arrival_ms(eng, arriving, decoding, args.reps, prof, args.prompt_len, trace,
+                            syncs)
+            if syncs is not None:
+                sync_text.write(f"\n== {name}, {arriving} arriving next to {decoding} "
+                                f"decoding: {len(syncs)} syncs\n")
+                for msg, frames in syncs:
+                    sync_text.write(f"- {msg}\n    " + "\n    ".join(frames) + "\n")
             res[f"{name} arrive={arriving} decoding={decoding}"] = ms
             print(f"{name:6s} {arriving} arriving next to {decoding:2d} decoding: {ms:7.2f} ms",
                   flush=True)
@@ -156,6 +201,9 @@ def main() -> None:
                 stats.sort_stats("cumulative").print_stats(50)
     (args.out / "gpu_prompt_step.json").write_text(json.dumps(res, indent=1))
     (args.out / "prompt_step_profiles.txt").write_text(profiles.getvalue())
+    if args.syncs:
+        (args.out / "syncs.txt").write_text(sync_text.getvalue())
+        print(sync_text.getvalue())
 
 
 if __name__ == "__main__":

@@ -303,9 +303,11 @@ class LLMEngine:
         else:
             self.graphs.run(self._build_batch(StepPlan(chunks=(), preempted=()), graph_bs))
 
-    def _build_batch(self, plan: StepPlan, num_rows: int) -> ForwardBatch:
+    def _build_batch(self, plan: StepPlan, num_rows: int, busy: bool = False) -> ForwardBatch:
         """The forward of `plan` over `num_rows` token rows (>= its tokens): rows beyond the
-        chunks' tokens (CUDA-graph padding) write only the scratch page."""
+        chunks' tokens (CUDA-graph padding) write only the scratch page. busy: the stream may
+        have work queued (a speculative step's prompts, behind the last round's drafting
+        ahead): the copies must not wait for it."""
         slices = [SeqSlice(page_ids=c.page_ids, num_cached=c.num_cached,
                            num_new=len(c.token_ids)) for c in plan.chunks]
         # Plain blocking copies: the stream is idle here (the last step ended on its host
@@ -316,7 +318,7 @@ class LLMEngine:
         pad = num_rows - (ends[-1] if ends else 0)  # graph padding: one-token scratch rows
         seqs = pad_decode_slices(slices, len(slices) + pad) if pad > 0 else slices
         logits_rows = [end - 1 for c, end in zip(plan.chunks, ends) if c.samples]
-        if self.overlap:
+        if self.overlap or busy:
             layout = h2d.build_layout(seqs, self.cfg.page_size, self.device)
             input_ids = feed_input_ids(plan.chunks, num_rows, self._inflight, self.device)
             logits_idx = h2d.tensor(logits_rows, torch.int64, self.device)

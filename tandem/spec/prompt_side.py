@@ -19,7 +19,6 @@ the first half; `finish` then only commits.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 
@@ -77,7 +76,7 @@ class PromptSide:
         rows_plan = _with_verify_rows(plan, verify)
         rows = (self._graph_batch_size(rows_plan)
                 if after_layer is None and self.model.par.dp.size == 1 else None)
-        batch = self._build_batch(rows_plan, rows or rows_plan.num_tokens)
+        batch = self._build_batch(rows_plan, rows or rows_plan.num_tokens, busy=True)
         if verify is not None:  # the chains' tokens over the placeholders, on the device
             n = verify.batch_size * verify.num_nodes
             batch.input_ids[num_tokens : num_tokens + n].copy_(verify.tokens.reshape(-1))
@@ -128,8 +127,9 @@ class PromptSide:
         # Queued now, the copy is what `finish` waits for -- not what the round queues ahead of
         # the next step after its own read (a `.tolist()` at `finish` would wait for that too).
         copy = SampledRead.start(drawn) if read is None else None
-        ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
-        last = hidden[[end - 1 for c, end in zip(plan.chunks, ends) if c.samples]]  # [n, H]
+        # The sampling rows' draft hidden [n, H]: they are the batch's logits rows (a list
+        # index would cross in a blocking copy, waiting for both forwards to finish).
+        last = hidden.index_select(0, batch.logits_indices)
         ids, logp = self.head.topk(last, self.spec.topk)  # one launch set for every prompt
 
         def finish() -> list[RequestOutput]:
