@@ -22,11 +22,14 @@ Writes $OUT/gpu_spec_chat.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
+import io
 import itertools
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -137,6 +140,20 @@ def closed_loop(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
              "first_to_last_p50_s": statistics.median(decode) if decode else None,
              "steps": step_summary(steps)}
     return outs, time.perf_counter() - t0, times
+
+
+def profile_run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                concurrency: int, path: Path) -> None:
+    """One closed-loop run under cProfile: its functions by own time and by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    closed_loop(eng, prompts, params, concurrency)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(70)
+    path.write_text(text.getvalue())
 
 
 def round_k(eng: SpecEngine) -> int:
@@ -286,6 +303,10 @@ def main() -> None:
     ap.add_argument("--adaptive-shares-model", action="store_true",
                     help="the adaptive engine over the spec engine's weights, as the plain "
                          "one is (default: its own copy, as a server loads it)")
+    ap.add_argument("--cprofile", default="",
+                    help="levels (e.g. c16), comma-separated: after its repeats, one more run "
+                         "of each engine under cProfile (OUT/cprofile_<engine>_<level>.txt: "
+                         "host time by function; the run is untimed)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after the warm-up: start-up's objects leave the "
                          "collector's generations")
@@ -387,6 +408,10 @@ def main() -> None:
                     lvl["gc"] = meter.take()
                     lvl["outputs"] = outs
                     rows[name].setdefault(phase, []).append(lvl)
+            if phase in args.cprofile.split(","):  # one more run each, host time by function
+                for name in names:
+                    profile_run(engines[name], prompts, params, int(phase[1:]),
+                                args.out / f"cprofile_{name}_{phase}.txt")
             for name in names:  # the median run (the lower one of an even count) stands
                 runs = rows[name][phase]
                 mid = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
