@@ -287,7 +287,8 @@ def main() -> None:
                     help="plain; spec (chain k=4 every step); adaptive (k per step, "
                          "spec/adaptive.py); tree (--tree's shape every step); spec_m, "
                          "adaptive_m: spec / adaptive with prompts merged into the round's "
-                         "verify forward (TANDEM_MERGED_ARRIVALS=1)")
+                         "verify forward (TANDEM_MERGED_ARRIVALS=1); spec_va: spec verifying "
+                         "the next round ahead at every batch size (TANDEM_VERIFY_AHEAD)")
     ap.add_argument("--tree", default="4,16",
                     help="the tree engine's TOPK,NODES (depth 4): 4,16 or 2,8")
     ap.add_argument("--repeats", type=int, default=3,
@@ -347,6 +348,10 @@ def main() -> None:
             engines["spec_m"] = SpecEngine(cfg, spec, spec_eng.model, spec_eng.head,
                                            tokenizer=tok)
             engines["spec_m"].merge_arrivals = True
+        if "spec_va" in names:  # spec verifying the next round ahead at every batch size
+            engines["spec_va"] = SpecEngine(cfg, spec, spec_eng.model, spec_eng.head,
+                                            tokenizer=tok)
+            engines["spec_va"].draft_ahead.verify_batch = cfg.max_num_seqs
         if "adaptive_m" in names:  # the same for adaptive (its profile prices merged arrivals)
             os.environ["TANDEM_MERGED_ARRIVALS"] = "1"
             engines["adaptive_m"] = SpecEngine(cfg, dataclasses.replace(spec, adaptive=True),
