@@ -71,7 +71,6 @@ def verify_batch_by_env() -> int:
     return max(0, int(os.environ.get("TANDEM_VERIFY_AHEAD", str(ANY_BATCH))))
 
 
-
 def may_end(reqs: Sequence[Request], num_drafts: int) -> bool:
     """Whether a round committing up to num_drafts + 1 tokens may end one of `reqs` by its
     length (max_new_tokens or the context limit; `Request.finished`'s length terms)."""
