@@ -309,10 +309,9 @@ class LLMEngine:
         slices = [SeqSlice(page_ids=c.page_ids, num_cached=c.num_cached,
                            num_new=len(c.token_ids)) for c in plan.chunks]
         # Plain blocking copies: the stream is idle here (the last step ended on its host
-        # read), and on an H200 they cost less than pinned non-blocking ones (`engine/h2d`,
-        # which pays off where the GPU is busy: speculative rounds) -- docs/perf.md session 9.
-        # With overlap, or `busy` (a speculative step's prompts behind the last round's
-        # drafting ahead), the stream has work queued: the copies must not wait for it.
+        # read), and on an H200 they cost less than pinned non-blocking ones (docs/perf.md
+        # session 9). With overlap, or `busy` (a speculative step's prompts behind the last
+        # round's drafting ahead), work is queued: the copies must not wait for it (`h2d`).
         ends = list(itertools.accumulate(len(c.token_ids) for c in plan.chunks))
         pad = num_rows - (ends[-1] if ends else 0)  # graph padding: one-token scratch rows
         seqs = pad_decode_slices(slices, len(slices) + pad) if pad > 0 else slices
