@@ -309,6 +309,10 @@ class IncrementalDetokenizer:
         self._ids.extend([ids] if isinstance(ids, int) else ids)
         return self._advance(final=False)
 
+    def hold(self, ids: Iterable[int]) -> None:
+        """Add ids whose text the next `feed` returns with its own (one decode for a run)."""
+        self._ids.extend(ids)
+
     def flush(self) -> str:
         """End of stream: return any held-back text, incomplete characters as U+FFFD like decode."""
         return self._advance(final=True)

@@ -40,6 +40,7 @@ from tandem.engine.request import (  # noqa: F401 -- PoolTooSmall, validate_prom
     RequestOutput,
     completion_of,
     find_stop,
+    token_end,
     validate_prompt,
 )
 from tandem.engine.runner import ForwardBatch, ModelRunner
@@ -378,11 +379,7 @@ class LLMEngine:
         stop_at = find_stop(req.text, prev_len, p.stop)
         if stop_at is not None:
             reason, visible_end = FinishReason.STOP, stop_at
-        elif (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = FinishReason.STOP
-        elif len(req.output_ids) >= p.max_new_tokens or req.num_resolved >= req.max_total_len:
-            reason = FinishReason.LENGTH
-        elif p.stop:
+        elif (reason := token_end(req, token, self.eos_ids)) is None and p.stop:
             # Hold back text that could be the start of a stop string still being generated.
             visible_end = max(req.num_emitted_chars, len(req.text) - max(map(len, p.stop)) + 1)
         if reason is not None and stop_at is None and detok is not None:

@@ -167,6 +167,20 @@ def find_stop(text: str, prev_len: int, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
+def token_end(req: Request, token: int, eos_ids: frozenset[int], ahead: int = 0
+              ) -> FinishReason | None:
+    """Whether `token`, the last of `req`'s outputs once `ahead` more are appended (0: it is
+    already), ends the request by its tokens: EOS or a stop token (STOP), else its length
+    (LENGTH). Stop strings are the text's (`find_stop`)."""
+    p = req.params
+    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        return FinishReason.STOP
+    if (len(req.output_ids) + ahead >= p.max_new_tokens
+            or req.num_resolved + ahead >= req.max_total_len):
+        return FinishReason.LENGTH
+    return None
+
+
 def completion_of(req: Request) -> Completion:
     """The frozen summary of a finished request."""
     assert req.finish_reason is not None

@@ -32,7 +32,7 @@ from tandem.engine.cuda_graphs import graph_batch_sizes
 from tandem.engine.llm import LLMEngine
 from tandem.engine.loader import DTYPES, build_model, resolve_model
 from tandem.engine.parallel import ParallelContext
-from tandem.engine.request import Request, RequestOutput
+from tandem.engine.request import Request, RequestOutput, token_end
 from tandem.engine.sampling import row_error
 from tandem.engine.runner import ForwardBatch, ForwardOutput
 from tandem.engine.scheduler import ScheduledChunk, StepPlan
@@ -411,15 +411,31 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
         # ends the request inside the accepted run; a k = 0 round proposed nothing (no round).
         if num_drafts > 0:  # (the policy heard of it: `_commit`)
             self.spec_stats.record(len(toks) - 1, num_drafts)
-        parts = []
+        # Without stop strings no token but the last needs its text: the others go by their
+        # ids alone (`token_end`: not one ends the request) and the detokenizer decodes the
+        # run once, with the last one's `_append` (its text as one feed of the run, the same).
+        parts, held, held_lps = [], [], []
+        quiet = not req.params.stop and req.first_token_time is not None
+        detok = self._detok.get(req.req_id)
         for i, tok in enumerate(toks):  # an EOS or stop string ends the request at its token
-            parts.append(self._append(req, tok, logprobs[i] if logprobs else None))
+            lp = logprobs[i] if logprobs else None
+            if quiet and i + 1 < len(toks) and token_end(req, tok, self.eos_ids, 1) is None:
+                req.output_ids.append(tok)
+                held.append(tok)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                    held_lps.append(lp)
+                if detok is not None:
+                    detok.hold((tok,))
+                continue
+            parts.append(self._append(req, tok, lp))
             if parts[-1].finished:
                 break
         last = parts[-1]
         self.spec_scheduler.commit_round(req, None if last.finished else seed)
         return RequestOutput(
-            req_id=req.req_id, new_token_ids=tuple(t for o in parts for t in o.new_token_ids),
+            req_id=req.req_id,
+            new_token_ids=(*held, *(t for o in parts for t in o.new_token_ids)),
             text_delta="".join(o.text_delta for o in parts), finished=last.finished,
             finish_reason=last.finish_reason,
-            logprobs=tuple(lp for o in parts for lp in o.logprobs))
+            logprobs=(*held_lps, *(lp for o in parts for lp in o.logprobs)))

@@ -25,6 +25,7 @@ from spec_helpers import (
 
 from tandem.engine import FinishReason, SamplingParams
 from tandem.spec import SpecConfig, SpecEngine
+from tandem.tokenizer import Tokenizer
 
 K = 4  # drafts per round: after the prefill token, rounds commit tokens 1-5, 6-10, 11-15, ...
 SPEC = SpecConfig(num_steps=K)
@@ -77,6 +78,29 @@ def test_max_new_tokens_inside_an_accepted_run(max_new):
     assert all(len(w.output_ids) == max_new for w in want)
     assert all(w.finish_reason == FinishReason.LENGTH for w in want)
     assert eng.spec_stats.num_rounds == len(ps) * -(-(max_new - 1) // (K + 1))
+
+
+def test_a_round_feeds_its_accepted_run_to_the_detokenizer_once(monkeypatch):
+    """Without stop strings a round's tokens reach the detokenizer in one feed (all but the
+    last held: `SpecEngine._commit_row`): two decodes a request a round, not two a token, and
+    the text is still plain decoding's (this tokenizer joins words with spaces: the decode of
+    a run is not its tokens' decodes end to end)."""
+    model, ps, refs = _setup()
+    params = [SamplingParams(max_new_tokens=16, ignore_eos=True)] * len(ps)
+    _compare(model, ps, params, refs, tokenizer=letter_tokenizer())  # the same text
+    calls = []
+    real = Tokenizer.decode
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids, skip_special_tokens=True: (
+        calls.append(len(ids)), real(self, ids, skip_special_tokens))[1])
+    eng = scripted_engine(model, tiny_head(model, "eagle", live=None), SPEC,
+                          lambda rid, out: chain(refs[int(rid.split("-")[1])][len(out):], K, K),
+                          tokenizer=letter_tokenizer())
+    _, got = run_ids(eng, [list(p) for p in ps], params)
+    assert all(len(g.output_ids) == 16 for g in got)
+    rounds = eng.spec_stats.num_rounds
+    assert rounds == 3 * len(ps)  # 1 + 5 + 5 + 5 tokens each
+    # the first token's feed, each round's, the end's flush: two decodes each at most
+    assert len(calls) <= 2 * (rounds + 2 * len(ps)) < 2 * 16 * len(ps)
 
 
 def test_stop_token_inside_an_accepted_run():

@@ -229,6 +229,22 @@ def test_incremental_deltas_concatenate_to_decode(
         assert not any("\ufffd" in d for d in deltas)
 
 
+@pytest.mark.parametrize("text", STRINGS + DIGIT_AFTER_SPACES + ["ok 🎉 — ünïcödé 中文 ok"])
+def test_held_ids_come_with_the_next_feed(tok: Tokenizer, text: str) -> None:
+    """A speculative round holds all but the last of its tokens and feeds that one
+    (`SpecEngine._commit_row`): the text is what per-token feeding gives, and decode's."""
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    deltas, i, sizes = [], 0, [3, 1, 5, 2]
+    while i < len(ids):
+        run = ids[i : i + sizes[len(deltas) % 4]]
+        detok.hold(run[:-1])
+        deltas.append(detok.feed(run[-1]))
+        i += len(run)
+    deltas.append(detok.flush())
+    assert "".join(deltas) == "".join(_stream(tok, ids, 1)) == tok.decode(ids)
+
+
 def test_incremental_holds_split_characters(tok: Tokenizer) -> None:
     ids = tok.encode(" 🎉")
     # The test is only meaningful if the emoji really is spread over several tokens.
