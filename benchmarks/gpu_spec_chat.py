@@ -288,7 +288,9 @@ def main() -> None:
                          "spec/adaptive.py); tree (--tree's shape every step); spec_m, "
                          "adaptive_m: spec / adaptive with prompts merged into the round's "
                          "verify forward (TANDEM_MERGED_ARRIVALS=1); spec_va: spec verifying "
-                         "the next round ahead at every batch size (TANDEM_VERIFY_AHEAD)")
+                         "the next round ahead at every batch size (TANDEM_VERIFY_AHEAD); "
+                         "adaptive_s: adaptive over spec's model, as --adaptive-shares-model "
+                         "(both in one process: does its own copy cost it?)")
     ap.add_argument("--tree", default="4,16",
                     help="the tree engine's TOPK,NODES (depth 4): 4,16 or 2,8")
     ap.add_argument("--repeats", type=int, default=3,
@@ -358,6 +360,9 @@ def main() -> None:
                                                spec_eng.model, spec_eng.head, tokenizer=tok)
             del os.environ["TANDEM_MERGED_ARRIVALS"]
             assert engines["adaptive_m"].merge_arrivals
+        if "adaptive_s" in names:  # adaptive over spec's model and pools, as plain is
+            engines["adaptive_s"] = SpecEngine(cfg, dataclasses.replace(spec, adaptive=True),
+                                               spec_eng.model, spec_eng.head, tokenizer=tok)
         if "adaptive" in names:  # its own engine: profiles its cost table at start-up
             engines["adaptive"] = (SpecEngine(
                 cfg, dataclasses.replace(spec, adaptive=True), spec_eng.model, spec_eng.head,
