@@ -26,16 +26,16 @@ from test_spec_k_graphs import _attach_k_graphs
 from tandem.engine import SamplingParams
 from tandem.engine.request import Request
 from tandem.spec import SpecConfig, SpecEngine
-from tandem.spec.ahead import DraftAhead, may_end
+from tandem.spec.ahead import DraftAhead, may_end, verify_batch_by_env
 
 EOS = 17  # a live token of tiny_target: the target emits it
 
 
 def _engine(model, spec, monkeypatch, verify_batch: int, kind: str = "eagle",
-            policy=None, **cfg) -> SpecEngine:
+            policy=None, sizes=(1, 2, 4), **cfg) -> SpecEngine:
     eng = SpecEngine(engine_cfg(**cfg), spec, model, tiny_head(model, kind), policy=policy)
     if policy is None:
-        _attach_graphs(eng, monkeypatch, device_metadata=True)
+        _attach_graphs(eng, monkeypatch, sizes, device_metadata=True)
     else:
         _attach_k_graphs(eng, monkeypatch, device_metadata=True)
     eng.set_draft_ahead(True)
@@ -197,4 +197,24 @@ def test_logprobs_and_page_pressure_with_verifying_ahead(monkeypatch):
     got = eng.generate(ps, params)
     assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, params)]
     assert eng.scheduler.num_preemptions > 0
+    assert_pages_free(eng)
+
+
+def test_by_default_any_batch_verifies_ahead(monkeypatch):
+    """`TANDEM_VERIFY_AHEAD` unset: batches of any size queue their next verify (measured on an
+    H200: rounds 7% / 16% shorter at 13.5 / 36 requests); set, it caps the batch (0: never).
+    Six requests (padded to a bucket of 8) verify ahead and decode as plain greedy does."""
+    monkeypatch.delenv("TANDEM_VERIFY_AHEAD", raising=False)
+    default = verify_batch_by_env()
+    assert default >= 1 << 16
+    for value, want in (("4", 4), ("0", 0)):
+        monkeypatch.setenv("TANDEM_VERIFY_AHEAD", value)
+        assert verify_batch_by_env() == want
+    model = tiny_target("llama")
+    ps, params = prompts(6, seed=91), greedy(20)
+    eng = _engine(model, SpecConfig(num_steps=3), monkeypatch, verify_batch=default,
+                  sizes=(1, 2, 4, 8))
+    got = eng.generate(ps, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in reference(model, ps, params)]
+    assert eng.draft_ahead.verify_used > 0
     assert_pages_free(eng)
