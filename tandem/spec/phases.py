@@ -85,9 +85,10 @@ class DraftInput:
         last = self.last_token_ids
         if last is None:
             last = self.last_tokens.tolist()  # SYNC: only when no builder knew them
-        return [DraftSeed(num_cached=self.num_cached[i], last_token=last[i],
-                          topk_ids=self.topk_ids[i], topk_logp=self.topk_logp[i],
-                          hidden=self.hidden[i], row_of=(self, i))
+        # (row views by `unbind`: one call a tensor, not an index a row -- a round's host path)
+        ids, logp, hidden = self.topk_ids.unbind(0), self.topk_logp.unbind(0), self.hidden.unbind(0)
+        return [DraftSeed(num_cached=self.num_cached[i], last_token=last[i], topk_ids=ids[i],
+                          topk_logp=logp[i], hidden=hidden[i], row_of=(self, i))
                 for i in range(self.batch_size)]
 
 
