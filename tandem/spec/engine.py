@@ -415,7 +415,7 @@ class SpecEngine(HandoffSide, PromptSide, LLMEngine):
         # ids alone (`token_end`: not one ends the request) and the detokenizer decodes the
         # run once, with the last one's `_append` (its text as one feed of the run, the same).
         parts, held, held_lps = [], [], []
-        quiet = not req.params.stop and req.first_token_time is not None
+        quiet = not req.params.stop
         detok = self._detok.get(req.req_id)
         for i, tok in enumerate(toks):  # an EOS or stop string ends the request at its token
             lp = logprobs[i] if logprobs else None

@@ -667,10 +667,9 @@ def test_merged_arrivals_in_graphs_stay_lossless_up_to_bf16_near_ties(target, mo
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     eng = SpecEngine(_cfg(True), CHAIN, *target)
     eng.merge_arrivals = True
-    # Up to `verify_batch` requests a round's verify is queued ahead in the step before, when
-    # an arrival is not known yet (it rides in no forward then); beyond, as at c=16, rounds
-    # verify in their step, and an arrival's forward carries it. No verify ahead here, so
-    # these 1-5 requests merge as that many would beyond the cut.
+    # A round's verify is queued ahead in the step before when no prompt is known to wait;
+    # one queued and taken rides in no forward. Verifying ahead off, every arrival step here
+    # merges (in service, the arrival after a request ended: the queued round is dropped).
     eng.draft_ahead.verify_batch = 0
     seen = _count_merged(eng, monkeypatch)
     replays = []
